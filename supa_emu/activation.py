@@ -1,0 +1,72 @@
+"""Turns emulation on in a process: the `supa` device, `torch.supa`, `bccl`, `torch_supa`.
+
+Follows the switching contract of the design: with a real torch_supa installed the
+emulator stands down (one log line) and registers nothing; otherwise it registers the
+device the way the real package does (rename PrivateUse1, register the device module,
+generate the tensor/module/storage helpers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+
+log = logging.getLogger("supa_emu")
+
+_lock = threading.Lock()
+_active: bool | None = None
+
+# Quantized dtypes the real package declares unsupported for the generated helpers.
+_UNSUPPORTED_DTYPES = ("quint8", "quint4x2", "quint2x4", "qint32", "qint8")
+
+
+def real_torch_supa_origin() -> str | None:
+    """Where a real torch_supa would be imported from, or None when there is none."""
+    spec = importlib.util.find_spec("torch_supa")
+    if spec is None or getattr(spec.loader, "is_supa_emu_alias", False):
+        return None
+    return spec.origin or str(spec.submodule_search_locations)
+
+
+def is_active() -> bool:
+    return bool(_active)
+
+
+def activate() -> bool:
+    global _active
+    with _lock:
+        if _active is not None:
+            return _active
+        origin = real_torch_supa_origin()
+        if origin is not None:
+            log.warning("supa_emu: a real torch_supa is installed (%s); the emulator stands down", origin)
+            _active = False
+            return False
+        _register()
+        _active = True
+        return True
+
+
+def _register() -> None:
+    import torch
+
+    from supa_emu import config, import_hooks, native
+
+    cfg = config.load()
+    core = native.load(cfg.cache_dir)
+    torch.utils.rename_privateuse1_backend("supa")
+    core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion)
+
+    from supa_emu import supa as supa_module
+
+    torch._register_device_module("supa", supa_module)
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=True, for_module=True, for_storage=True,
+        unsupported_dtype=[getattr(torch, name) for name in _UNSUPPORTED_DTYPES])
+    torch.version.supa = "emulated"
+    import_hooks.install(ext=cfg.ext)
+
+    from supa_emu.distributed import register as register_bccl
+
+    register_bccl()

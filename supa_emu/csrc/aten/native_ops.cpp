@@ -1,0 +1,183 @@
+// Operators the supa device implements itself: allocation, metadata (views, resize, set_)
+// and copies between devices. Everything else goes through the fallback.
+#include "../runtime/runtime.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/InferSize.h>
+#include <ATen/TensorUtils.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace supa {
+namespace {
+
+const c10::DispatchKeySet kSupaKeys{c10::DispatchKey::PrivateUse1};
+constexpr const char* kNoDouble = "SUPA device does not support double (float64). Please use float32 instead.";
+
+c10::DeviceIndex target_index(std::optional<c10::Device> device) {
+  if (device.has_value() && device->has_index()) {
+    return device->index();
+  }
+  return current_device();
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                               std::optional<bool> /*pin_memory*/,
+                               std::optional<c10::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout.has_value() || *layout == c10::Layout::Strided, "supa tensors must be strided, got layout ",
+              *layout);
+  c10::DeviceGuard guard(c10::Device(kSupa, target_index(device)));
+  return at::detail::empty_generic(size, device_allocator(), kSupaKeys,
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
+                         std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                         std::optional<bool> /*pin_memory*/) {
+  TORCH_CHECK(!layout.has_value() || *layout == c10::Layout::Strided, "supa tensors must be strided, got layout ",
+              *layout);
+  c10::DeviceGuard guard(c10::Device(kSupa, target_index(device)));
+  return at::detail::empty_strided_generic(size, stride, device_allocator(), kSupaKeys,
+                                           c10::dtype_or_default(dtype));
+}
+
+size_t bytes_needed(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset, size_t itemsize) {
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  if (numel == 0) {
+    return 0;
+  }
+  int64_t last = offset;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    last += (sizes[i] - 1) * strides[i];
+  }
+  return static_cast<size_t>(last + 1) * itemsize;
+}
+
+void ensure_storage_fits(const at::Tensor& self) {
+  const size_t needed =
+      bytes_needed(self.sizes(), self.strides(), self.storage_offset(), self.dtype().itemsize());
+  c10::StorageImpl* storage = self.storage().unsafeGetStorageImpl();
+  if (needed > storage->nbytes()) {
+    c10::DeviceGuard guard(self.device());
+    resize_storage_bytes(storage, needed);
+  }
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          std::optional<c10::MemoryFormat> memory_format) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  if (self.sizes() != size) {
+    impl->set_sizes_contiguous(size);
+  }
+  if (memory_format.has_value() && *memory_format != c10::MemoryFormat::Preserve) {
+    impl->empty_tensor_restride(*memory_format);
+  }
+  ensure_storage_fits(self);
+  return self;
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
+                        c10::IntArrayRef stride) {
+  TORCH_CHECK(source.device().type() == kSupa, "Expected a supa storage for set_ on a supa tensor, got ",
+              source.device());
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  if (impl->storage().unsafeGetStorageImpl() != source.unsafeGetStorageImpl()) {
+    impl->set_storage_keep_dtype(std::move(source));
+  }
+  if (stride.empty()) {
+    impl->set_sizes_contiguous(size);
+    impl->set_storage_offset(offset);
+  } else {
+    impl->set_sizes_and_strides(size, stride, offset);
+  }
+  ensure_storage_fits(self);
+  return self;
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source) {
+  const int64_t numel = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return set_storage(self, std::move(source), 0, {numel}, {});
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (self.unsafeGetTensorImpl() == source.unsafeGetTensorImpl()) {
+    return self;
+  }
+  return set_storage(self, source.storage(), source.storage_offset(), source.sizes(), source.strides());
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::DeviceGuard guard(self.device());
+  c10::Storage empty(c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), 0,
+                                                            device_allocator()->allocate(0), device_allocator(),
+                                                            /*resizable=*/true));
+  return set_storage(self, std::move(empty), 0, {0}, {});
+}
+
+at::Tensor host_side(const at::Tensor& t) {
+  return t.device().type() == kSupa ? host_view(t) : t;
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
+  TORCH_CHECK(self.device().type() == kSupa || self.device().is_cpu(), "supa cannot copy from ", self.device());
+  TORCH_CHECK(dst.device().type() == kSupa || dst.device().is_cpu(), "supa cannot copy to ", dst.device());
+  at::Tensor src = host_side(self);
+  if (dst.device().type() == kSupa && dst.scalar_type() == at::kDouble && self.device().is_cpu()) {
+    // Real SUPA cards have no float64: the copy kernel refuses it unless demotion is on.
+    TORCH_CHECK(dtype_demotion_enabled(), kNoDouble);
+    TORCH_WARN_ONCE(kNoDouble);
+    src = src.to(at::kFloat);
+  }
+  if (dst.numel() > 0) {
+    host_side(dst).copy_(src);
+  }
+  if (is_capturing() && self.device().type() == kSupa && dst.device().type() == kSupa) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::_copy_from", "");
+    record_call(op, {self, dst, false}, {dst});
+  }
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  resize_(dst, self.sizes(), std::nullopt);
+  return copy_from(self, dst, false);
+}
+
+void record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {
+  // Execution is synchronous: memory is never reused while another stream still reads it.
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("as_strided", at::native::as_strided_tensorimpl);
+  m.impl("view", at::native::view);
+  m.impl("_reshape_alias", at::native::_reshape_alias);
+  m.impl("unfold", at::native::unfold);
+  m.impl("view_as_real", at::native::view_as_real);
+  m.impl("view_as_complex", at::native::view_as_complex);
+  m.impl("resize_", resize_);
+  m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("set_.source_Storage", set_source_storage);
+  m.impl("set_.source_Tensor", set_source_tensor);
+  m.impl("set_", set_empty);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("record_stream", record_stream);
+}
+
+}  // namespace supa

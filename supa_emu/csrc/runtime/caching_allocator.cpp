@@ -1,0 +1,455 @@
+// Device memory: a caching allocator over host memory with per-card capacity and the
+// statistics of PyTorch's CUDA caching allocator, plus the pinned host allocator.
+//
+// Blocks are never split: a freed block goes to its device's cache and is reused by a
+// request of the same rounded size. When a request would exceed the card's capacity the
+// cache is released and the request retried once; if it still does not fit, the caller
+// gets torch.OutOfMemoryError with the message shape of the real stack.
+#include "runtime.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace supa {
+namespace {
+
+using c10::CachingAllocator::Stat;
+using c10::CachingAllocator::StatArray;
+using c10::CachingDeviceAllocator::DeviceStats;
+
+constexpr size_t kPadding = 32;             // the real allocator pads each request by 32 bytes
+constexpr size_t kMinBlockSize = 512;       // and rounds to 512-byte blocks
+constexpr size_t kSmallSize = 1 << 20;      // blocks below 1 MiB belong to the small pool
+constexpr size_t kAlignment = 64;
+
+struct Block {
+  void* ptr;
+  size_t size;       // rounded size, what the statistics count
+  size_t requested;  // what the caller asked for
+  c10::DeviceIndex device;
+  bool allocated;
+};
+
+struct DeviceMemory {
+  int64_t capacity = 0;
+  double fraction = 1.0;
+  int64_t reserved = 0;
+  std::multimap<size_t, Block*> cached;  // free blocks by size
+  DeviceStats stats;
+};
+
+std::mutex g_mutex;
+std::vector<std::unique_ptr<DeviceMemory>> g_devices;
+std::unordered_map<void*, Block*> g_blocks;  // every block that holds host memory
+
+size_t round_size(size_t n) {
+  return ((n + kPadding + kMinBlockSize - 1) / kMinBlockSize) * kMinBlockSize;
+}
+
+void update(StatArray& stat, size_t size, bool increase) {
+  const size_t pool = size < kSmallSize ? 1 : 2;
+  for (size_t i : {size_t{0}, pool}) {
+    increase ? stat[i].increase(size) : stat[i].decrease(size);
+  }
+}
+
+std::string format_size(uint64_t size) {
+  std::ostringstream os;
+  os.precision(2);
+  os << std::fixed;
+  if (size <= 1024) {
+    os << size << " bytes";
+  } else if (size <= 1048576) {
+    os << (static_cast<double>(size) / 1024.0) << " KiB";
+  } else if (size <= 1073741824ULL) {
+    os << (static_cast<double>(size) / 1048576.0) << " MiB";
+  } else {
+    os << (static_cast<double>(size) / 1073741824.0) << " GiB";
+  }
+  return os.str();
+}
+
+DeviceMemory& memory_of(c10::DeviceIndex device) {
+  check_device_index(device);
+  return *g_devices.at(device);
+}
+
+int64_t limit_of(const DeviceMemory& mem) {
+  return static_cast<int64_t>(mem.fraction * static_cast<double>(mem.capacity));
+}
+
+// Count statistics (allocation, segment, active) move by one per block.
+void count_block(StatArray& stat, size_t size, bool increase) {
+  const size_t pool = size < kSmallSize ? 1 : 2;
+  for (size_t i : {size_t{0}, pool}) {
+    increase ? stat[i].increase(1) : stat[i].decrease(1);
+  }
+}
+
+// Returns the device's cached blocks to the host. Caller holds g_mutex.
+void release_cached(DeviceMemory& mem) {
+  for (auto& entry : mem.cached) {
+    Block* block = entry.second;
+    count_block(mem.stats.segment, block->size, false);
+    update(mem.stats.reserved_bytes, block->size, false);
+    mem.reserved -= static_cast<int64_t>(block->size);
+    mem.stats.num_device_free++;
+    g_blocks.erase(block->ptr);
+    std::free(block->ptr);
+    delete block;
+  }
+  mem.cached.clear();
+}
+
+[[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size) {
+  mem.stats.num_ooms++;
+  const int64_t allocated = mem.stats.allocated_bytes[0].current;
+  const int64_t free_bytes = std::max<int64_t>(0, mem.capacity - mem.reserved);
+  std::ostringstream msg;
+  msg << "SUPA out of memory. Tried to allocate " << format_size(size) << ". GPU "
+      << static_cast<int>(device) << " has a total capacity of " << format_size(mem.capacity)
+      << " of which " << format_size(free_bytes) << " is free. ";
+  if (mem.fraction < 1.0) {
+    msg << "This process is limited to " << format_size(limit_of(mem))
+        << " by set_per_process_memory_fraction. ";
+  }
+  msg << "Of the allocated memory " << format_size(allocated)
+      << " is allocated by PyTorch, and " << format_size(mem.reserved - allocated)
+      << " is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
+         "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
+         "See documentation for Memory Management  "
+         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)";
+  TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
+}
+
+void free_block(void* ptr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_blocks.find(ptr);
+  TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: freeing unknown device pointer");
+  Block* block = it->second;
+  DeviceMemory& mem = *g_devices.at(block->device);
+  block->allocated = false;
+  count_block(mem.stats.allocation, block->size, false);
+  count_block(mem.stats.active, block->size, false);
+  update(mem.stats.allocated_bytes, block->size, false);
+  update(mem.stats.active_bytes, block->size, false);
+  update(mem.stats.requested_bytes, block->requested, false);
+  mem.cached.emplace(block->size, block);
+}
+
+void delete_device_ptr(void* ptr) {
+  if (ptr != nullptr) {
+    free_block(ptr);
+  }
+}
+
+void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
+  const size_t size = round_size(nbytes);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceMemory& mem = memory_of(device);
+  Block* block = nullptr;
+  auto hit = mem.cached.find(size);
+  if (hit != mem.cached.end()) {
+    block = hit->second;
+    mem.cached.erase(hit);
+  } else {
+    if (mem.reserved + static_cast<int64_t>(size) > limit_of(mem) && !mem.cached.empty()) {
+      mem.stats.num_alloc_retries++;
+      release_cached(mem);
+    }
+    if (mem.reserved + static_cast<int64_t>(size) > limit_of(mem)) {
+      raise_oom(mem, device, size);
+    }
+    void* ptr = nullptr;
+    if (posix_memalign(&ptr, kAlignment, size) != 0) {
+      raise_oom(mem, device, size);
+    }
+    block = new Block{ptr, size, 0, device, false};
+    g_blocks.emplace(ptr, block);
+    mem.reserved += static_cast<int64_t>(size);
+    mem.stats.num_device_alloc++;
+    count_block(mem.stats.segment, size, true);
+    update(mem.stats.reserved_bytes, size, true);
+  }
+  block->allocated = true;
+  block->requested = nbytes;
+  count_block(mem.stats.allocation, size, true);
+  count_block(mem.stats.active, size, true);
+  update(mem.stats.allocated_bytes, size, true);
+  update(mem.stats.active_bytes, size, true);
+  update(mem.stats.requested_bytes, nbytes, true);
+  return block->ptr;
+}
+
+class SupaDeviceAllocator final : public c10::DeviceAllocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    const c10::DeviceIndex device = current_device();
+    if (nbytes == 0) {
+      return {nullptr, nullptr, &delete_device_ptr, c10::Device(kSupa, device)};
+    }
+    void* ptr = allocate_block(nbytes, device);
+    return {ptr, ptr, &delete_device_ptr, c10::Device(kSupa, device)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &delete_device_ptr;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  bool initialized() override {
+    return device_count() > 0;
+  }
+  void emptyCache(c10::MempoolId_t /*pool*/) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (auto& mem : g_devices) {
+      release_cached(*mem);
+    }
+  }
+  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {
+    // Execution is synchronous, so a block is never in use by a stream after it is freed.
+  }
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return memory_of(device).stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeviceStats& s = memory_of(device).stats;
+    for (StatArray* arr : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
+                           &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
+      for (Stat& stat : *arr) {
+        stat.reset_accumulated();
+      }
+    }
+    s.oversize_allocations.reset_accumulated();
+    s.oversize_segments.reset_accumulated();
+    s.num_alloc_retries = 0;
+    s.num_ooms = 0;
+    s.num_sync_all_streams = 0;
+    s.num_device_alloc = 0;
+    s.num_device_free = 0;
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeviceStats& s = memory_of(device).stats;
+    for (StatArray* arr : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
+                           &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
+      for (Stat& stat : *arr) {
+        stat.reset_peak();
+      }
+    }
+    s.oversize_allocations.reset_peak();
+    s.oversize_segments.reset_peak();
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeviceMemory& mem = memory_of(device);
+    return {static_cast<size_t>(std::max<int64_t>(0, mem.capacity - mem.reserved)),
+            static_cast<size_t>(mem.capacity)};
+  }
+};
+
+SupaDeviceAllocator g_device_allocator;
+
+// ---- pinned host memory ----
+std::mutex g_pinned_mutex;
+std::unordered_set<const void*> g_pinned;
+
+void delete_pinned(void* ptr) {
+  if (ptr == nullptr) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mutex);
+    g_pinned.erase(ptr);
+  }
+  std::free(ptr);
+}
+
+class PinnedHostAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = nullptr;
+    if (nbytes > 0) {
+      TORCH_CHECK_WITH(OutOfMemoryError, posix_memalign(&ptr, kAlignment, nbytes) == 0,
+                       "SUPA out of memory: cannot allocate ", nbytes, " bytes of pinned host memory");
+      std::lock_guard<std::mutex> lock(g_pinned_mutex);
+      g_pinned.insert(ptr);
+    }
+    return {ptr, ptr, &delete_pinned, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &delete_pinned;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+
+PinnedHostAllocator g_host_allocator;
+
+// ---- routing of host allocations to a device pool (see DeviceOutputScope) ----
+thread_local c10::DeviceIndex t_output_device = -1;
+c10::Allocator* g_base_cpu_allocator = nullptr;
+
+void routed_raw_delete(void* ptr) {
+  bool ours;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    ours = g_blocks.count(ptr) != 0;
+  }
+  if (ours) {
+    free_block(ptr);
+  } else {
+    g_base_cpu_allocator->raw_deleter()(ptr);
+  }
+}
+
+class HostRoutingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    if (t_output_device < 0 || nbytes == 0) {
+      return g_base_cpu_allocator->allocate(nbytes);
+    }
+    void* ptr = allocate_block(nbytes, t_output_device);
+    return {ptr, ptr, &delete_device_ptr, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return g_base_cpu_allocator->raw_deleter() ? &routed_raw_delete : nullptr;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+
+HostRoutingAllocator g_routing_allocator;
+
+}  // namespace
+
+void init_memory(const std::vector<int64_t>& capacities) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  TORCH_CHECK(g_devices.empty(), "supa_emu: the emulated devices are already initialised");
+  for (int64_t capacity : capacities) {
+    auto mem = std::make_unique<DeviceMemory>();
+    mem->capacity = capacity;
+    g_devices.push_back(std::move(mem));
+  }
+  c10::SetAllocator(kSupa, &g_device_allocator);
+}
+
+c10::DeviceAllocator* device_allocator() {
+  return &g_device_allocator;
+}
+
+c10::Allocator* host_allocator() {
+  return &g_host_allocator;
+}
+
+bool is_pinned_ptr(const void* ptr) {
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  return g_pinned.count(ptr) != 0;
+}
+
+c10::DeviceIndex device_of_ptr(const void* ptr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_blocks.find(const_cast<void*>(ptr));
+  return it == g_blocks.end() ? -1 : it->second->device;
+}
+
+void set_memory_fraction(double fraction, c10::DeviceIndex device) {
+  TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "Invalid fraction value: ", fraction, ". Allowed range: 0~1");
+  std::lock_guard<std::mutex> lock(g_mutex);
+  memory_of(device).fraction = fraction;
+}
+
+double get_memory_fraction(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return memory_of(device).fraction;
+}
+
+int64_t capacity(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return memory_of(device).capacity;
+}
+
+std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::vector<std::vector<std::pair<std::string, int64_t>>> out;
+  for (const auto& entry : g_blocks) {
+    const Block* b = entry.second;
+    if (device >= 0 && b->device != device) {
+      continue;
+    }
+    out.push_back({{"device", b->device},
+                   {"address", static_cast<int64_t>(reinterpret_cast<uintptr_t>(b->ptr))},
+                   {"total_size", static_cast<int64_t>(b->size)},
+                   {"allocated_size", b->allocated ? static_cast<int64_t>(b->size) : 0},
+                   {"requested_size", b->allocated ? static_cast<int64_t>(b->requested) : 0},
+                   {"is_small", b->size < kSmallSize ? 1 : 0}});
+  }
+  return out;
+}
+
+void* raw_alloc(size_t nbytes, c10::DeviceIndex device) {
+  return nbytes == 0 ? nullptr : allocate_block(nbytes, device);
+}
+
+void raw_delete(void* ptr) {
+  delete_device_ptr(ptr);
+}
+
+void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  const c10::DeviceIndex device = storage->device().index();
+  c10::DataPtr fresh;
+  if (nbytes == 0) {
+    fresh = c10::DataPtr(nullptr, nullptr, &delete_device_ptr, c10::Device(kSupa, device));
+  } else {
+    void* ptr = allocate_block(nbytes, device);
+    fresh = c10::DataPtr(ptr, ptr, &delete_device_ptr, c10::Device(kSupa, device));
+    const size_t keep = std::min(nbytes, storage->nbytes());
+    if (keep > 0 && storage->data() != nullptr) {
+      std::memcpy(ptr, storage->data(), keep);
+    }
+  }
+  storage->set_data_ptr_noswap(std::move(fresh));
+  storage->set_nbytes(nbytes);
+}
+
+DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device) : previous_(t_output_device) {
+  t_output_device = device;
+}
+
+DeviceOutputScope::~DeviceOutputScope() {
+  t_output_device = previous_;
+}
+
+c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device) {
+  c10::DataPtr& current = host_storage->_mutable_data_ptr_no_checks();
+  if (current.get_deleter() != &delete_device_ptr || device_of_ptr(current.get()) != device) {
+    return c10::DataPtr();
+  }
+  c10::DataPtr taken = host_storage->set_data_ptr(c10::DataPtr());
+  host_storage->set_nbytes(0);
+  taken.unsafe_set_device(c10::Device(kSupa, device));
+  return taken;
+}
+
+void install_host_routing_allocator() {
+  if (g_base_cpu_allocator == nullptr) {
+    g_base_cpu_allocator = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&g_routing_allocator, /*priority=*/100);
+  }
+}
+
+}  // namespace supa

@@ -1,0 +1,126 @@
+// The device guard PyTorch uses for `supa`: current device, streams and events.
+//
+// Work runs synchronously on the host, so every stream is always idle and every event is
+// complete as soon as it is recorded; streams still have identities (ids per device, 0 is
+// the default stream) and events carry the host time of their last record.
+#include "runtime.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <chrono>
+#include <unordered_map>
+
+namespace supa {
+namespace {
+
+struct HostEvent {
+  c10::DeviceIndex device;
+  bool recorded = false;
+  bool timing;
+  int64_t time_ns = 0;
+};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::atomic<c10::StreamId> g_next_stream_id{1};
+// Current stream per device, per thread (as in CUDA).
+thread_local std::unordered_map<c10::DeviceIndex, c10::StreamId> t_current_streams;
+
+struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override {
+    return kSupa;
+  }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    const c10::Device old = getDevice();
+    if (d.index() != old.index()) {
+      set_device(d.index());
+    }
+    return old;
+  }
+  c10::Device getDevice() const override {
+    return {kSupa, current_device()};
+  }
+  void setDevice(c10::Device d) const override {
+    set_device(d.index());
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.index() >= 0 && d.index() < device_count()) {
+      set_device(d.index());
+    }
+  }
+  c10::Stream getStream(c10::Device d) const override {
+    auto it = t_current_streams.find(d.index());
+    const c10::StreamId id = it == t_current_streams.end() ? 0 : it->second;
+    return c10::Stream(c10::Stream::UNSAFE, d, id);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, d, 0);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool /*high_priority*/) const override {
+    return getNewStream(d, 0);
+  }
+  c10::Stream getNewStream(c10::Device d, int /*priority*/) const override {
+    check_device_index(d.index());
+    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream_id++);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    const c10::Stream old = getStream(s.device());
+    t_current_streams[s.device_index()] = s.id();
+    return old;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(device_count());
+  }
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag flag) const override {
+    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "Event device index ",
+                device_index, " does not match recording stream's device index ", stream.device_index(), ".");
+    auto* e = static_cast<HostEvent*>(*event);
+    if (e == nullptr) {
+      e = new HostEvent{stream.device_index(), false, flag == c10::EventFlag::BACKEND_DEFAULT};
+      *event = e;
+    }
+    e->recorded = true;
+    e->time_ns = now_ns();
+  }
+  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+  bool queryEvent(void* /*event*/) const override {
+    return true;
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
+    delete static_cast<HostEvent*>(event);
+  }
+  bool queryStream(const c10::Stream& /*stream*/) const override {
+    return true;
+  }
+  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+  void synchronizeEvent(void* /*event*/) const override {}
+  void synchronizeDevice(const c10::DeviceIndex device_index) const override {
+    check_device_index(device_index);
+  }
+  bool isStreamCapturing(const c10::Stream& /*stream*/) const override {
+    return is_capturing();
+  }
+  void recordDataPtrOnStream(const c10::DataPtr& /*data_ptr*/, const c10::Stream& /*stream*/) const override {}
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex /*device_index*/) const override {
+    auto* a = static_cast<HostEvent*>(start);
+    auto* b = static_cast<HostEvent*>(end);
+    TORCH_CHECK(a != nullptr && b != nullptr && a->recorded && b->recorded,
+                "Both events must be recorded before calculating elapsed time.");
+    TORCH_CHECK(a->timing && b->timing,
+                "Both events must be created with argument 'enable_timing=True'.");
+    return static_cast<double>(b->time_ns - a->time_ns) / 1.0e6;
+  }
+};
+
+}  // namespace
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, SupaGuardImpl);
+
+}  // namespace supa

@@ -1,0 +1,121 @@
+// Graph capture for `supa`: while a graph captures on a thread, every operator call on supa
+// tensors is remembered with its operands and results; replay runs the calls again on the
+// same tensors, writing into the captured results, which is what a GPU graph replay does.
+#include "runtime.h"
+
+#include <ATen/core/GraphImplInterface.h>
+#include <c10/util/Exception.h>
+
+namespace supa {
+namespace {
+
+struct RecordedCall {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> inputs;
+  std::vector<c10::IValue> outputs;
+};
+
+class SupaGraph;
+thread_local SupaGraph* t_capturing = nullptr;
+
+void write_into(const c10::IValue& captured, const c10::IValue& fresh) {
+  if (captured.isTensor() && fresh.isTensor()) {
+    const at::Tensor& dst = captured.toTensor();
+    const at::Tensor& src = fresh.toTensor();
+    if (dst.defined() && src.defined() && !dst.is_same(src)) {
+      dst.copy_(src);
+    }
+  } else if (captured.isTensorList() && fresh.isTensorList()) {
+    auto dst = captured.toTensorList();
+    auto src = fresh.toTensorList();
+    for (size_t i = 0; i < dst.size() && i < src.size(); ++i) {
+      write_into(c10::IValue(dst.get(i)), c10::IValue(src.get(i)));
+    }
+  }
+}
+
+class SupaGraph final : public at::GraphImplInterface {
+ public:
+  explicit SupaGraph(const at::GraphImplArgs& /*args*/) {}
+  ~SupaGraph() override {
+    if (t_capturing == this) {
+      t_capturing = nullptr;
+    }
+  }
+
+  void capture_begin(c10::MempoolId_t pool, at::GraphCaptureMode /*mode*/) override {
+    TORCH_CHECK(t_capturing == nullptr, "a SUPA graph is already capturing on this thread");
+    TORCH_CHECK(!captured_, "This SUPAGraph instance already owns a captured graph. To capture a new graph, "
+                "create a new instance or call reset() first.");
+    static std::atomic<c10::CaptureId_t> next_id{1};
+    pool_ = (pool.first != 0 || pool.second != 0) ? pool : c10::MempoolId_t{next_id++, 0};
+    calls_.clear();
+    t_capturing = this;
+  }
+  void capture_end() override {
+    TORCH_CHECK(t_capturing == this, "capture_end() called on a graph that is not capturing");
+    t_capturing = nullptr;
+    captured_ = true;
+  }
+  void instantiate() override {
+    TORCH_CHECK(captured_, "instantiate() needs a captured graph");
+  }
+  void replay() override {
+    TORCH_CHECK(captured_, "Called SUPAGraph::replay without a preceding successful capture.");
+    for (const auto& call : calls_) {
+      std::vector<c10::IValue> stack = call.inputs;
+      call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), &stack);
+      for (size_t i = 0; i < call.outputs.size() && i < stack.size(); ++i) {
+        write_into(call.outputs[i], stack[i]);
+      }
+    }
+  }
+  void reset() override {
+    calls_.clear();
+    captured_ = false;
+  }
+  c10::MempoolId_t pool() const override {
+    return pool_;
+  }
+  void enable_debug_mode() override {}
+  void debug_dump(const std::string& /*path*/) override {
+    TORCH_WARN("supa_emu: debug_dump has nothing to write; the emulated graph has ", calls_.size(),
+               " recorded operator calls");
+  }
+
+  void record(const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
+              const std::vector<c10::IValue>& outputs) {
+    calls_.push_back({op, inputs, outputs});
+  }
+
+ private:
+  std::vector<RecordedCall> calls_;
+  c10::MempoolId_t pool_{0, 0};
+  bool captured_ = false;
+};
+
+}  // namespace
+
+bool is_capturing() {
+  return t_capturing != nullptr;
+}
+
+void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
+                 const std::vector<c10::IValue>& outputs) {
+  if (t_capturing != nullptr) {
+    t_capturing->record(op, inputs, outputs);
+  }
+}
+
+void register_graph_impl() {
+  // The registry is keyed by the device type's name, which is "SUPA" once PrivateUse1 is renamed.
+  const std::string key = c10::DeviceTypeName(kSupa, /*lower_case=*/false);
+  if (!at::GraphImplRegistry()->Has(key)) {
+    at::GraphImplRegistry()->Register(
+        key, [](at::GraphImplArgs args) -> std::unique_ptr<at::GraphImplInterface> {
+          return std::make_unique<SupaGraph>(args);
+        });
+  }
+}
+
+}  // namespace supa
