@@ -92,6 +92,9 @@ def _build(work_dir: pathlib.Path):
     log.warning("supa_emu: building the native core for torch %s (once per machine) in %s",
                 torch.__version__, work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
+    # cpp_extension guards the directory with a lock file of its own, which stays behind when a
+    # build is killed; under our flock no other process is building, so it is safe to clear.
+    (work_dir / "lock").unlink(missing_ok=True)
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     return cpp_extension.load(
         name=MODULE_NAME,

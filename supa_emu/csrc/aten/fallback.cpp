@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <unordered_map>
 
 namespace supa {
@@ -153,14 +154,14 @@ class FallbackCall {
       c10::StorageImpl* device_storage = operand.original.storage().unsafeGetStorageImpl();
       c10::StorageImpl* host_storage = operand.host_storage.unsafeGetStorageImpl();
       if (host_storage->data() != device_storage->data() || host_storage->nbytes() != device_storage->nbytes()) {
+        const size_t nbytes = host_storage->nbytes();
         c10::DataPtr data = take_device_block(host_storage, device_);
-        if (!data && host_storage->nbytes() > 0) {
-          data = device_allocator()->allocate(host_storage->nbytes());
-          std::memcpy(data.get(), host_storage->data(), host_storage->nbytes());
+        if (!data && nbytes > 0) {
+          data = device_allocator()->allocate(nbytes);
+          std::memcpy(data.get(), host_storage->data(), nbytes);
         }
-        const size_t nbytes = data ? host_storage->nbytes() : 0;
         device_storage->set_data_ptr_noswap(data ? std::move(data) : c10::DataPtr(nullptr, c10::Device(kSupa, device_)));
-        device_storage->set_nbytes(std::max(nbytes, host_storage->nbytes()));
+        device_storage->set_nbytes(nbytes);
       }
       c10::TensorImpl* dst = operand.original.unsafeGetTensorImpl();
       const at::Tensor& src = operand.host;
@@ -243,6 +244,26 @@ void supa_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 }  // namespace
+
+void route_structured_ops_to_cpu_kernels() {
+  // Structured operators reach a backend without kernels through a generated composite
+  // that allocates the result and then calls the `out=` variant. Registering the fallback
+  // as their supa kernel instead runs the CPU functional kernel directly: one call, no
+  // pre-allocated output to resize.
+  static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    auto op = dispatcher.findOp(name);
+    if (!op.has_value() || name.name.rfind("aten::", 0) != 0 ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+      continue;
+    }
+    const std::string qualified = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+    library.impl(qualified.substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&supa_fallback>());
+  }
+}
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&supa_fallback>());

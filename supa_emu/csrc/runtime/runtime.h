@@ -87,4 +87,7 @@ void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& 
                  const std::vector<c10::IValue>& outputs);
 void register_graph_impl();
 
+// ---- operators (fallback.cpp) -------------------------------------------------------------
+void route_structured_ops_to_cpu_kernels();
+
 }  // namespace supa
