@@ -7,9 +7,11 @@ files run on a real card; `emulation_only` marks those that test the emulator it
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
+import torch  # noqa: F401  (activates the emulator under SUPA_EMULATE=1, as in user code)
 
 
 def _emulated() -> bool:
@@ -36,8 +38,14 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, check: 
     for name, value in list(full_env.items()):
         if value is None:
             del full_env[name]
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True,
-                            text=True, timeout=timeout)
+    # A script file rather than -c, so that multiprocessing's spawn can re-import __main__.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(textwrap.dedent(code))
+    try:
+        result = subprocess.run([sys.executable, script.name], env=full_env, capture_output=True, text=True,
+                                timeout=timeout)
+    finally:
+        os.unlink(script.name)
     if check and result.returncode != 0:
         raise AssertionError(f"subprocess failed ({result.returncode}):\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result

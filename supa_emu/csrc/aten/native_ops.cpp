@@ -3,6 +3,7 @@
 #include "../runtime/runtime.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/Functions.h>
 #include <ATen/InferSize.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/native/Resize.h>
@@ -159,9 +160,23 @@ void record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {
   // Execution is synchronous: memory is never reused while another stream still reads it.
 }
 
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  // The CPU kernel draws from the CPU generator (the op takes none); build it from
+  // bernoulli_, which the fallback points at this device's generator.
+  if (input.numel() == 0 || p == 0 || (train.has_value() && !*train)) {
+    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  }
+  if (p == 1) {
+    return {at::zeros_like(input), at::zeros_like(input, input.options().dtype(at::kBool))};
+  }
+  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p);
+  return {input.mul(mask).mul_(1.0 / (1.0 - p)), mask};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("native_dropout", native_dropout);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", at::native::as_strided_tensorimpl);

@@ -1,0 +1,680 @@
+"""SUPA_Accelerator answers every method of DeepSpeed's accelerator interface, and DeepSpeed selects it.
+
+Written against public APIs (`get_accelerator()`, `torch.supa`), so it runs on a real card as well
+as under `SUPA_EMULATE=1`. Selection is checked in fresh processes that contain no selection code
+of their own: the `torch.backends` entry point must do it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
+
+import accelerator
+from accelerator import deepspeed_selection
+from accelerator.supa_accelerator import SUPA_Accelerator
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+# The interface's abstract methods, in the interface's own order, plus the concrete methods
+# whose SUPA answer differs from the base class or that DeepSpeed's SUPA support relies on.
+INTERFACE = [name for name in DeepSpeedAccelerator.__dict__ if name in DeepSpeedAccelerator.__abstractmethods__]
+EXTRAS = ["is_fp64_supported", "is_current_stream_capturing", "pin_memory", "is_pinned"]
+
+requires_supa = pytest.mark.skipif(not SUPA_Accelerator().is_available(),
+                                   reason="no SUPA device: run on a SUPA card or with SUPA_EMULATE=1")
+
+
+@pytest.fixture
+def accel():
+    return SUPA_Accelerator()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape of the class
+
+
+def test_interface_is_nonempty_and_class_is_concrete():
+    assert len(INTERFACE) == len(DeepSpeedAccelerator.__abstractmethods__) > 0
+    assert not SUPA_Accelerator.__abstractmethods__
+    assert isinstance(SUPA_Accelerator(), DeepSpeedAccelerator)
+
+
+def test_every_abstract_method_is_defined_in_the_interface_order():
+    own = list(SUPA_Accelerator.__dict__)
+    missing = [name for name in INTERFACE if name not in own]
+    assert not missing
+    positions = [own.index(name) for name in INTERFACE]
+    assert positions == sorted(positions)
+
+
+def test_package_import_is_free_and_offers_no_deepspeed_names():
+    # DeepSpeed probes `accelerator.abstract_accelerator` and `from accelerator import get_accelerator`
+    # to detect its own source tree; this package must answer no to both.
+    assert not hasattr(accelerator, "get_accelerator")
+    assert not hasattr(accelerator, "abstract_accelerator")
+    assert accelerator.SUPA_Accelerator is SUPA_Accelerator
+
+
+# ---------------------------------------------------------------------------------------------
+# Every interface method answers sensibly
+
+CHECKS = {}
+
+
+def check(*names):
+
+    def register(fn):
+        for name in names:
+            CHECKS[name] = fn
+        return fn
+
+    return register
+
+
+@check("is_synchronized_device", "use_host_timers", "resolves_data_dependency", "handles_memory_backpressure")
+def _synchronization(a):
+    assert a.is_synchronized_device() is False
+    assert a.use_host_timers() is a.resolves_data_dependency() is a.handles_memory_backpressure() is False
+
+
+@check("device_name", "device")
+def _device_names(a):
+    assert a.device_name() == "supa"
+    assert a.device_name(1) == "supa:1"
+    assert a.device(0) == torch.device("supa", 0)
+    assert a.device() == torch.device("supa")
+
+
+@check("set_device", "current_device", "current_device_name")
+def _current_device(a):
+    before = a.current_device()
+    last = a.device_count() - 1
+    try:
+        a.set_device(last)
+        assert a.current_device() == last
+        assert a.current_device_name() == f"supa:{last}"
+        assert torch.empty(1, device=a.device()).device == torch.device("supa", last)
+    finally:
+        a.set_device(before)
+    assert a.current_device() == before
+
+
+@check("device_count")
+def _device_count(a):
+    assert a.device_count() == torch.supa.device_count() >= 1
+
+
+@check("synchronize")
+def _synchronize(a):
+    x = torch.ones(4, device="supa:0") * 2
+    assert a.synchronize() is None
+    assert a.synchronize(0) is None
+    assert x.sum().item() == 8
+
+
+@check("random")
+def _random(a):
+    assert a.random() is torch.random
+
+
+@check("get_rng_state", "set_rng_state")
+def _rng_state(a):
+    state = a.get_rng_state(0)
+    assert state.dtype == torch.uint8 and state.device.type == "cpu"
+    first = torch.randn(8, device="supa:0")
+    a.set_rng_state(state, 0)
+    assert torch.equal(torch.randn(8, device="supa:0"), first)
+    state = a.get_rng_state()  # current device
+    first = torch.randn(8, device=a.device())
+    a.set_rng_state(state)
+    assert torch.equal(torch.randn(8, device=a.device()), first)
+
+
+@check("manual_seed", "initial_seed")
+def _manual_seed(a):
+    a.manual_seed(1234)
+    assert a.initial_seed() == 1234
+    first = torch.randn(8, device=a.device())
+    a.manual_seed(1234)
+    assert torch.equal(torch.randn(8, device=a.device()), first)
+
+
+@check("manual_seed_all")
+def _manual_seed_all(a):
+    devices = [a.device(i) for i in range(min(2, a.device_count()))]
+    a.manual_seed_all(99)
+    first = [torch.rand(4, device=d) for d in devices]
+    a.manual_seed_all(99)
+    assert all(torch.equal(torch.rand(4, device=d), f) for d, f in zip(devices, first))
+
+
+@check("default_generator")
+def _default_generator(a):
+    generator = a.default_generator(0)
+    assert isinstance(generator, torch.Generator)
+    assert generator.device == torch.device("supa", 0)
+    generator.manual_seed(5)
+    first = torch.rand(4, device="supa:0", generator=generator)
+    generator.manual_seed(5)
+    assert torch.equal(torch.rand(4, device="supa:0", generator=generator), first)
+
+
+@check("Stream", "stream", "current_stream", "default_stream")
+def _streams(a):
+    side = a.Stream()
+    assert isinstance(side, torch.Stream) and side.device.type == "supa"
+    assert a.current_stream() == a.default_stream()
+    with a.stream(side):
+        assert a.current_stream() == side
+        y = torch.ones(3, device=a.device()) + 1
+    a.current_stream().wait_stream(side)
+    assert a.current_stream() == a.default_stream()
+    assert y.sum().item() == 6
+    assert a.default_stream(0).device == torch.device("supa", 0)
+
+
+@check("Event")
+def _events(a):
+    start, end = a.Event(enable_timing=True), a.Event(enable_timing=True)
+    start.record()
+    torch.ones(1000, device=a.device()).sum()
+    end.record()
+    end.synchronize()
+    assert end.query()
+    assert start.elapsed_time(end) >= 0
+
+
+@check("empty_cache", "memory_allocated", "max_memory_allocated", "reset_max_memory_allocated", "memory_cached",
+       "max_memory_cached", "reset_max_memory_cached", "memory_stats", "reset_peak_memory_stats", "memory_reserved",
+       "max_memory_reserved")
+def _memory_counters(a):
+    base = a.memory_allocated(0)
+    x = torch.empty(4 * MiB, dtype=torch.uint8, device="supa:0")
+    assert a.memory_allocated(0) >= base + 4 * MiB
+    assert a.memory_stats(0)["allocated_bytes.all.current"] == a.memory_allocated(0)
+    assert a.max_memory_allocated(0) >= a.memory_allocated(0)
+    assert a.memory_reserved(0) >= a.memory_allocated(0)
+    assert a.memory_cached(0) == a.memory_reserved(0)
+    assert a.max_memory_reserved(0) >= a.memory_reserved(0)
+    assert a.max_memory_cached(0) == a.max_memory_reserved(0)
+    del x
+    assert a.memory_allocated(0) == base
+    assert a.max_memory_allocated(0) >= base + 4 * MiB
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a.reset_max_memory_allocated(0)
+        assert a.max_memory_allocated(0) == a.memory_allocated(0)
+        a.reset_max_memory_cached(0)
+        assert a.max_memory_cached(0) == a.memory_cached(0)
+        a.memory_cached(0)
+    # The deprecated torch.supa aliases warn on every call; DeepSpeed calls these constantly.
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    y = torch.empty(4 * MiB, dtype=torch.uint8, device="supa:0")
+    del y
+    a.reset_peak_memory_stats(0)
+    assert a.max_memory_allocated(0) == a.memory_allocated(0)
+    a.empty_cache()
+    assert a.memory_reserved(0) <= a.memory_stats(0)["reserved_bytes.all.peak"]
+
+
+@check("total_memory", "available_memory")
+def _memory_sizes(a):
+    total = a.total_memory(0)
+    assert total == torch.supa.get_device_properties(0).total_memory > 0
+    assert a.total_memory() == a.total_memory(a.current_device())
+    assert 0 < a.available_memory(0) <= total
+
+
+@check("is_bf16_supported", "is_fp16_supported", "is_fp64_supported", "supported_dtypes")
+def _dtypes(a):
+    probes = {torch.bfloat16: a.is_bf16_supported(), torch.float16: a.is_fp16_supported()}
+    assert all(isinstance(v, bool) for v in probes.values())
+    dtypes = a.supported_dtypes()
+    assert dtypes[0] == torch.float32
+    assert [d for d in (torch.float16, torch.bfloat16) if probes[d]] == dtypes[1:]
+    for dtype in dtypes:
+        assert (torch.ones(2, dtype=dtype, device=a.device()) * 2).sum().item() == 4
+    fp64 = a.is_fp64_supported()
+    assert isinstance(fp64, bool)
+    if fp64:
+        assert torch.ones(2, dtype=torch.float64).to(a.device()).dtype == torch.float64
+
+
+@check("is_available")
+def _available(a):
+    assert a.is_available() is True
+
+
+@check("range_push", "range_pop")
+def _ranges(a):
+    for _ in range(2):
+        a.range_push("supa-accelerator-test")
+        a.range_pop()
+    a.range_push("with-domain", domain="ds", category=1)
+    a.range_pop(domain="ds")
+
+
+@check("lazy_call")
+def _lazy_call(a):
+    called = []
+    a.lazy_call(lambda: called.append(True))
+    torch.supa.init()
+    assert called == [True]
+
+
+@check("communication_backend_name")
+def _backend(a):
+    assert a.communication_backend_name() == ("bccl" if sys.platform != "win32" else "gloo")
+
+
+@check("is_triton_supported")
+def _triton(a):
+    supported = a.is_triton_supported()
+    assert isinstance(supported, bool)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        assert supported is False
+
+
+@check("create_graph", "capture_to_graph", "replay_graph", "is_current_stream_capturing")
+def _graphs(a):
+    static_in = torch.ones(4, device=a.device())
+    assert a.is_current_stream_capturing() is False
+    graph = a.create_graph()
+    with a.capture_to_graph(graph):
+        assert a.is_current_stream_capturing() is True
+        static_out = static_in * 3
+    assert a.is_current_stream_capturing() is False
+    static_in.fill_(2)
+    a.replay_graph(graph)
+    assert static_out.tolist() == [6.0] * 4
+
+
+TENSOR_TYPES = {
+    "BFloat16Tensor": torch.bfloat16,
+    "ByteTensor": torch.uint8,
+    "DoubleTensor": torch.float64,
+    "FloatTensor": torch.float32,
+    "HalfTensor": torch.float16,
+    "IntTensor": torch.int32,
+    "LongTensor": torch.int64,
+}
+
+
+@check(*TENSOR_TYPES)
+def _tensor_types(a):
+    for name, dtype in TENSOR_TYPES.items():
+        make = getattr(a, name)
+        assert make.keywords["dtype"] == dtype
+        if dtype == torch.float64 and not a.is_fp64_supported():
+            continue  # the device refuses float64 data; is_fp64_supported says so
+        t = make([1, 2])
+        assert t.dtype == dtype and t.device.type == "supa"
+        assert t.tolist() == [1, 2]
+
+
+@check("pin_memory", "is_pinned")
+def _pinning(a):
+    host = torch.arange(8, dtype=torch.float32)
+    assert not a.is_pinned(host)
+    pinned = a.pin_memory(host)
+    assert a.is_pinned(pinned) and torch.equal(pinned, host)
+    scratch = a.pin_memory(host, make_copy=False)
+    assert a.is_pinned(scratch) and scratch.shape == host.shape
+    assert torch.equal(pinned.to(a.device(), non_blocking=True).cpu(), host)
+
+
+@check("on_accelerator")
+def _on_accelerator(a):
+    assert a.on_accelerator(torch.ones(1, device=a.device()))
+    assert not a.on_accelerator(torch.ones(1))
+
+
+@check("op_builder_dir", "create_op_builder", "get_op_builder")
+def _op_builders(a):
+    assert a.op_builder_dir() == "op_builder.supa"
+    adam = a.get_op_builder("FusedAdamBuilder")
+    assert adam.__name__ == "FusedAdamBuilder" and adam.__module__.startswith("op_builder.supa.")
+    assert type(a.create_op_builder("FusedAdamBuilder")) is adam
+    # Base classes are not ops.
+    assert a.get_op_builder("SUPAOpBuilder") is not getattr(sys.modules["op_builder.supa.builder"], "SUPAOpBuilder")
+    missing = a.create_op_builder("NoSuchKernelBuilder")
+    if missing is not None:
+        assert not missing.is_compatible()
+        with pytest.raises(NotImplementedError, match="NoSuchKernelBuilder"):
+            missing.load()
+
+
+@check("build_extension")
+def _build_extension(a):
+    from torch.utils.cpp_extension import BuildExtension
+    assert a.build_extension() is BuildExtension
+
+
+@check("export_envs", "visible_devices_envs", "set_visible_devices_envs")
+def _envs(a):
+    assert a.export_envs() == ["BCCL", "BIREN", "SUPA", "LD_LIBRARY", "PATH"]
+    assert a.visible_devices_envs() == ["SUPA_VISIBLE_DEVICES"]
+    env = {}
+    a.set_visible_devices_envs(env, [2, 0])
+    assert env == {"SUPA_VISIBLE_DEVICES": "2,0"}
+
+
+@check("get_compile_backend", "set_compile_backend")
+def _compile_backend(a):
+    assert a.get_compile_backend() == "inductor"
+    a.set_compile_backend("eager")
+    assert a.get_compile_backend() == "eager"
+    with pytest.raises(ValueError, match="no_such_backend"):
+        a.set_compile_backend("no_such_backend")
+    assert a.get_compile_backend() == "eager"
+
+
+@requires_supa
+@pytest.mark.parametrize("name", INTERFACE + EXTRAS)
+def test_interface_method_answers_sensibly(accel, name):
+    assert name in CHECKS, f"no behaviour check for interface method {name}"
+    CHECKS[name](accel)
+
+
+def test_pull_request_usage(accel):
+    # As shown in DeepSpeed's SUPA pull request; selection itself is tested in fresh processes.
+    if not accel.is_available():
+        pytest.skip("no SUPA device")
+    assert accel.device_name() == "supa"
+    device = accel.device(0)
+    assert device == torch.device("supa", 0)
+    tensor = torch.randn(3, device=device)
+    assert tensor.device == device and tensor.shape == (3, )
+
+
+@requires_supa
+def test_available_memory_is_what_the_device_can_still_hand_out(accel):
+    accel.empty_cache()
+    free_before = accel.available_memory(0)
+    block = torch.empty(64 * MiB, dtype=torch.uint8, device="supa:0")
+    free_in_use = accel.available_memory(0)
+    assert free_in_use <= free_before - 64 * MiB
+    allocated_in_use = accel.memory_allocated(0)
+    del block
+    # Freed but still cached by the allocator: not available to anyone else yet.
+    assert accel.memory_allocated(0) <= allocated_in_use - 64 * MiB
+    assert accel.available_memory(0) <= free_before - 64 * MiB
+    assert accel.available_memory(0) < accel.total_memory(0) - accel.memory_allocated(0)
+    accel.empty_cache()
+    assert accel.available_memory(0) >= free_in_use + 64 * MiB
+
+
+# ---------------------------------------------------------------------------------------------
+# Op builder lookup, on a throwaway package
+
+
+def _write_builder_package(root, name, with_fallback):
+    package = root / name
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "builder.py").write_text(
+        textwrap.dedent("""
+        import abc
+        class DemoOpBuilder(abc.ABC):
+            NAME = None
+            @abc.abstractmethod
+            def load(self): ...
+        """))
+    (package / "adam.py").write_text(
+        textwrap.dedent("""
+        from .builder import DemoOpBuilder
+        class FusedAdamBuilder(DemoOpBuilder):
+            NAME = "fused_adam"
+            def load(self):
+                return "adam-module"
+        """))
+    if with_fallback:
+        (package / "no_impl.py").write_text(
+            textwrap.dedent("""
+            from .builder import DemoOpBuilder
+            class NotImplementedBuilder(DemoOpBuilder):
+                def load(self):
+                    raise NotImplementedError(type(self).__name__ + " is not implemented on SUPA")
+            """))
+
+
+@pytest.mark.parametrize("with_fallback", [True, False])
+def test_op_builder_lookup(tmp_path, monkeypatch, with_fallback):
+    name = f"demo_builders_{with_fallback}"
+    _write_builder_package(tmp_path, name, with_fallback)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a = SUPA_Accelerator()
+    monkeypatch.setattr(a, "op_builder_dir", lambda: name)
+
+    adam = a.get_op_builder("FusedAdamBuilder")
+    assert adam.__module__ == f"{name}.adam"
+    assert a.create_op_builder("FusedAdamBuilder").load() == "adam-module"
+    assert "DemoOpBuilder" not in a._builder_classes()
+    if with_fallback:
+        missing = a.get_op_builder("TransformerBuilder")
+        assert missing is a.get_op_builder("TransformerBuilder")
+        assert missing.__name__ == "TransformerBuilder"
+        assert issubclass(missing, sys.modules[f"{name}.no_impl"].NotImplementedBuilder)
+        with pytest.raises(NotImplementedError, match="TransformerBuilder is not implemented on SUPA"):
+            a.create_op_builder("TransformerBuilder").load()
+    else:
+        assert a.get_op_builder("TransformerBuilder") is None
+        assert a.create_op_builder("TransformerBuilder") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The setting and the get_accelerator wrapper, in-process with a stand-in for real_accelerator
+
+
+@pytest.mark.parametrize("raw, expected", [(None, "project"), ("project", "project"), ("builtin", "builtin"),
+                                           (" Builtin ", "builtin"), ("PROJECT", "project")])
+def test_selected_implementation(monkeypatch, raw, expected):
+    if raw is None:
+        monkeypatch.delenv("SUPA_DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("SUPA_DS_ACCELERATOR", raw)
+    assert deepspeed_selection.selected_implementation() == expected
+
+
+@pytest.mark.parametrize("raw", ["", "ours", "deepspeed", "1"])
+def test_selected_implementation_rejects_other_values(monkeypatch, raw):
+    monkeypatch.setenv("SUPA_DS_ACCELERATOR", raw)
+    with pytest.raises(ValueError, match=r"SUPA_DS_ACCELERATOR.*accepted values: project, builtin"):
+        deepspeed_selection.selected_implementation()
+
+
+def _stand_in_real_accelerator(choice):
+    """A module shaped like DeepSpeed's real_accelerator whose own choice is an object named `choice`."""
+    module = types.ModuleType("stand_in_real_accelerator")
+    module.ds_accelerator = None
+    module.choices_made = 0
+
+    class BuiltIn:
+        _name = choice
+
+    def get_accelerator():
+        if module.ds_accelerator is None:
+            module.choices_made += 1
+            module.ds_accelerator = BuiltIn()
+        return module.ds_accelerator
+
+    def set_accelerator(obj):
+        module.ds_accelerator = obj
+
+    module.get_accelerator, module.set_accelerator, module.BuiltIn = get_accelerator, set_accelerator, BuiltIn
+    return module
+
+
+@pytest.mark.parametrize("choice, setting, expected", [("supa", None, "project"), ("supa", "project", "project"),
+                                                       ("supa", "builtin", "builtin"), ("cpu", None, "builtin"),
+                                                       ("cuda", "project", "builtin")])
+def test_wrapper_replaces_only_deepspeeds_supa_choice(monkeypatch, choice, setting, expected):
+    if setting is None:
+        monkeypatch.delenv("SUPA_DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("SUPA_DS_ACCELERATOR", setting)
+    module = _stand_in_real_accelerator(choice)
+    deepspeed_selection._wrap_get_accelerator(module)
+    chosen = module.get_accelerator()
+    assert isinstance(chosen, SUPA_Accelerator if expected == "project" else module.BuiltIn)
+    assert module.get_accelerator() is chosen and module.choices_made == 1
+
+
+def test_wrapper_leaves_an_explicit_set_accelerator_alone(monkeypatch):
+    monkeypatch.delenv("SUPA_DS_ACCELERATOR", raising=False)
+    module = _stand_in_real_accelerator("supa")
+    deepspeed_selection._wrap_get_accelerator(module)
+    mine = module.BuiltIn()
+    module.set_accelerator(mine)
+    assert module.get_accelerator() is mine
+
+
+def test_wrapper_fails_on_every_call_for_a_bad_setting(monkeypatch):
+    monkeypatch.setenv("SUPA_DS_ACCELERATOR", "both")
+    module = _stand_in_real_accelerator("supa")
+    deepspeed_selection._wrap_get_accelerator(module)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="SUPA_DS_ACCELERATOR"):
+            module.get_accelerator()
+
+
+def test_wrapping_is_idempotent_and_thread_safe(monkeypatch):
+    monkeypatch.delenv("SUPA_DS_ACCELERATOR", raising=False)
+    module = _stand_in_real_accelerator("supa")
+    deepspeed_selection._wrap_get_accelerator(module)
+    wrapped = module.get_accelerator
+    deepspeed_selection._wrap_get_accelerator(module)
+    assert module.get_accelerator is wrapped
+    barrier = threading.Barrier(8)
+    results = []
+
+    def ask():
+        barrier.wait()
+        results.append(module.get_accelerator())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert module.choices_made == 1
+    assert len({id(r) for r in results}) == 1 and isinstance(results[0], SUPA_Accelerator)
+
+
+def test_install_is_idempotent_and_patches_an_already_loaded_module(monkeypatch):
+    module = _stand_in_real_accelerator("supa")
+    monkeypatch.setitem(sys.modules, "deepspeed.accelerator.real_accelerator", module)
+    deepspeed_selection.install()
+    deepspeed_selection.install()
+    finders = [f for f in sys.meta_path if isinstance(f, deepspeed_selection._RealAcceleratorFinder)]
+    assert len(finders) == 1
+    assert getattr(module.get_accelerator, "__supa_emu_selection__", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection in fresh processes, with no selection code in them
+
+
+def _run(code, timeout=300, args=(), **env):
+    """Run `code` (or a module with args) in a fresh interpreter; env values of None unset a variable."""
+    full_env = dict(os.environ)
+    for key in ("DS_ACCELERATOR", "SUPA_DS_ACCELERATOR"):
+        full_env.pop(key, None)
+    for key, value in env.items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
+    command = [sys.executable, *args] if args else [sys.executable, "-c", textwrap.dedent(code)]
+    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+REPORT_CHOICE = """
+    import json, torch
+    from deepspeed.accelerator import get_accelerator
+    import deepspeed.accelerator.real_accelerator as real_accelerator
+    acc = get_accelerator()
+    device = acc.device(0)
+    x = torch.randn(3, device=device)
+    y = (torch.arange(6., device=device) * 2 + 1).sum().item()
+    print(json.dumps({
+        "class": type(acc).__module__ + "." + type(acc).__qualname__,
+        "same_everywhere": real_accelerator.get_accelerator() is acc,
+        "device_name": acc.device_name(), "device": str(device), "x_device": str(x.device), "y": y,
+        "allocated": acc.memory_allocated(0) if acc.device_name() == "supa" else None,
+    }))
+"""
+
+OURS = "accelerator.supa_accelerator.SUPA_Accelerator"
+BUILTIN = "deepspeed.accelerator.supa_accelerator.SUPA_Accelerator"
+
+
+def _choice(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@requires_supa
+def test_ds_accelerator_supa_selects_the_project_accelerator():
+    report = _choice(_run(REPORT_CHOICE, DS_ACCELERATOR="supa"))
+    assert report["class"] == OURS and report["same_everywhere"]
+    # The usage of DeepSpeed's SUPA pull request, unchanged.
+    assert report["device_name"] == "supa"
+    assert report["device"] == report["x_device"] == "supa:0"
+    assert report["y"] == 36.0
+
+
+@requires_supa
+def test_builtin_setting_selects_deepspeeds_own_accelerator_which_works_too():
+    report = _choice(_run(REPORT_CHOICE, DS_ACCELERATOR="supa", SUPA_DS_ACCELERATOR="builtin"))
+    assert report["class"] == BUILTIN
+    assert report["device_name"] == "supa" and report["x_device"] == "supa:0"
+    assert report["y"] == 36.0 and report["allocated"] > 0
+
+
+@requires_supa
+def test_other_accelerators_are_untouched():
+    assert _choice(_run(REPORT_CHOICE.replace("acc.device(0)", "'cpu'"),
+                        DS_ACCELERATOR="cpu"))["class"] == "deepspeed.accelerator.cpu_accelerator.CPU_Accelerator"
+
+
+@requires_supa
+def test_bad_setting_is_a_clear_error():
+    result = _run(REPORT_CHOICE, DS_ACCELERATOR="supa", SUPA_DS_ACCELERATOR="deepspeed")
+    assert result.returncode != 0
+    assert "SUPA_DS_ACCELERATOR='deepspeed'" in result.stderr
+    assert "project, builtin" in result.stderr
+
+
+@requires_supa
+def test_torchrun_rank_auto_detects_the_project_accelerator(tmp_path):
+    # No DS_ACCELERATOR: DeepSpeed's auto-detection, in a rank the launcher started.
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(REPORT_CHOICE))
+    result = _run(None, args=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script)))
+    assert _choice(result)["class"] == OURS
+
+
+def test_install_imports_nothing_heavy():
+    result = _run("""
+        import sys
+        from accelerator.deepspeed_selection import install
+        install()
+        print(sorted(m for m in ("torch", "deepspeed", "supa_emu") if m in sys.modules))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,69 @@
+"""Parsing and validation of the SUPA_* variables (supa_emu.config)."""
+
+import pytest
+
+from supa_emu import config
+from supa_emu.device_profile import PROFILES
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ("SUPA_EMULATE", "SUPA_EMU_DEVICE_COUNT", "SUPA_VISIBLE_DEVICES", "SUPA_EMU_MEMORY",
+                 "SUPA_EMU_PROFILE", "SUPA_EMU_EXT", "BRTB_ENABLE_DTYPE_DEMOTION", "SUPA_DS_ACCELERATOR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_defaults():
+    cfg = config.load()
+    assert cfg.device_count == 8
+    assert cfg.visible_devices == tuple(range(8))
+    assert cfg.memory_bytes == PROFILES["BR104"].total_memory
+    assert cfg.profile.total_memory == cfg.memory_bytes
+    assert not cfg.ext and not cfg.dtype_demotion
+    assert cfg.deepspeed_accelerator == "project"
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("1073741824", 1 << 30), ("16GiB", 16 << 30), ("512M", 512 << 20), ("1.5G", 3 << 29), ("2GB", 2 * 10**9),
+])
+def test_memory_sizes(monkeypatch, raw, expected):
+    monkeypatch.setenv("SUPA_EMU_MEMORY", raw)
+    assert config.load().memory_bytes == expected
+
+
+@pytest.mark.parametrize("raw", ["", "lots", "12 parsecs", "-1G", "100"])
+def test_bad_memory_sizes(monkeypatch, raw):
+    monkeypatch.setenv("SUPA_EMU_MEMORY", raw)
+    with pytest.raises(config.ConfigError, match="SUPA_EMU_MEMORY"):
+        config.load()
+
+
+def test_visible_devices_reorder(monkeypatch):
+    monkeypatch.setenv("SUPA_EMU_DEVICE_COUNT", "4")
+    monkeypatch.setenv("SUPA_VISIBLE_DEVICES", "3, 1")
+    assert config.load().visible_devices == (3, 1)
+    monkeypatch.setenv("SUPA_VISIBLE_DEVICES", "")
+    assert config.load().visible_devices == ()
+
+
+@pytest.mark.parametrize("raw", ["4", "1,1", "a", "0;1", "-1"])
+def test_bad_visible_devices(monkeypatch, raw):
+    monkeypatch.setenv("SUPA_EMU_DEVICE_COUNT", "4")
+    monkeypatch.setenv("SUPA_VISIBLE_DEVICES", raw)
+    with pytest.raises(config.ConfigError, match="SUPA_VISIBLE_DEVICES.*accepted"):
+        config.load()
+
+
+@pytest.mark.parametrize("name, raw", [("SUPA_EMULATE", "perhaps"), ("SUPA_EMU_EXT", "2"),
+                                       ("SUPA_EMU_DEVICE_COUNT", "65"), ("SUPA_EMU_PROFILE", "BR999"),
+                                       ("SUPA_DS_ACCELERATOR", "cuda")])
+def test_bad_values_name_the_variable(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(config.ConfigError, match=name):
+        config.load()
+
+
+@pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("ON", True), ("0", False), ("no", False)])
+def test_switches(monkeypatch, raw, expected):
+    monkeypatch.setenv("SUPA_EMULATE", raw)
+    assert config.emulation_requested() is expected

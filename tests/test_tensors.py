@@ -1,0 +1,185 @@
+"""Tensors on `supa`: real storage, views, the storage tricks ZeRO-3 relies on, placement
+rules, float64, autograd, serialization, pinned memory. Written against public APIs only."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+DEV = torch.device("supa", 0)
+
+
+def test_values_round_trip_and_ops_match_cpu():
+    x = torch.randn(17, 33)
+    y = torch.randn(33, 5)
+    got = (x.to(DEV) @ y.to(DEV)).relu().softmax(-1)
+    assert got.device == DEV
+    torch.testing.assert_close(got.cpu(), (x @ y).relu().softmax(-1))
+
+
+def test_views_share_storage_and_writes_show_through():
+    t = torch.arange(12.0, device=DEV)
+    column = t.view(3, 4)[:, 1]
+    column.mul_(10)
+    assert t.cpu().tolist() == [0, 10, 2, 3, 4, 50, 6, 7, 8, 90, 10, 11]
+    assert column.data_ptr() == t.data_ptr() + 4
+    assert column.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert t.transpose(0, 0).is_contiguous() and not t.view(3, 4).t().is_contiguous()
+
+
+def test_data_swap_and_set():
+    a = torch.ones(4, device=DEV)
+    b = torch.zeros(4, device=DEV)
+    a.data = b.data
+    assert a.data_ptr() == b.data_ptr()
+    c = torch.empty(0, device=DEV)
+    c.set_(b.untyped_storage(), 1, (2,), (1,))
+    c.fill_(7)
+    assert b.cpu().tolist() == [0, 7, 7, 0]
+    d = torch.empty(0, device=DEV).set_(b)
+    assert d.data_ptr() == b.data_ptr() and d.shape == b.shape
+
+
+def test_storage_resize_frees_and_regrows_device_memory():
+    p = torch.ones(1 << 18, device=DEV)  # 1 MiB
+    before = torch.supa.memory_allocated()
+    p.untyped_storage().resize_(0)
+    assert p.untyped_storage().nbytes() == 0
+    assert before - torch.supa.memory_allocated() >= 1 << 20
+    p.untyped_storage().resize_(4 << 18)
+    p.fill_(3)
+    assert p.sum().item() == 3 * (1 << 18)
+
+
+def test_tensor_resize_and_out_arguments():
+    r = torch.empty(0, device=DEV)
+    r.resize_(2, 3)
+    assert r.shape == (2, 3)
+    out = torch.empty(0, device=DEV)
+    torch.add(torch.ones(5, device=DEV), 1, out=out)
+    assert out.device == DEV and out.cpu().tolist() == [2.0] * 5
+
+
+def test_flatten_unflatten_dense_tensors():
+    tensors = [torch.randn(3, device=DEV), torch.randn(2, 2, device=DEV)]
+    flat = _flatten_dense_tensors(tensors)
+    assert flat.device == DEV and flat.numel() == 7
+    for original, restored in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        assert torch.equal(original, restored)
+
+
+def test_cpu_non_scalar_operand_is_rejected_naming_both_devices():
+    with pytest.raises(RuntimeError, match="supa:0 and cpu"):
+        torch.ones(3, device=DEV) + torch.ones(3)
+
+
+def test_cpu_scalar_operand_is_allowed():
+    assert (torch.ones(3, device=DEV) * torch.tensor(2.0)).cpu().tolist() == [2.0] * 3
+
+
+def test_cpu_indices_are_allowed_as_on_cuda():
+    t = torch.arange(5.0, device=DEV)
+    assert t[torch.tensor([0, 3])].cpu().tolist() == [0.0, 3.0]
+
+
+def test_two_devices_are_rejected_naming_both():
+    if torch.supa.device_count() < 2:
+        pytest.skip("needs two cards")
+    with pytest.raises(RuntimeError, match="supa:0 and supa:1"):
+        torch.ones(3, device="supa:0") + torch.ones(3, device="supa:1")
+
+
+def test_copies_between_cards():
+    if torch.supa.device_count() < 2:
+        pytest.skip("needs two cards")
+    a = torch.arange(4.0, device="supa:0")
+    b = a.to("supa:1")
+    assert b.device == torch.device("supa", 1) and b.cpu().tolist() == [0, 1, 2, 3]
+
+
+def test_invalid_device_index():
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.empty(1, device=torch.device("supa", torch.supa.device_count()))
+
+
+def test_float64_from_cpu_is_refused_like_the_real_copy_kernel():
+    with pytest.raises(RuntimeError, match=r"SUPA device does not support double \(float64\)"):
+        torch.ones(2, dtype=torch.float64).to(DEV)
+
+
+def test_float64_demotion_opt_in(python_subprocess):
+    out = python_subprocess("""
+        import warnings, torch
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            t = torch.tensor([1 + 1e-12], dtype=torch.float64).to('supa')
+        print(t.item() == 1.0, any('float64' in str(w.message) for w in caught))
+    """, env={"SUPA_EMULATE": "1", "BRTB_ENABLE_DTYPE_DEMOTION": "1"}).stdout
+    assert out.strip() == "True True"
+
+
+def test_training_matches_cpu():
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                    torch.nn.Dropout(0.0), torch.nn.Linear(16, 1))
+    dev_model = copy.deepcopy(cpu_model).to(DEV)
+    cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=1e-2)
+    dev_opt = torch.optim.AdamW(dev_model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for _ in range(10):
+        for model, opt, xs, ys in ((cpu_model, cpu_opt, x, y), (dev_model, dev_opt, x.to(DEV), y.to(DEV))):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xs), ys).backward()
+            opt.step()
+    for a, b in zip(cpu_model.parameters(), dev_model.parameters()):
+        assert b.device == DEV and b.grad.device == DEV
+        torch.testing.assert_close(a, b.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_save_and_load():
+    t = torch.arange(6.0, device=DEV).view(2, 3)
+    buffer = io.BytesIO()
+    torch.save({"t": t}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)["t"]
+    assert loaded.device == DEV and torch.equal(loaded.cpu(), t.cpu())
+    buffer.seek(0)
+    assert torch.load(buffer, map_location="cpu")["t"].device.type == "cpu"
+
+
+def test_pinned_host_memory():
+    pinned = torch.ones(16).pin_memory()
+    assert pinned.is_pinned() and not torch.ones(16).is_pinned()
+    assert torch.equal(pinned.to(DEV, non_blocking=True).cpu(), pinned)
+
+
+def test_generated_helpers():
+    t = torch.ones(2).supa()
+    assert t.is_supa and t.device == DEV
+    assert torch.nn.Linear(2, 2).supa().weight.is_supa
+    assert torch.ones(2).untyped_storage().supa().is_supa
+
+
+def test_manual_seed_seeds_the_device_generator():
+    torch.manual_seed(3)
+    a = torch.randn(5, device=DEV)
+    torch.manual_seed(3)
+    b = torch.randn(5, device=DEV)
+    assert torch.equal(a, b)
+    assert not torch.equal(torch.randn(5, device=DEV), b)
+
+
+def test_random_ops_do_not_draw_from_the_cpu_generator():
+    torch.manual_seed(5)
+    cpu_state = torch.get_rng_state()
+    torch.randn(100, device=DEV).bernoulli_(0.5)
+    torch.nn.functional.dropout(torch.ones(100, device=DEV), 0.5)
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+
+
+def test_large_elementwise_and_reductions_in_low_precision():
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(1000, dtype=dtype)
+        torch.testing.assert_close((x.to(DEV) * 2).sum().cpu(), (x * 2).sum())
