@@ -10,12 +10,9 @@ The setting SUPA_DS_ACCELERATOR chooses which SUPA accelerator DeepSpeed gets:
 own deepspeed.accelerator.supa_accelerator.SUPA_Accelerator.
 """
 
-import os
 import sys
 import threading
 
-_SETTING = "SUPA_DS_ACCELERATOR"
-_IMPLEMENTATIONS = ("project", "builtin")
 _TARGET = "deepspeed.accelerator.real_accelerator"
 _WRAPPED_MARK = "__supa_emu_selection__"
 
@@ -25,11 +22,9 @@ _choice_lock = threading.RLock()
 
 def selected_implementation():
     """'project' or 'builtin' from SUPA_DS_ACCELERATOR (default 'project'); ValueError otherwise."""
-    raw = os.environ.get(_SETTING, "project")
-    value = raw.strip().lower()
-    if value not in _IMPLEMENTATIONS:
-        raise ValueError(f"{_SETTING}={raw!r} is invalid; accepted values: {', '.join(_IMPLEMENTATIONS)}")
-    return value
+    from supa_emu.config import deepspeed_accelerator  # the project's one parser of SUPA_* settings
+
+    return deepspeed_accelerator()
 
 
 def install():

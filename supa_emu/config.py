@@ -103,6 +103,11 @@ def _choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
     return value
 
 
+def deepspeed_accelerator() -> str:
+    """Which SUPA accelerator DeepSpeed gets: this project's ('project') or its built-in one."""
+    return _choice("SUPA_DS_ACCELERATOR", "project", ("project", "builtin"))
+
+
 def load() -> EmulatorConfig:
     """Read and validate every variable; raises ConfigError on the first bad one."""
     profile_name = os.environ.get("SUPA_EMU_PROFILE", DEFAULT_PROFILE).strip().upper()
@@ -123,5 +128,5 @@ def load() -> EmulatorConfig:
         ext=_flag("SUPA_EMU_EXT"),
         dtype_demotion=_flag("BRTB_ENABLE_DTYPE_DEMOTION"),
         cache_dir=pathlib.Path(cache),
-        deepspeed_accelerator=_choice("SUPA_DS_ACCELERATOR", "project", ("project", "builtin")),
+        deepspeed_accelerator=deepspeed_accelerator(),
     )
