@@ -1,10 +1,16 @@
-// Graph capture for `supa`: while a graph captures on a thread, every operator call on supa
-// tensors is remembered with its operands and results; replay runs the calls again on the
-// same tensors, writing into the captured results, which is what a GPU graph replay does.
+// Graph capture for `supa`: while a graph captures, every operator call on supa tensors is
+// remembered with its operands and results; replay runs the calls again on the same tensors,
+// writing into the captured results, which is what a GPU graph replay does.
+//
+// Capture is process-wide (CUDA's "global" mode): autograd runs backward passes on its own
+// device thread, and those calls belong to the graph too.
 #include "runtime.h"
 
 #include <ATen/core/GraphImplInterface.h>
 #include <c10/util/Exception.h>
+
+#include <atomic>
+#include <mutex>
 
 namespace supa {
 namespace {
@@ -16,14 +22,16 @@ struct RecordedCall {
 };
 
 class SupaGraph;
-thread_local SupaGraph* t_capturing = nullptr;
+std::atomic<SupaGraph*> g_capturing{nullptr};
+std::mutex g_record_mutex;
 
 void write_into(const c10::IValue& captured, const c10::IValue& fresh) {
   if (captured.isTensor() && fresh.isTensor()) {
     const at::Tensor& dst = captured.toTensor();
     const at::Tensor& src = fresh.toTensor();
     if (dst.defined() && src.defined() && !dst.is_same(src)) {
-      dst.copy_(src);
+      // Through host views: a replay must not bump the captured tensors' version counters.
+      host_view(dst).copy_(host_view(src));
     }
   } else if (captured.isTensorList() && fresh.isTensorList()) {
     auto dst = captured.toTensorList();
@@ -38,23 +46,22 @@ class SupaGraph final : public at::GraphImplInterface {
  public:
   explicit SupaGraph(const at::GraphImplArgs& /*args*/) {}
   ~SupaGraph() override {
-    if (t_capturing == this) {
-      t_capturing = nullptr;
-    }
+    SupaGraph* self = this;
+    g_capturing.compare_exchange_strong(self, nullptr);
   }
 
   void capture_begin(c10::MempoolId_t pool, at::GraphCaptureMode /*mode*/) override {
-    TORCH_CHECK(t_capturing == nullptr, "a SUPA graph is already capturing on this thread");
+    TORCH_CHECK(g_capturing.load() == nullptr, "another SUPA graph is already capturing");
     TORCH_CHECK(!captured_, "This SUPAGraph instance already owns a captured graph. To capture a new graph, "
                 "create a new instance or call reset() first.");
     static std::atomic<c10::CaptureId_t> next_id{1};
     pool_ = (pool.first != 0 || pool.second != 0) ? pool : c10::MempoolId_t{next_id++, 0};
     calls_.clear();
-    t_capturing = this;
+    g_capturing = this;
   }
   void capture_end() override {
-    TORCH_CHECK(t_capturing == this, "capture_end() called on a graph that is not capturing");
-    t_capturing = nullptr;
+    TORCH_CHECK(g_capturing.load() == this, "capture_end() called on a graph that is not capturing");
+    g_capturing = nullptr;
     captured_ = true;
   }
   void instantiate() override {
@@ -85,6 +92,7 @@ class SupaGraph final : public at::GraphImplInterface {
 
   void record(const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
               const std::vector<c10::IValue>& outputs) {
+    std::lock_guard<std::mutex> lock(g_record_mutex);
     calls_.push_back({op, inputs, outputs});
   }
 
@@ -97,13 +105,13 @@ class SupaGraph final : public at::GraphImplInterface {
 }  // namespace
 
 bool is_capturing() {
-  return t_capturing != nullptr;
+  return g_capturing.load(std::memory_order_relaxed) != nullptr;
 }
 
 void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
                  const std::vector<c10::IValue>& outputs) {
-  if (t_capturing != nullptr) {
-    t_capturing->record(op, inputs, outputs);
+  if (SupaGraph* graph = g_capturing.load()) {
+    graph->record(op, inputs, outputs);
   }
 }
 

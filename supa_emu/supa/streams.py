@@ -1,0 +1,293 @@
+"""SUPA streams and events, and the functions that select the current stream.
+
+`Stream` and `Event` extend PyTorch's generic `torch.Stream` / `torch.Event`, which the native
+core backs for the supa device. Work executes synchronously on the host, so ordering between
+streams always holds; the objects still keep the identities, flags and timing users rely on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import time
+from typing import Any, Optional
+
+import torch
+
+from . import _get_device_index, _lazy_init, _gpu_trace
+from . import device as _device_ctx
+
+__all__ = [
+    "Stream", "ExternalStream", "Event", "StreamContext", "stream", "current_stream",
+    "default_stream", "set_stream",
+]
+
+# Stream priorities are not visible through torch.Stream, so remember the ones we created.
+_priorities: dict[tuple[int, int], int] = {}
+_IPC_HANDLE_SIZE = 64
+_IPC_MAGIC = b"SUPAEMUEVT"
+
+
+def _supa_device_type(idx: int) -> int:
+    # The integer DeviceType code torch.Stream uses for supa (PrivateUse1).
+    return torch.accelerator.current_stream(idx).device_type
+
+
+class Stream(torch.Stream):
+    """A SUPA stream: an in-order queue of work on one device.
+
+    `Stream(device=None, priority=0)` takes a new stream from the device's pool (default:
+    current device). `supa_stream` is its integer handle; the default stream's is 0.
+    """
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
+        if "stream_ptr" in kwargs:
+            if priority != 0:
+                raise RuntimeError("Priority was explicitly set for a external stream")
+            idx = _get_device_index(device, optional=True)
+            kwargs = {"stream_id": int(kwargs.pop("stream_ptr")), "device_index": idx,
+                      "device_type": _supa_device_type(idx), **kwargs}
+        if any(k in kwargs for k in ("stream_id", "device_index", "device_type")):
+            _lazy_init()
+            return super().__new__(cls, stream_id=int(kwargs.get("stream_id", 0)),
+                                   device_index=int(kwargs.get("device_index", 0)),
+                                   device_type=int(kwargs.get("device_type", 0)))
+        if kwargs:
+            raise TypeError(f"Stream() got unexpected keyword arguments {sorted(kwargs)}")
+        _lazy_init()
+        idx = _get_device_index(device, optional=True)
+        with _device_ctx(idx):
+            self = super().__new__(cls, device=torch.device("supa", idx), priority=priority)
+        _priorities[(idx, self.stream_id)] = priority
+        _gpu_trace.StreamCreationCallbacks.fire_callbacks(self.supa_stream)
+        return self
+
+    @property
+    def supa_stream(self) -> int:
+        """The stream's raw handle (0 for the default stream)."""
+        return int(self.stream_id)
+
+    @property
+    def priority(self) -> int:
+        """Scheduling priority given at creation (0 is the default, lower is more urgent)."""
+        return _priorities.get((self.device_index, self.stream_id), 0)
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(least, greatest) priority values accepted by `Stream(priority=...)`."""
+        return 0, -1
+
+    def wait_event(self, event: "Event") -> None:
+        """Make later work on this stream wait for `event`."""
+        event.wait(self)
+
+    def wait_stream(self, stream: "Stream") -> None:
+        """Make later work on this stream wait for all work queued so far on `stream`."""
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: Optional["Event"] = None) -> "Event":
+        """Record `event` (a new one if None) on this stream and return it."""
+        if event is None:
+            event = Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        """True when all queued work has completed (always, as work runs synchronously)."""
+        return super().query()
+
+    def synchronize(self) -> None:
+        """Block until all queued work on this stream has completed."""
+        super().synchronize()
+        _gpu_trace.StreamSynchronizationCallbacks.fire_callbacks(self.supa_stream)
+
+    @property
+    def _as_parameter_(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(self.supa_stream)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, torch.Stream):
+            return False
+        return (self.stream_id, self.device_index, self.device_type) == (
+            other.stream_id, other.device_index, other.device_type)
+
+    def __hash__(self) -> int:
+        return hash((self.supa_stream, self.device))
+
+    def __repr__(self) -> str:
+        return f"<torch_supa.supa.Stream device={self.device} supa_stream={self.supa_stream:#x}>"
+
+
+class ExternalStream(Stream):
+    """A stream created elsewhere and identified by its raw handle (`supa_stream` of another
+    Stream in the emulator). The handle is not owned: nothing is released when this goes away."""
+
+    def __new__(cls, stream_ptr: int, device: Any = None, **kwargs: Any) -> "ExternalStream":
+        return super().__new__(cls, device, stream_ptr=stream_ptr, **kwargs)
+
+
+class Event(torch.Event):
+    """A SUPA event: a marker in a stream used for synchronisation and timing.
+
+    `enable_timing` allows `elapsed_time`; `blocking` and `interprocess` are recorded flags
+    (waits are always complete in the emulator, and handles work within this machine's
+    emulator only). The event is created lazily on its first `record`.
+    """
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False,
+                interprocess: bool = False) -> "Event":
+        self = super().__new__(cls, device=torch.device("supa"), enable_timing=enable_timing,
+                               blocking=blocking, interprocess=interprocess)
+        self._flags = (bool(enable_timing), bool(blocking), bool(interprocess))
+        self._recorded_on: Optional[torch.device] = None
+        self._recorded_at: Optional[float] = None
+        return self
+
+    @classmethod
+    def from_ipc_handle(cls, device: Any, handle: bytes) -> "Event":
+        """Reopen an event from `ipc_handle()` bytes. Raises RuntimeError for a bad handle or a
+        non-supa device. The reopened event is complete (the exporter's work already ran)."""
+        dev = torch.device(device) if not isinstance(device, int) else torch.device("supa", device)
+        if dev.type != "supa":
+            raise RuntimeError(f"Event can only be created on SUPA devices, but got device type {dev.type}")
+        if len(handle) != _IPC_HANDLE_SIZE or not bytes(handle).startswith(_IPC_MAGIC):
+            raise RuntimeError(f"Invalid SUPA event IPC handle (expected {_IPC_HANDLE_SIZE} bytes from Event.ipc_handle())")
+        event = cls(interprocess=True)
+        idx = dev.index if dev.index is not None else _get_device_index(None, optional=True)
+        event.record(default_stream(idx))
+        return event
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Device of the stream the event was recorded on; None before the first record."""
+        return self._recorded_on
+
+    @property
+    def supa_event(self) -> int:
+        """The event's raw handle; 0 until the event is first recorded."""
+        return int(self.event_id) if self._recorded_on is not None else 0
+
+    def record(self, stream: Optional[Stream] = None) -> None:
+        """Record the event on `stream` (default: the current stream)."""
+        if stream is None:
+            stream = current_stream()
+        super().record(stream)
+        self._recorded_on = torch.device("supa", stream.device_index)
+        self._recorded_at = time.perf_counter()
+        _gpu_trace.EventRecordCallbacks.fire_callbacks(self.supa_event, stream.stream_id)
+
+    def wait(self, stream: Optional[Stream] = None) -> None:
+        """Make later work on `stream` (default: current) wait for this event."""
+        if stream is None:
+            stream = current_stream()
+        super().wait(stream)
+        _gpu_trace.EventWaitCallbacks.fire_callbacks(self.supa_event, stream.stream_id)
+
+    def query(self) -> bool:
+        """True when the work recorded before this event has completed."""
+        return super().query()
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Milliseconds between this event's record and `end_event`'s (host time in the emulator).
+
+        Raises RuntimeError unless both events were created with `enable_timing=True` and have
+        been recorded.
+        """
+        # torch.Event.elapsed_time accepts only exact torch.Event arguments, so the timing is
+        # taken here: work is synchronous, so host time between records is the device time.
+        if not isinstance(end_event, Event):
+            raise TypeError(f"expected end_event to be a torch.supa.Event, got {type(end_event).__name__}")
+        if not (self._flags[0] and end_event._flags[0]):
+            raise RuntimeError("Both events must be created with enable_timing=True to measure elapsed time.")
+        if self._recorded_at is None or end_event._recorded_at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        self.synchronize()
+        end_event.synchronize()
+        return (end_event._recorded_at - self._recorded_at) * 1000.0
+
+    def synchronize(self) -> None:
+        """Block until the work recorded before this event has completed."""
+        super().synchronize()
+        _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(self.supa_event)
+
+    def ipc_handle(self) -> bytes:
+        """Bytes that identify this event to `Event.from_ipc_handle`. Requires `interprocess=True`
+        and a prior `record`; raises RuntimeError otherwise."""
+        if not self._flags[2]:
+            raise RuntimeError("Event.ipc_handle() needs an event created with interprocess=True")
+        if self._recorded_on is None:
+            raise RuntimeError("Event.ipc_handle() needs a recorded event")
+        body = _IPC_MAGIC + struct.pack("<qqq", os.getpid(), self._recorded_on.index, self.supa_event)
+        return body.ljust(_IPC_HANDLE_SIZE, b"\0")
+
+    @property
+    def _as_parameter_(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(self.supa_event)
+
+    def __repr__(self) -> str:
+        if self.supa_event:
+            return f"<torch_supa.supa.Event {self.supa_event:#x}>"
+        return "<torch_supa.supa.Event uninitialized>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Current-stream selection.
+
+def current_stream(device: Any = None) -> Stream:
+    """The stream work is currently queued to on `device` (default: current device)."""
+    _lazy_init()
+    idx = _get_device_index(device, optional=True)
+    s = torch.accelerator.current_stream(idx)
+    return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+
+def default_stream(device: Any = None) -> Stream:
+    """The default (null) stream of `device` (default: current device); its handle is 0."""
+    _lazy_init()
+    idx = _get_device_index(device, optional=True)
+    return Stream(stream_id=0, device_index=idx, device_type=_supa_device_type(idx))
+
+
+def set_stream(stream: Optional[torch.Stream]) -> None:
+    """Make `stream` current (and its device the current device). None is a no-op."""
+    if stream is None:
+        return
+    _lazy_init()
+    torch.accelerator.set_stream(stream)
+
+
+class StreamContext:
+    """Selects `stream` on entry and restores the previously current streams on exit.
+
+    A None stream (or no current device) makes the context a no-op. When the stream lives on
+    another device, that device's current stream is saved and restored too.
+    """
+
+    def __init__(self, stream: Optional[torch.Stream]) -> None:
+        self.stream = stream
+        self.idx = _get_device_index(None, True)
+        self.src_prev_stream: Optional[Stream] = None
+        self.dst_prev_stream: Optional[Stream] = None
+
+    def __enter__(self) -> None:
+        target = self.stream
+        if target is None or self.idx == -1:
+            return
+        self.src_prev_stream = current_stream(None)
+        if self.src_prev_stream.device != target.device:
+            with _device_ctx(target.device):
+                self.dst_prev_stream = current_stream(target.device)
+        set_stream(target)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.stream is None or self.idx == -1:
+            return
+        if self.src_prev_stream is not None and self.src_prev_stream.device != self.stream.device:
+            set_stream(self.dst_prev_stream)
+        set_stream(self.src_prev_stream)
+
+
+def stream(stream: Optional[torch.Stream]) -> StreamContext:
+    """Context manager selecting `stream` within the block (see StreamContext)."""
+    return StreamContext(stream)

@@ -1,0 +1,149 @@
+"""torch.supa graphs: capture, replay, pools, the graph context manager, make_graphed_callables."""
+
+import pytest
+import torch
+
+pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+
+
+@pytest.fixture(autouse=True)
+def initialised():
+    torch.supa.init()
+
+
+def test_capture_and_replay_reads_current_inputs():
+    x = torch.ones(4, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        y = x * 2 + 1
+    assert torch.equal(y.cpu(), torch.full((4,), 3.0))
+    x.copy_(torch.full((4,), 5.0))
+    g.replay()
+    assert torch.equal(y.cpu(), torch.full((4,), 11.0))
+
+
+def test_replay_repeats_in_place_ops():
+    acc = torch.zeros(3, device="supa")
+    step = torch.ones(3, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        acc.add_(step)
+    start = acc.clone()
+    for _ in range(3):
+        g.replay()
+    assert torch.equal((acc - start).cpu(), torch.full((3,), 3.0))
+
+
+def test_capture_begin_end_explicitly_on_side_stream():
+    x = torch.arange(4, dtype=torch.float32, device="supa")
+    g = torch.supa.SUPAGraph()
+    s = torch.supa.Stream()
+    torch.supa.synchronize()
+    with torch.supa.stream(s):
+        g.capture_begin()
+        assert torch.supa.is_current_stream_capturing()
+        y = x.mul(3)
+        g.capture_end()
+    assert not torch.supa.is_current_stream_capturing()
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(y.cpu(), torch.full((4,), 6.0))
+
+
+def test_bad_capture_error_mode_is_rejected():
+    g = torch.supa.SUPAGraph()
+    with pytest.raises(RuntimeError, match="Unknown capture error mode. Expected `global`, `thread_local`, "
+                                           "or `relaxed`, got bogus"):
+        g.capture_begin(capture_error_mode="bogus")
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_capture_error_modes_accepted(mode):
+    x = torch.ones(2, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g, capture_error_mode=mode):
+        y = x + 1
+    g.replay()
+    assert torch.equal(y.cpu(), torch.full((2,), 2.0))
+
+
+def test_graph_context_attributes_and_pool_sharing():
+    assert torch.supa.graph.default_capture_stream is None or isinstance(
+        torch.supa.graph.default_capture_stream, torch.supa.Stream)
+    g1 = torch.supa.SUPAGraph()
+    ctx = torch.supa.graph(g1)
+    assert isinstance(torch.supa.graph.default_capture_stream, torch.supa.Stream)
+    assert ctx.capture_stream is torch.supa.graph.default_capture_stream
+    assert ctx.pool == ()
+    x = torch.ones(2, device="supa")
+    with ctx:
+        y1 = x + 1
+    handle = torch.supa.graph_pool_handle()
+    assert isinstance(handle, tuple) and len(handle) == 2
+    g2 = torch.supa.SUPAGraph()
+    with torch.supa.graph(g2, pool=g1.pool()):
+        y2 = y1 * 2
+    x.fill_(4.0)
+    g1.replay()
+    g2.replay()
+    assert torch.equal(y2.cpu(), torch.full((2,), 10.0))
+
+
+def test_reset_allows_recapture():
+    x = torch.ones(2, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        y = x + 1
+    g.reset()
+    with torch.supa.graph(g):
+        z = x * 5
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(z.cpu(), torch.full((2,), 10.0))
+    assert torch.equal(y.cpu(), torch.full((2,), 2.0))  # not re-run after reset
+
+
+def test_make_graphed_callables_function_forward_and_backward():
+    w = torch.randn(4, 3, device="supa", requires_grad=True)
+
+    def fn(inp):
+        return (inp @ w).relu().sum(dim=1)
+
+    sample = torch.randn(5, 4, device="supa", requires_grad=True)
+    graphed = torch.supa.make_graphed_callables(fn, (sample,), num_warmup_iters=1)
+
+    inp = torch.randn(5, 4, device="supa", requires_grad=True)
+    out = graphed(inp)
+    ref_inp = inp.detach().cpu().requires_grad_()
+    ref_w = w.detach().cpu().requires_grad_()
+    ref = (ref_inp @ ref_w).relu().sum(dim=1)
+    torch.testing.assert_close(out.cpu(), ref.detach())
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(inp.grad.cpu(), ref_inp.grad)
+
+
+def test_make_graphed_callables_module_uses_graph_in_captured_mode_only():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh()).to("supa")
+    sample = torch.randn(2, 3, device="supa")
+    graphed = torch.supa.make_graphed_callables(model, (sample,), num_warmup_iters=1)
+    assert graphed is model
+    x = torch.randn(2, 3, device="supa")
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
+    cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    torch.testing.assert_close(graphed(x).cpu(), cpu_model(x.cpu()))
+    model.eval()
+    torch.testing.assert_close(graphed(x).cpu(), cpu_model(x.cpu()))
+
+
+def test_make_graphed_callables_rejects_hooks_and_autocast_cache():
+    model = torch.nn.Linear(2, 2).to("supa")
+    model.register_forward_hook(lambda *a: None)
+    with pytest.raises(AssertionError):
+        torch.supa.make_graphed_callables(model, (torch.randn(1, 2, device="supa"),))
+    plain = torch.nn.Linear(2, 2).to("supa")
+    sample = torch.randn(1, 2, device="supa")
+    with torch.autocast("supa", cache_enabled=True):
+        with pytest.raises(RuntimeError, match="make_graphed_callables does not support the autocast caching"):
+            torch.supa.make_graphed_callables(plain, (sample,))

@@ -1,0 +1,118 @@
+"""torch.supa RNG: per-device generators, seeding, state save/restore."""
+
+import pytest
+import torch
+
+pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+
+multi_device = pytest.mark.skipif(torch.supa.device_count() < 2, reason="needs two SUPA devices")
+
+
+@pytest.fixture(autouse=True)
+def initialised():
+    torch.supa.init()
+
+
+def test_manual_seed_reproduces():
+    torch.supa.manual_seed(42)
+    a = torch.randn(16, device="supa")
+    torch.supa.manual_seed(42)
+    b = torch.randn(16, device="supa")
+    assert torch.equal(a.cpu(), b.cpu())
+    assert torch.supa.initial_seed() == 42
+
+
+def test_torch_manual_seed_seeds_supa():
+    torch.manual_seed(7)
+    a = torch.rand(16, device="supa")
+    torch.manual_seed(7)
+    b = torch.rand(16, device="supa")
+    assert torch.equal(a.cpu(), b.cpu())
+    assert torch.supa.initial_seed() == 7
+
+
+def test_different_seeds_differ():
+    torch.supa.manual_seed(1)
+    a = torch.rand(64, device="supa")
+    torch.supa.manual_seed(2)
+    b = torch.rand(64, device="supa")
+    assert not torch.equal(a.cpu(), b.cpu())
+
+
+def test_rng_state_round_trip():
+    torch.supa.manual_seed(123)
+    state = torch.supa.get_rng_state()
+    assert state.dtype == torch.uint8 and state.device.type == "cpu"
+    a = torch.randn(8, device="supa")
+    torch.supa.set_rng_state(state)
+    b = torch.randn(8, device="supa")
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_rng_state_all_round_trip():
+    states = torch.supa.get_rng_state_all()
+    assert len(states) == torch.supa.device_count()
+    a = torch.rand(4, device="supa")
+    torch.supa.set_rng_state_all(states)
+    b = torch.rand(4, device="supa")
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_get_rng_state_accepts_device_forms():
+    idx = torch.supa.current_device()
+    ref = torch.supa.get_rng_state()
+    assert torch.equal(torch.supa.get_rng_state(idx), ref)
+    assert torch.equal(torch.supa.get_rng_state(f"supa:{idx}"), ref)
+    assert torch.equal(torch.supa.get_rng_state(torch.device("supa", idx)), ref)
+
+
+def test_generators_are_device_generators():
+    gen = torch.supa.default_generators[0]
+    assert gen.device == torch.device("supa:0")
+    gen.manual_seed(5)
+    a = torch.rand(4, device="supa:0", generator=gen)
+    gen.manual_seed(5)
+    b = torch.rand(4, device="supa:0", generator=gen)
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_seed_and_seed_all_change_initial_seed():
+    torch.supa.manual_seed_all(0)
+    torch.supa.seed()
+    first = torch.supa.initial_seed()
+    torch.supa.seed_all()
+    assert torch.supa.initial_seed() != first or first != 0
+    seeds = {g.initial_seed() for g in torch.supa.default_generators}
+    assert len(seeds) == 1  # seed_all gives every device the same fresh seed
+
+
+@multi_device
+def test_manual_seed_all_seeds_every_device():
+    torch.supa.manual_seed_all(99)
+    assert all(g.initial_seed() == 99 for g in torch.supa.default_generators)
+    with torch.supa.device(1):
+        torch.supa.manual_seed(3)
+        assert torch.supa.initial_seed() == 3
+    assert torch.supa.default_generators[0].initial_seed() == 99
+
+
+def test_fork_rng_restores_supa_state():
+    torch.supa.manual_seed(11)
+    expected = torch.rand(4, device="supa")
+    torch.supa.manual_seed(11)
+    with torch.random.fork_rng(device_type="supa"):
+        torch.rand(100, device="supa")
+    assert torch.equal(torch.rand(4, device="supa").cpu(), expected.cpu())
+
+
+def test_seeding_before_init_is_deferred(python_subprocess):
+    out = python_subprocess("""
+        import torch
+        torch.manual_seed(77)
+        assert not torch.supa.is_initialized()
+        a = torch.rand(3, device="supa")
+        torch.supa.manual_seed(77)
+        b = torch.rand(3, device="supa")
+        print(torch.equal(a.cpu(), b.cpu()), torch.supa.initial_seed())
+    """)
+    assert out.stdout.split() == ["True", "77"]

@@ -1,0 +1,160 @@
+"""torch.supa streams and events: identity, selection, context managers, ordering and timing."""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+
+multi_device = pytest.mark.skipif(torch.supa.device_count() < 2, reason="needs two SUPA devices")
+
+
+@pytest.fixture(autouse=True)
+def restore_device_and_stream():
+    torch.supa.init()
+    prev_dev = torch.supa.current_device()
+    prev_stream = torch.supa.current_stream()
+    yield
+    torch.supa.set_stream(prev_stream)
+    torch.supa.set_device(prev_dev)
+
+
+def test_default_stream_identity_and_repr():
+    s = torch.supa.default_stream()
+    assert isinstance(s, torch.supa.Stream) and isinstance(s, torch.Stream)
+    assert s.supa_stream == 0
+    assert s.device == torch.device("supa", torch.supa.current_device())
+    assert repr(s) == f"<torch_supa.supa.Stream device=supa:{torch.supa.current_device()} supa_stream=0x0>"
+    assert torch.supa.current_stream() == s
+
+
+def test_new_stream_properties():
+    s = torch.supa.Stream()
+    assert s.supa_stream != 0
+    assert s.priority == 0
+    assert s != torch.supa.default_stream()
+    assert s == torch.supa.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+    assert hash(s) == hash(torch.supa.Stream(stream_id=s.stream_id, device_index=s.device_index,
+                                             device_type=s.device_type))
+    assert (s == "not a stream") is False
+    assert re.fullmatch(r"<torch_supa\.supa\.Stream device=supa:\d+ supa_stream=0x[0-9a-f]+>", repr(s))
+    assert s.query() is True
+    s.synchronize()
+    least, greatest = torch.supa.Stream.priority_range()
+    assert greatest <= least
+    high = torch.supa.Stream(priority=greatest)
+    assert high.priority == greatest
+
+
+def test_stream_context_selects_and_restores():
+    s = torch.supa.Stream()
+    before = torch.supa.current_stream()
+    with torch.supa.stream(s):
+        assert torch.supa.current_stream() == s
+        x = torch.ones(4, device="supa") * 3
+    assert torch.supa.current_stream() == before
+    assert torch.equal(x.cpu(), torch.full((4,), 3.0))
+    with torch.supa.stream(None):  # no-op
+        assert torch.supa.current_stream() == before
+
+
+def test_torch_stream_with_statement_works_for_supa_streams():
+    s = torch.supa.Stream()
+    with s:
+        assert torch.supa.current_stream() == s
+    assert torch.supa.current_stream() == torch.supa.default_stream()
+
+
+def test_set_stream_and_set_stream_by_id():
+    s = torch.supa.Stream()
+    torch.supa.set_stream(s)
+    assert torch.supa.current_stream() == s
+    torch.supa.set_stream(None)
+    assert torch.supa.current_stream() == s
+    d = torch.supa.default_stream()
+    torch.supa.set_stream_by_id(d.stream_id, d.device_index, d.device_type)
+    assert torch.supa.current_stream() == d
+
+
+@multi_device
+def test_stream_context_on_other_device_restores_both_devices():
+    torch.supa.set_device(0)
+    s1 = torch.supa.Stream(device=1)
+    assert s1.device == torch.device("supa:1")
+    with torch.supa.stream(s1):
+        assert torch.supa.current_device() == 1
+        assert torch.supa.current_stream() == s1
+    assert torch.supa.current_device() == 0
+    assert torch.supa.current_stream(1) == torch.supa.default_stream(1)
+    assert torch.supa.current_stream(0) == torch.supa.default_stream(0)
+
+
+def test_external_stream_wraps_existing_handle():
+    s = torch.supa.Stream()
+    ext = torch.supa.ExternalStream(s.supa_stream)
+    assert ext.supa_stream == s.supa_stream
+    assert ext == s
+
+
+def test_event_lifecycle_and_repr():
+    e = torch.supa.Event()
+    assert isinstance(e, torch.Event)
+    assert repr(e) == "<torch_supa.supa.Event uninitialized>"
+    assert e.device is None
+    e.record()
+    assert re.fullmatch(r"<torch_supa\.supa\.Event 0x[0-9a-f]+>", repr(e))
+    assert e.device == torch.device("supa", torch.supa.current_device())
+    e.synchronize()
+    assert e.query() is True
+    e.wait()
+
+
+def test_elapsed_time_with_timing():
+    start = torch.supa.Event(enable_timing=True)
+    end = torch.supa.Event(enable_timing=True)
+    start.record()
+    x = torch.randn(64, 64, device="supa")
+    for _ in range(3):
+        x = x @ x
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0.0
+
+
+def test_elapsed_time_needs_recorded_events():
+    start = torch.supa.Event(enable_timing=True)
+    end = torch.supa.Event(enable_timing=True)
+    start.record()
+    with pytest.raises(RuntimeError):
+        start.elapsed_time(end)
+
+
+def test_wait_stream_orders_work_between_streams():
+    side = torch.supa.Stream()
+    x = torch.zeros(8, device="supa")
+    side.wait_stream(torch.supa.current_stream())
+    with torch.supa.stream(side):
+        x.add_(2)
+    torch.supa.current_stream().wait_stream(side)
+    assert torch.equal(x.cpu(), torch.full((8,), 2.0))
+    event = side.record_event()
+    assert isinstance(event, torch.supa.Event)
+    torch.supa.current_stream().wait_event(event)
+    assert event.query()
+
+
+def test_stream_capture_flag_outside_capture():
+    assert torch.supa.is_current_stream_capturing() is False
+
+
+@pytest.mark.emulation_only
+def test_ipc_handle_round_trip_within_emulator():
+    e = torch.supa.Event(interprocess=True)
+    e.record()
+    handle = e.ipc_handle()
+    assert isinstance(handle, bytes)
+    reopened = torch.supa.Event.from_ipc_handle(torch.supa.current_device(), handle)
+    assert reopened.query()
+    with pytest.raises(RuntimeError, match="Event can only be created on SUPA devices"):
+        torch.supa.Event.from_ipc_handle(torch.device("cpu"), handle)
