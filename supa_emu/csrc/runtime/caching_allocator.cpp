@@ -190,6 +190,18 @@ void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
   return block->ptr;
 }
 
+template <typename Fn>
+void for_each_stat(DeviceStats& s, Fn fn) {
+  for (StatArray* arr : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
+                         &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
+    for (Stat& stat : *arr) {
+      fn(stat);
+    }
+  }
+  fn(s.oversize_allocations);
+  fn(s.oversize_segments);
+}
+
 class SupaDeviceAllocator final : public c10::DeviceAllocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
@@ -225,14 +237,7 @@ class SupaDeviceAllocator final : public c10::DeviceAllocator {
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(g_mutex);
     DeviceStats& s = memory_of(device).stats;
-    for (StatArray* arr : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
-                           &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
-      for (Stat& stat : *arr) {
-        stat.reset_accumulated();
-      }
-    }
-    s.oversize_allocations.reset_accumulated();
-    s.oversize_segments.reset_accumulated();
+    for_each_stat(s, [](Stat& stat) { stat.reset_accumulated(); });
     s.num_alloc_retries = 0;
     s.num_ooms = 0;
     s.num_sync_all_streams = 0;
@@ -241,15 +246,7 @@ class SupaDeviceAllocator final : public c10::DeviceAllocator {
   }
   void resetPeakStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(g_mutex);
-    DeviceStats& s = memory_of(device).stats;
-    for (StatArray* arr : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
-                           &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
-      for (Stat& stat : *arr) {
-        stat.reset_peak();
-      }
-    }
-    s.oversize_allocations.reset_peak();
-    s.oversize_segments.reset_peak();
+    for_each_stat(memory_of(device).stats, [](Stat& stat) { stat.reset_peak(); });
   }
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(g_mutex);
