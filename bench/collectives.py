@@ -1,0 +1,129 @@
+"""Bus bandwidth of bccl on supa tensors against raw gloo on CPU tensors, 2 ranks, 1 KiB to 64 MiB.
+
+    SUPA_EMULATE=1 python bench/collectives.py [--max-mib 64] [--world 2]
+
+Each rank runs both sides in the same process (bccl as the default group, a gloo group from
+new_group), alternating them per size so machine noise hits both alike; the best of several
+trials is reported. Bus bandwidth follows the nccl-tests convention, with S the size of the full
+tensor (all_reduce buffer, all_gather output, reduce_scatter input) and n the world size:
+all_reduce S*2(n-1)/n/t, all_gather_into_tensor and reduce_scatter_tensor S*(n-1)/n/t.
+"""
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+TRIALS = 3
+TRIAL_SECONDS = 0.15
+
+
+def _buffers(name: str, nbytes: int, world: int, device: torch.device):
+    numel = max(world, nbytes // 4 // world * world)
+    if name == "all_reduce":
+        return (torch.ones(numel, device=device),)
+    if name == "all_gather_into_tensor":
+        return torch.empty(numel, device=device), torch.ones(numel // world, device=device)
+    return torch.empty(numel // world, device=device), torch.ones(numel, device=device)
+
+
+def _run(name: str, buffers, group) -> None:
+    if name == "all_reduce":
+        dist.all_reduce(buffers[0], group=group)
+    elif name == "all_gather_into_tensor":
+        dist.all_gather_into_tensor(buffers[0], buffers[1], group=group)
+    else:
+        dist.reduce_scatter_tensor(buffers[0], buffers[1], group=group)
+
+
+def _seconds_per_op(name, buffers, group, sync_group, iterations) -> float:
+    best = float("inf")
+    for _ in range(TRIALS):
+        dist.barrier(group=sync_group)
+        start = time.perf_counter()
+        for _ in range(iterations):
+            _run(name, buffers, group)
+        best = min(best, (time.perf_counter() - start) / iterations)
+    return best
+
+
+def _bus_bytes(name: str, nbytes: int, world: int) -> float:
+    factor = 2 * (world - 1) / world if name == "all_reduce" else (world - 1) / world
+    return nbytes * factor
+
+
+def _iterations(name, buffers, group, sync_group) -> int:
+    """Enough repetitions for a trial to last about TRIAL_SECONDS (agreed across ranks)."""
+    _run(name, buffers, group)
+    start = time.perf_counter()
+    _run(name, buffers, group)
+    estimate = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=sync_group)
+    return max(2, min(200, int(TRIAL_SECONDS / max(estimate.item(), 1e-6))))
+
+
+def _worker(rank: int, world: int, port: int, sizes, queue) -> None:
+    torch.set_num_threads(1)  # two ranks share the machine's cores with gloo's threads
+    torch.accelerator.set_device_index(rank)
+    dist.init_process_group("bccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gloo = dist.new_group(backend="gloo")
+    device = torch.device("supa", rank)
+    rows = []
+    for name in COLLECTIVES:
+        for nbytes in sizes:
+            supa_buffers = _buffers(name, nbytes, world, device)
+            cpu_buffers = _buffers(name, nbytes, world, torch.device("cpu"))
+            iterations = _iterations(name, cpu_buffers, gloo, gloo)
+            _iterations(name, supa_buffers, None, gloo)  # warm-up
+            gloo_s = _seconds_per_op(name, cpu_buffers, gloo, gloo, iterations)
+            bccl_s = _seconds_per_op(name, supa_buffers, None, gloo, iterations)
+            gloo_s = min(gloo_s, _seconds_per_op(name, cpu_buffers, gloo, gloo, iterations))
+            bccl_s = min(bccl_s, _seconds_per_op(name, supa_buffers, None, gloo, iterations))
+            size = supa_buffers[0].numel() * 4 if name != "reduce_scatter_tensor" else supa_buffers[1].numel() * 4
+            rows.append((name, size, _bus_bytes(name, size, world) / bccl_s, _bus_bytes(name, size, world) / gloo_s))
+            del supa_buffers, cpu_buffers
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+def _size_label(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-mib", type=int, default=64)
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    sizes, nbytes = [], 1 << 10
+    while nbytes <= args.max_mib << 20:
+        sizes.append(nbytes)
+        nbytes *= 4
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(args.world, port, sizes, queue), nprocs=args.world)
+    rows = queue.get()
+    print(f"bus bandwidth, {args.world} ranks, torch {torch.__version__} "
+          f"(bccl: supa tensors; gloo: CPU tensors; best of {2 * TRIALS} trials)")
+    print(f"{'collective':<24}{'size':>9}{'bccl GB/s':>12}{'gloo GB/s':>12}{'ratio':>8}")
+    for name, size, bccl_bw, gloo_bw in rows:
+        print(f"{name:<24}{_size_label(size):>9}{bccl_bw / 1e9:>12.3f}{gloo_bw / 1e9:>12.3f}{bccl_bw / gloo_bw:>8.2f}")
+
+
+if __name__ == "__main__":
+    if os.environ.get("SUPA_EMULATE") != "1":
+        sys.exit("run with SUPA_EMULATE=1 (the benchmark needs emulated supa devices)")
+    main()

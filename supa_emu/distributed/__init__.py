@@ -1,0 +1,75 @@
+"""The `bccl` process-group backend: torch.distributed on emulated SUPA devices, carried by gloo.
+
+Route. torch 2.13 lets a backend plugin return either a c10d `Backend` or a whole
+`torch.distributed.ProcessGroup`; c10d's `Backend` cannot be subclassed from Python (it has no
+Python constructor), so bccl is a `ProcessGroup` subclass (`ProcessGroupBCCL`). init_process_group
+and new_group use the object it returns as the group itself, and every torch.distributed function
+calls its methods directly: all_reduce -> `allreduce`, all_gather_into_tensor ->
+`all_gather_single`, reduce_scatter_tensor -> `reduce_scatter_single`, the coalescing manager ->
+`*_coalesced` plus `_start_coalescing`/`_end_coalescing`, and so on. The C++ spellings
+(`_allgather_base`, `alltoall_base`, ...) are aliases, so C++ callers that go through the
+process-group trampoline land in the same code. Inside, each group owns a private gloo group and
+passes it CPU views aliasing the device tensors' host memory: no copy on the way in or out.
+
+`register()` installs the backend under the name "bccl" for the "supa" device with the extended
+plugin API, and makes 10 minutes (the real backend's default) the timeout a bccl group gets when
+init_process_group/new_group are not given one.
+"""
+
+import datetime
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from . import host_memory
+from .process_group import BACKEND_NAME, DEFAULT_TIMEOUT, ProcessGroupBCCL
+from .signature_exchange import CollectiveMismatchError
+from .work import BCCLWork
+
+__all__ = [
+    "BACKEND_NAME",
+    "BCCLWork",
+    "CollectiveMismatchError",
+    "DEFAULT_TIMEOUT",
+    "ProcessGroupBCCL",
+    "is_registered",
+    "register",
+]
+
+
+def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
+    if pg_options is None:
+        pg_options = ProcessGroupBCCL.Options()
+    elif not isinstance(pg_options, ProcessGroupBCCL.Options):
+        raise TypeError("Expected pg_options argument to be of type ProcessGroupBCCL.Options")
+    pg_options._timeout = backend_options.timeout
+    pg_options.global_ranks_in_group = list(backend_options.global_ranks_in_group)
+    pg_options.group_name = backend_options.group_id
+    return ProcessGroupBCCL(
+        backend_options.store, backend_options.group_rank, backend_options.group_size, pg_options
+    )
+
+
+def _default_timeout_for(original):
+    def default_timeout(backend) -> datetime.timedelta:
+        if backend == BACKEND_NAME:
+            return DEFAULT_TIMEOUT
+        return original(backend)
+
+    default_timeout._bccl_wrapped = original
+    return default_timeout
+
+
+def is_registered() -> bool:
+    plugin = dist.Backend._plugins.get(BACKEND_NAME.upper())
+    return plugin is not None and plugin.creator_fn is _create_process_group
+
+
+def register() -> None:
+    """Make `init_process_group("bccl")` available; calling it again changes nothing."""
+    if not is_registered():
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create_process_group, extended_api=True, devices=[host_memory.DEVICE_TYPE]
+        )
+    if not hasattr(distributed_c10d._get_default_timeout, "_bccl_wrapped"):
+        distributed_c10d._get_default_timeout = _default_timeout_for(distributed_c10d._get_default_timeout)

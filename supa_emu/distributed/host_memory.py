@@ -1,0 +1,85 @@
+"""Host-memory access to emulated device tensors: the one seam between bccl and the native core.
+
+An emulated card keeps its memory in host RAM, so gloo can read and write a device tensor's bytes
+through a CPU tensor that aliases them. Everything in this package reaches device memory through
+`host_view()` and asks `is_device_tensor()` which tensors it may accept; nothing else here knows
+how the alias is made. `HostCall` gathers one call's views and stages the layouts gloo cannot
+address in place (non-contiguous tensors) through contiguous host buffers.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+
+DEVICE_TYPE = "supa"
+
+
+def _native_host_view(tensor: torch.Tensor) -> torch.Tensor:
+    from supa_emu.native import _C
+
+    return _C._host_view(tensor)
+
+
+_view_fn = _native_host_view
+
+
+def host_view(tensor: torch.Tensor) -> torch.Tensor:
+    """Return a CPU tensor aliasing `tensor`'s memory (same sizes, strides and offset).
+
+    Writes through the view are visible on `tensor`; the caller keeps `tensor` alive while the
+    view is in use, since the view does not own the memory.
+    """
+    return _view_fn(tensor)
+
+
+def is_device_tensor(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == DEVICE_TYPE
+
+
+def device() -> torch.device:
+    return torch.device(DEVICE_TYPE)
+
+
+class HostCall:
+    """The host side of one call: views handed to gloo, fix-ups and write-backs to run at the end."""
+
+    def __init__(self):
+        self.device_tensors: List[torch.Tensor] = []
+        self._fixups: List[Callable[[], None]] = []
+        self._writebacks = []
+
+    def view(self, tensor: torch.Tensor, read: bool = True, write: bool = True) -> torch.Tensor:
+        self.device_tensors.append(tensor)
+        view = host_view(tensor)
+        if view.is_contiguous():
+            return view
+        staged = view.contiguous() if read else torch.empty(view.shape, dtype=view.dtype)
+        if write:
+            self._writebacks.append((view, staged))
+        return staged
+
+    def after(self, fixup: Callable[[], None]) -> None:
+        self._fixups.append(fixup)
+
+    def epilogue(self) -> Optional[Callable[[], None]]:
+        if not self._fixups and not self._writebacks:
+            return None
+        fixups, writebacks = self._fixups, self._writebacks
+
+        def run():
+            for fixup in fixups:
+                fixup()
+            for view, staged in writebacks:
+                view.copy_(staged)
+
+        return run
+
+
+def _use_cpu_tensors_for_development() -> None:
+    """Treat plain CPU tensors as the device's tensors (identity view).
+
+    Lets the backend be exercised before the native core exists; never called in production.
+    """
+    global DEVICE_TYPE, _view_fn
+    DEVICE_TYPE = "cpu"
+    _view_fn = lambda tensor: tensor  # noqa: E731

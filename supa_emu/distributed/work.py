@@ -1,0 +1,139 @@
+"""Completion handle of a bccl operation: waits for its gloo parts, then runs its epilogue once.
+
+A bccl operation is one or more gloo operations on host views plus, when gloo could not do the
+whole job, an epilogue (copy a staged result back, divide a sum into an average, unpack a packed
+exchange). `wait()` waits for the parts in the caller's thread and runs the epilogue there, which
+keeps a collective's latency at gloo's own; a future (`get_future()`, used by DDP-style hooks and
+by C++ callers through the process-group trampoline) is built only when asked for, chained on the
+parts' futures so it completes, epilogue included, without anyone calling wait().
+"""
+
+import datetime
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class BCCLWork(dist.Work):
+    def __init__(
+        self,
+        parts: Sequence[dist.Work],
+        epilogue: Optional[Callable[[], None]] = None,
+        outputs: Sequence[torch.Tensor] = (),
+        keep_alive: Sequence[object] = (),
+    ):
+        super().__init__()
+        self._parts = list(parts)
+        self._epilogue = epilogue
+        self._outputs = list(outputs)
+        # The host views do not own device memory: the device tensors must outlive gloo's use.
+        self._keep_alive = keep_alive
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: Optional[BaseException] = None
+        self._future: Optional[torch.futures.Future] = None
+
+    def _complete(self) -> List[torch.Tensor]:
+        """Run the epilogue once all parts have finished; later calls report the same outcome."""
+        with self._lock:
+            if not self._done:
+                try:
+                    if self._epilogue is not None:
+                        self._epilogue()
+                except Exception as error:
+                    self._error = error
+                finally:
+                    self._done, self._epilogue, self._keep_alive = True, None, ()
+        if self._error is not None:
+            raise self._error
+        return self._outputs
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        for part in self._parts:
+            if timeout and timeout > datetime.timedelta(0):
+                part.wait(timeout)
+            else:
+                part.wait()
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if all(part.is_completed() for part in self._parts):
+            if self.exception() is None:
+                try:
+                    self._complete()
+                except Exception:
+                    pass  # reported by exception() and wait()
+            return True
+        return False
+
+    def is_success(self) -> bool:
+        if not self.is_completed():
+            raise RuntimeError("bccl: is_success() called on a work that has not completed")
+        return self.exception() is None
+
+    def exception(self):
+        if self._error is not None:
+            return self._error
+        for part in self._parts:
+            if part.is_completed():
+                error = part.exception()
+                if error is not None:
+                    return error
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            part_futures = _futures_of(self._parts)
+            if part_futures is None:
+                # gloo's send/recv offer no future: complete this one by waiting now.
+                self._future = torch.futures.Future()
+                waited = self._future
+            else:
+                self._future = torch.futures.collect_all(part_futures).then(self._after_parts)
+                return self._future
+        try:
+            self.wait()
+            waited.set_result(self._outputs)
+        except Exception as error:
+            waited.set_exception(error)
+        return waited
+
+    def _after_parts(self, gathered) -> List[torch.Tensor]:
+        for part_future in gathered.value():
+            part_future.value()  # re-raises the gloo error of a failed part
+        return self._complete()
+
+    def result(self) -> List[torch.Tensor]:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def _source_rank(self) -> int:
+        # Only meaningful for recv from any source, which is a single gloo part.
+        return self._parts[0]._source_rank()
+
+    def source_rank(self) -> int:
+        return self._source_rank()
+
+
+def _futures_of(parts: Sequence[dist.Work]) -> Optional[List[torch.futures.Future]]:
+    futures = []
+    for part in parts:
+        try:
+            futures.append(part.get_future())
+        except RuntimeError:
+            return None
+    return futures
+
+
+def combine(works: Sequence[BCCLWork]) -> BCCLWork:
+    """One handle that completes when all of `works` have (their epilogues included)."""
+    return BCCLWork([work for work in works if work is not None])

@@ -1,0 +1,537 @@
+"""The bccl backend: every collective DeepSpeed uses, on supa tensors, across real processes.
+
+Each job starts 2 ranks as separate interpreters (SUPA_EMULATE=1, rank r on supa:r) and runs a
+scenario from this file; process start-up dominates, so one job runs many checks and the tests
+below read their outcomes. Expected values are computed independently on the CPU.
+"""
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch  # noqa: F401  (activates the emulator in this process, as the other test modules do)
+
+pytestmark = pytest.mark.emulation_only
+
+WORLD = 2
+_RESULT = "BCCL-RESULT "
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side (runs in the spawned ranks)
+# ------------------------------------------------------------------------------------------------
+def _init(rank: int, port: int, timeout_s: float = 0):
+    import torch
+    import torch.distributed as dist
+
+    from supa_emu.distributed import register
+
+    register()  # activation registers it too; calling again must be harmless
+    torch.accelerator.set_device_index(rank)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("bccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, **kwargs)
+    return torch.device("supa", rank)
+
+
+class _Checks:
+    def __init__(self):
+        self.outcomes = {}
+
+    def __call__(self, name, fn):
+        try:
+            fn()
+            self.outcomes[name] = "ok"
+        except Exception as error:  # recorded, asserted by the parent test
+            self.outcomes[name] = f"{type(error).__name__}: {error}"
+
+
+def _scenario_collectives(rank: int, port: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    R = dist.ReduceOp
+    dev = _init(rank, port)
+    other = 1 - rank
+    check = _Checks()
+
+    def same(actual, expected):
+        assert actual.device == dev, f"result moved to {actual.device}"
+        assert torch.equal(actual.cpu(), expected), f"{actual.cpu()} != {expected}"
+
+    check("group_type", lambda: _expect(type(dist.group.WORLD).__name__ == "ProcessGroupBCCL"
+                                        and dist.get_backend() == "bccl", "not a bccl group"))
+    check("default_timeout", lambda: _expect(
+        dist.group.WORLD.options._timeout == datetime.timedelta(minutes=10), dist.group.WORLD.options._timeout))
+
+    base = {0: torch.tensor([1, 3, -5, 7, 2]), 1: torch.tensor([2, 3, -6, 1, 2])}
+    reference = {
+        "SUM": base[0] + base[1], "PRODUCT": base[0] * base[1],
+        "MIN": torch.minimum(base[0], base[1]), "MAX": torch.maximum(base[0], base[1]),
+    }
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+        for op in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
+            def all_reduce(dtype=dtype, op=op):
+                x = base[rank].to(dtype).to(dev)
+                dist.all_reduce(x, op=getattr(R, op))
+                if op == "AVG":
+                    total = (base[0] + base[1]).to(dtype)
+                    expected = total / 2 if dtype.is_floating_point else torch.div(total, 2, rounding_mode="trunc")
+                else:
+                    expected = reference[op].to(dtype)
+                same(x, expected.to(dtype))
+            check(f"all_reduce/{str(dtype)[6:]}/{op}", all_reduce)
+
+    def all_reduce_non_contiguous():
+        full = (torch.arange(24.).reshape(4, 6) + rank).to(dev)
+        x = full.t()[1:5]
+        dist.all_reduce(x)
+        expected = (torch.arange(24.).reshape(4, 6) * 2 + 1).t()[1:5]
+        same(x, expected)
+        same(full.t()[0], torch.arange(24.).reshape(4, 6).t()[0] + rank)  # untouched neighbours
+    check("all_reduce/non_contiguous", all_reduce_non_contiguous)
+
+    def all_reduce_async():
+        x = torch.full((1000,), float(rank + 1), device=dev)
+        work = dist.all_reduce(x, async_op=True)
+        assert work.wait() is True
+        same(x, torch.full((1000,), 3.0))
+        y = torch.full((8,), rank + 1, dtype=torch.int64, device=dev)
+        fut = dist.all_reduce(y, op=R.AVG, async_op=True).get_future()
+        fut.wait()
+        same(y, torch.full((8,), 1, dtype=torch.int64))
+    check("async/all_reduce", all_reduce_async)
+
+    def broadcast():
+        x = torch.full((7,), float(rank), device=dev)
+        dist.broadcast(x, src=1)
+        same(x, torch.ones(7))
+        y = (torch.arange(12, dtype=torch.bfloat16).reshape(3, 4) * (rank + 1)).to(dev).t()
+        dist.broadcast(y, src=0)
+        same(y, torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t())
+    check("broadcast", broadcast)
+
+    def reduce():
+        x = torch.full((5,), float(rank + 2), device=dev)
+        dist.reduce(x, dst=0, op=R.MAX)
+        same(x, torch.full((5,), 3.0) if rank == 0 else torch.full((5,), float(rank + 2)))
+        y = torch.full((4,), 3 * rank + 4, dtype=torch.int32, device=dev)
+        dist.reduce(y, dst=1, op=R.AVG)
+        same(y, torch.full((4,), 5 if rank == 1 else 4, dtype=torch.int32))  # trunc(11 / 2); root 1 only
+    check("reduce", reduce)
+
+    def all_gather():
+        out = [torch.empty(2, 3, device=dev) for _ in range(WORLD)]
+        dist.all_gather(out, torch.full((2, 3), float(rank), device=dev))
+        for r in range(WORLD):
+            same(out[r], torch.full((2, 3), float(r)))
+    check("all_gather", all_gather)
+
+    def all_gather_unequal():
+        out = [torch.empty(r + 2, device=dev) for r in range(WORLD)]
+        dist.all_gather(out, torch.arange(rank + 2.0, device=dev) + 10 * rank)
+        for r in range(WORLD):
+            same(out[r], torch.arange(r + 2.0) + 10 * r)
+    check("all_gather/unequal_sizes", all_gather_unequal)
+
+    def all_gather_into_tensor():
+        flat = torch.empty(WORLD * 3, dtype=torch.float16, device=dev)
+        dist.all_gather_into_tensor(flat, torch.full((3,), float(rank), dtype=torch.float16, device=dev))
+        same(flat, torch.tensor([0.0] * 3 + [1.0] * 3, dtype=torch.float16))
+        stacked = torch.empty(WORLD, 2, 2, device=dev)
+        dist.all_gather_into_tensor(stacked, torch.full((2, 2), rank + 0.5, device=dev))
+        same(stacked, torch.stack([torch.full((2, 2), r + 0.5) for r in range(WORLD)]))
+        strided = torch.zeros(3, WORLD * 2, device=dev).t()[:, 1]  # a non-contiguous output
+        dist.all_gather_into_tensor(strided, torch.full((2,), float(rank + 1), device=dev))
+        same(strided, torch.tensor([1.0, 1.0, 2.0, 2.0]))
+    check("all_gather_into_tensor", all_gather_into_tensor)
+
+    def reduce_scatter():
+        out = torch.empty(3, device=dev)
+        dist.reduce_scatter(out, [torch.full((3,), float(rank + 10 * r), device=dev) for r in range(WORLD)])
+        same(out, torch.full((3,), 1.0 + 20 * rank))
+    check("reduce_scatter", reduce_scatter)
+
+    def reduce_scatter_tensor():
+        full = torch.arange(8.0) * (rank + 1)
+        out = torch.empty(4, device=dev)
+        dist.reduce_scatter_tensor(out, full.to(dev))
+        same(out, (torch.arange(8.0) * 3)[4 * rank:4 * rank + 4])
+        ints = torch.arange(8, dtype=torch.int64) + rank
+        iout = torch.empty(4, dtype=torch.int64, device=dev)
+        dist.reduce_scatter_tensor(iout, ints.to(dev), op=R.AVG)
+        same(iout, torch.div(2 * torch.arange(8) + 1, 2, rounding_mode="trunc")[4 * rank:4 * rank + 4])
+        bf = torch.empty(2, 2, dtype=torch.bfloat16, device=dev)
+        dist.reduce_scatter_tensor(bf, torch.ones(WORLD * 2, 2, dtype=torch.bfloat16, device=dev), op=R.AVG)
+        same(bf, torch.ones(2, 2, dtype=torch.bfloat16))
+    check("reduce_scatter_tensor", reduce_scatter_tensor)
+
+    def all_to_all():
+        out = [torch.empty(r + 1, device=dev) for r in range(WORLD)]
+        dist.all_to_all(out, [torch.full((rank + 1,), float(10 * rank + r), device=dev) for r in range(WORLD)])
+        for r in range(WORLD):
+            same(out[r], torch.full((r + 1,), float(10 * r + rank)))
+    check("all_to_all", all_to_all)
+
+    def all_to_all_single_equal():
+        out = torch.empty(4, 2, device=dev)
+        inp = (torch.arange(8.0).reshape(4, 2) + 100 * rank).to(dev)
+        dist.all_to_all_single(out, inp)
+        expected = torch.cat([(torch.arange(8.0).reshape(4, 2) + 100 * r)[2 * rank:2 * rank + 2] for r in range(WORLD)])
+        same(out, expected)
+    check("all_to_all_single/equal", all_to_all_single_equal)
+
+    def all_to_all_single_unequal():
+        send = {0: [1, 2], 1: [3, 1]}  # send[r][p]: rows rank r sends to p
+        receive = [send[p][rank] for p in range(WORLD)]
+        inp = (torch.arange(float(sum(send[rank]))) + 100 * rank).to(dev)
+        out = torch.empty(sum(receive), device=dev)
+        dist.all_to_all_single(out, inp, receive, send[rank])
+        pieces = []
+        for p in range(WORLD):
+            start = sum(send[p][:rank])
+            pieces.append(torch.arange(float(sum(send[p])))[start:start + send[p][rank]] + 100 * p)
+        same(out, torch.cat(pieces))
+    check("all_to_all_single/unequal", all_to_all_single_unequal)
+
+    def gather():
+        out = [torch.empty(3, device=dev) for _ in range(WORLD)] if rank == 1 else None
+        dist.gather(torch.full((3,), float(rank + 1), device=dev), out, dst=1)
+        if rank == 1:
+            for r in range(WORLD):
+                same(out[r], torch.full((3,), float(r + 1)))
+    check("gather", gather)
+
+    def scatter():
+        out = torch.empty(2, dtype=torch.int32, device=dev)
+        chunks = [torch.full((2,), 7 * r, dtype=torch.int32, device=dev) for r in range(WORLD)] if rank == 0 else None
+        dist.scatter(out, chunks, src=0)
+        same(out, torch.full((2,), 7 * rank, dtype=torch.int32))
+    check("scatter", scatter)
+
+    check("barrier", lambda: dist.barrier())
+
+    def send_recv():
+        if rank == 0:
+            dist.send(torch.arange(5.0, device=dev), dst=1)
+            back = torch.empty(6, dtype=torch.bfloat16, device=dev)
+            dist.recv(back, src=1)
+            same(back, torch.ones(6, dtype=torch.bfloat16))
+        else:
+            x = torch.empty(5, device=dev)
+            dist.recv(x, src=0)
+            same(x, torch.arange(5.0))
+            dist.send(torch.ones(6, dtype=torch.bfloat16, device=dev), dst=0)
+    check("send_recv", send_recv)
+
+    def isend_irecv():
+        mine = torch.full((4,), float(rank), device=dev)
+        theirs = torch.zeros(8, device=dev)[::2]  # non-contiguous receive buffer
+        sent = dist.isend(mine, dst=other)
+        received = dist.irecv(theirs, src=other)
+        sent.wait()
+        received.wait()
+        same(theirs, torch.full((4,), float(other)))
+    check("isend_irecv", isend_irecv)
+
+    def batch_isend_irecv():
+        mine = torch.full((3,), float(rank + 5), device=dev)
+        theirs = torch.empty(3, device=dev)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, other), dist.P2POp(dist.irecv, theirs, other)])
+        for work in works:
+            work.wait()
+        same(theirs, torch.full((3,), float(other + 5)))
+    check("batch_isend_irecv", batch_isend_irecv)
+
+    def all_reduce_coalesced():
+        xs = [torch.ones(3, device=dev) * (rank + 1), torch.ones(2, 2, device=dev)]
+        dist.all_reduce_coalesced(xs, op=R.SUM)
+        same(xs[0], torch.full((3,), 3.0))
+        same(xs[1], torch.full((2, 2), 2.0))
+    check("all_reduce_coalesced", all_reduce_coalesced)
+
+    def coalescing_manager():
+        # What deepspeed.comm does for all_gather_coalesced and reduce_scatter_coalesced.
+        outs = [torch.empty(4, device=dev), torch.empty(2, device=dev)]
+        ins = [torch.full((2,), float(rank), device=dev), torch.full((1,), float(rank + 3), device=dev)]
+        reqs = []
+        with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+            for out, inp in zip(outs, ins):
+                reqs.append(dist.all_gather_into_tensor(out, inp, async_op=True))
+        cm.wait()
+        same(outs[0], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+        same(outs[1], torch.tensor([3.0, 4.0]))
+        routs = [torch.empty(2, device=dev), torch.empty(1, device=dev)]
+        with dist._coalescing_manager(device=dev):
+            for out, n in zip(routs, (4, 2)):
+                dist.reduce_scatter_tensor(out, torch.arange(float(n), device=dev) + rank)
+        same(routs[0], (2 * torch.arange(4.0) + 1)[2 * rank:2 * rank + 2])
+        same(routs[1], (2 * torch.arange(2.0) + 1)[rank:rank + 1])
+        # One reduce op per coalesced batch (torch applies the first op to the whole batch).
+        xs = [torch.full((2,), rank + 1.0, device=dev), torch.full((3,), 2 * rank + 1, dtype=torch.int64, device=dev)]
+        with dist._coalescing_manager(device=dev):
+            dist.all_reduce(xs[0], op=R.AVG)
+            dist.all_reduce(xs[1], op=R.AVG)
+        same(xs[0], torch.full((2,), 1.5))
+        same(xs[1], torch.full((3,), 2, dtype=torch.int64))
+    check("coalescing_manager", coalescing_manager)
+
+    def coalesced_tensor_variants():
+        group = dist.group.WORLD
+        outs = [torch.empty(4, device=dev), torch.empty(2, device=dev)]
+        group.allgather_into_tensor_coalesced(
+            outs, [torch.full((2,), float(rank), device=dev), torch.full((1,), 1.0, device=dev)]).wait()
+        same(outs[0], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+        routs = [torch.empty(1, device=dev)]
+        group.reduce_scatter_tensor_coalesced(routs, [torch.arange(2.0, device=dev)], dist.ReduceScatterOptions()).wait()
+        same(routs[0], torch.tensor([2.0 * rank]))
+        lists = [[torch.empty(2, device=dev), torch.empty(1, device=dev)] for _ in range(WORLD)]
+        dist.all_gather_coalesced(lists, [torch.full((2,), float(rank), device=dev), torch.full((1,), 9.0, device=dev)])
+        same(lists[1][0], torch.ones(2))
+        same(lists[0][1], torch.tensor([9.0]))
+    check("coalesced_tensor_variants", coalesced_tensor_variants)
+
+    def object_collectives():
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, {"rank": rank})
+        _expect(gathered == [{"rank": 0}, {"rank": 1}], gathered)
+        box = [f"from {rank}"]
+        dist.broadcast_object_list(box, src=1)
+        _expect(box == ["from 1"], box)
+    check("object_collectives", object_collectives)
+
+    def subgroups():
+        pair = dist.new_group([0, 1])
+        x = torch.ones(3, device=dev)
+        dist.all_reduce(x, group=pair)
+        same(x, torch.full((3,), 2.0))
+        solo = {r: dist.new_group([r]) for r in range(WORLD)}
+        y = torch.full((2,), float(rank), device=dev)
+        dist.all_reduce(y, group=solo[rank])
+        same(y, torch.full((2,), float(rank)))
+        _expect(type(pair).__name__ == "ProcessGroupBCCL" and dist.get_world_size(pair) == 2, pair)
+        out = torch.empty(WORLD, device=dev)
+        dist.all_gather_into_tensor(out, torch.full((1,), float(rank), device=dev), group=pair)
+        same(out, torch.arange(float(WORLD)))
+    check("subgroups", subgroups)
+
+    def cpu_tensor_rejected():
+        try:
+            dist.all_reduce(torch.ones(2))
+        except ValueError as error:
+            _expect("cpu" in str(error) and "supa" in str(error), error)
+            return
+        raise AssertionError("a CPU tensor was accepted")
+    check("cpu_tensor_rejected", cpu_tensor_rejected)
+
+    def mismatched_shapes():
+        try:
+            dist.all_reduce(torch.ones(4 if rank == 0 else 8, device=dev))
+        except RuntimeError as error:
+            _expect("mismatch" in str(error) and "numel=4" in str(error) and "numel=8" in str(error), error)
+        else:
+            raise AssertionError("mismatched all_reduce did not fail")
+        try:
+            out = torch.empty(WORLD * (2 + rank), device=dev)
+            dist.all_gather_into_tensor(out, torch.ones(2 + rank, device=dev))
+        except RuntimeError as error:
+            _expect("mismatch" in str(error), error)
+        else:
+            raise AssertionError("mismatched all_gather_into_tensor did not fail")
+        # The group stays usable after a rejected call.
+        z = torch.ones(2, device=dev)
+        dist.all_reduce(z)
+        same(z, torch.full((2,), 2.0))
+    check("mismatched_shapes", mismatched_shapes)
+
+    def wrong_output_size():
+        try:
+            dist.all_gather_into_tensor(torch.empty(3, device=dev), torch.ones(2, device=dev))
+        except ValueError as error:
+            _expect("all_gather_into_tensor" in str(error), error)
+            return
+        raise AssertionError("wrong output size accepted")
+    check("wrong_output_size", wrong_output_size)
+
+    dist.destroy_process_group()
+    return check.outcomes
+
+
+def _scenario_peer_exits(rank: int, port: int) -> dict:
+    """Rank 1 dies (no clean shutdown) while rank 0 waits in a collective."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _init(rank, port, timeout_s=20)
+    x = torch.ones(4, device=dev)
+    dist.all_reduce(x)
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    outcome = {"timeout": str(dist.group.WORLD.options._timeout)}
+    try:
+        dist.all_reduce(x)
+        outcome["error"] = None
+    except Exception as error:
+        outcome["error"] = f"{type(error).__name__}: {error}"
+    outcome["seconds"] = time.monotonic() - start
+    return outcome
+
+
+def _scenario_peer_dies_mid_transfer(rank: int, port: int) -> dict:
+    """Rank 1 enters a large all_reduce, then dies; rank 0 is inside gloo when it happens."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _init(rank, port, timeout_s=20)
+    x = torch.ones(16 << 20, device=dev)
+    if rank == 1:
+        dist.all_reduce(x, async_op=True)
+        os._exit(3)
+    outcome = {}
+    try:
+        dist.all_reduce(x)
+        dist.all_reduce(x)  # in case the first finished before the peer went away
+        outcome["error"] = None
+    except Exception as error:
+        outcome["error"] = f"{type(error).__name__}: {error}"
+    return outcome
+
+
+def _scenario_peer_stalls(rank: int, port: int) -> dict:
+    """Rank 1 stays alive but never joins; rank 0 must give up after the group's timeout."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _init(rank, port, timeout_s=10)
+    if rank == 1:
+        time.sleep(25)
+        os._exit(0)
+    start = time.monotonic()
+    outcome = {}
+    try:
+        dist.all_reduce(torch.ones(4, device=dev))
+        outcome["error"] = None
+    except Exception as error:
+        outcome["error"] = f"{type(error).__name__}: {error}"
+    outcome["seconds"] = time.monotonic() - start
+    return outcome
+
+
+def _expect(condition, detail):
+    if not condition:
+        raise AssertionError(str(detail))
+
+
+def _worker_main(scenario: str, rank: int, port: int) -> None:
+    outcome = globals()[f"_scenario_{scenario}"](rank, port)
+    print(_RESULT + json.dumps(outcome), flush=True)
+    os._exit(0)  # skip interpreter teardown: peers may already be gone in the failure scenarios
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent side
+# ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_job(scenario: str, limit_s: float = 240) -> list:
+    """Start WORLD ranks of `scenario`; return each rank's (returncode, outcome dict or None, stderr)."""
+    port = _free_port()
+    env = dict(os.environ, SUPA_EMULATE="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), scenario, str(rank), str(port)],
+            env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(WORLD)
+    ]
+    results = []
+    deadline = time.monotonic() + limit_s
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"bccl job {scenario!r} hung (> {limit_s}s)")
+        lines = [line for line in out.splitlines() if line.startswith(_RESULT)]
+        results.append((proc.returncode, json.loads(lines[-1][len(_RESULT):]) if lines else None, err))
+    return results
+
+
+@pytest.fixture(scope="module")
+def collectives():
+    results = _run_job("collectives")
+    outcomes = []
+    for rank, (code, outcome, err) in enumerate(results):
+        assert code == 0 and outcome is not None, f"rank {rank} failed ({code}):\n{err[-4000:]}"
+        outcomes.append(outcome)
+    return outcomes
+
+
+_DTYPES = ("float32", "float16", "bfloat16", "int32", "int64")
+_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
+_CHECKS = [
+    "group_type", "default_timeout", "all_reduce/non_contiguous", "async/all_reduce", "broadcast", "reduce",
+    "all_gather", "all_gather/unequal_sizes", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single/equal", "all_to_all_single/unequal", "gather",
+    "scatter", "barrier", "send_recv", "isend_irecv", "batch_isend_irecv", "all_reduce_coalesced",
+    "coalescing_manager", "coalesced_tensor_variants", "object_collectives", "subgroups",
+    "cpu_tensor_rejected", "mismatched_shapes", "wrong_output_size",
+]
+
+
+def _assert_ok(outcomes, name):
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.get(name) == "ok", f"rank {rank}: {name}: {outcome.get(name)}"
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("op", _OPS)
+def test_all_reduce_dtypes_and_ops(collectives, dtype, op):
+    _assert_ok(collectives, f"all_reduce/{dtype}/{op}")
+
+
+@pytest.mark.parametrize("name", _CHECKS)
+def test_collective(collectives, name):
+    _assert_ok(collectives, name)
+
+
+def test_every_check_ran(collectives):
+    expected = {f"all_reduce/{d}/{o}" for d in _DTYPES for o in _OPS} | set(_CHECKS)
+    assert set(collectives[0]) == expected
+
+
+def test_dead_peer_fails_the_survivor():
+    (code0, survivor, err0), (code1, _, _) = _run_job("peer_exits", limit_s=120)
+    assert code1 == 3
+    assert code0 == 0 and survivor is not None, err0[-4000:]
+    assert survivor["timeout"] == "0:00:20"  # init_process_group(timeout=...) reaches the group
+    assert survivor["error"] and "rank 1" in survivor["error"] and "exited" in survivor["error"], survivor
+
+
+def test_peer_dying_inside_gloo_fails_the_survivor():
+    (code0, survivor, err0), (code1, _, _) = _run_job("peer_dies_mid_transfer", limit_s=120)
+    assert code1 == 3
+    assert code0 == 0 and survivor is not None, err0[-4000:]
+    assert survivor["error"], "the survivor's all_reduce completed although its peer died"
+
+
+def test_stalled_peer_times_out():
+    (code0, survivor, err0), _ = _run_job("peer_stalls", limit_s=120)
+    assert code0 == 0 and survivor is not None, err0[-4000:]
+    assert survivor["error"] and "timed out" in survivor["error"], survivor
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
