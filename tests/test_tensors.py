@@ -183,3 +183,16 @@ def test_large_elementwise_and_reductions_in_low_precision():
     for dtype in (torch.float16, torch.bfloat16):
         x = torch.randn(1000, dtype=dtype)
         torch.testing.assert_close((x.to(DEV) * 2).sum().cpu(), (x * 2).sum())
+
+
+def test_operators_are_bit_identical_to_the_cpu_kernels():
+    x = torch.randn(60, 256)
+    weight, bias = torch.randn(256), torch.randn(256)
+    cases = [
+        lambda t: torch.nn.functional.layer_norm(t, (256,), weight.to(t.device), bias.to(t.device)),
+        lambda t: torch.nn.functional.group_norm(t.view(60, 16, 16), 4),
+        lambda t: torch.stack([t, t * 2]),
+        lambda t: torch.nn.functional.gelu(t @ t.T).softmax(-1),
+    ]
+    for case in cases:
+        assert torch.equal(case(x.to(DEV)).cpu(), case(x))

@@ -15,7 +15,7 @@ void init(int count, const std::vector<int64_t>& capacities, bool dtype_demotion
   supa::install_host_routing_allocator();
   supa::register_hooks();
   supa::register_graph_impl();
-  supa::route_structured_ops_to_cpu_kernels();
+  supa::route_composite_ops_to_cpu_kernels();
 }
 
 py::tuple default_generators() {

@@ -245,11 +245,12 @@ void supa_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 }  // namespace
 
-void route_structured_ops_to_cpu_kernels() {
-  // Structured operators reach a backend without kernels through a generated composite
-  // that allocates the result and then calls the `out=` variant. Registering the fallback
-  // as their supa kernel instead runs the CPU functional kernel directly: one call, no
-  // pre-allocated output to resize.
+void route_composite_ops_to_cpu_kernels() {
+  // Operators with a CPU kernel and a composite one would reach supa through the composite:
+  // for structured ops a generated wrapper that allocates the result and calls `out=`, for a
+  // few others (native_layer_norm, native_group_norm, ...) a decomposition that rounds
+  // differently from the CPU kernel. Registering the fallback as their supa kernel runs the
+  // CPU kernel itself: bit-identical to CPU, one call, no temporaries.
   static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
@@ -257,7 +258,8 @@ void route_structured_ops_to_cpu_kernels() {
     if (!op.has_value() || name.name.rfind("aten::", 0) != 0 ||
         !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
         op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+        !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd))) {
       continue;
     }
     const std::string qualified = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;

@@ -88,6 +88,6 @@ void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& 
 void register_graph_impl();
 
 // ---- operators (fallback.cpp) -------------------------------------------------------------
-void route_structured_ops_to_cpu_kernels();
+void route_composite_ops_to_cpu_kernels();
 
 }  // namespace supa
