@@ -30,7 +30,8 @@ class BCCLWork(dist.Work):
         self._outputs = list(outputs)
         # The host views do not own device memory: the device tensors must outlive gloo's use.
         self._keep_alive = keep_alive
-        self._lock = threading.Lock()
+        # Re-entrant: a future whose parts already finished runs its callback inline, under the lock.
+        self._lock = threading.RLock()
         self._done = False
         self._error: Optional[BaseException] = None
         self._future: Optional[torch.futures.Future] = None
