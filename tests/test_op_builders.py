@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import op_builder.supa as supa_builders
-from op_builder.supa import builder as builder_base
 from op_builder.supa import supa_kernels
 
 # Builder class -> DeepSpeed op name (deepspeed 0.19.8's op_builder tree).
