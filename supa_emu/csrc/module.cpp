@@ -4,10 +4,6 @@
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
 
-namespace supa {
-void register_hooks();  // hooks.cpp
-}
-
 namespace {
 
 void init(int count, const std::vector<int64_t>& capacities, bool dtype_demotion) {
@@ -69,14 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_device_count", [] { return supa::device_count(); });
   m.def("_get_device", [] { return static_cast<int>(supa::current_device()); });
   m.def("_set_device", [](int index) { supa::set_device(static_cast<c10::DeviceIndex>(index)); });
-  m.def("_exchange_device", [](int index) {
-    if (index < 0) {
-      return -1;
-    }
-    const int old = supa::current_device();
-    supa::set_device(static_cast<c10::DeviceIndex>(index));
-    return old;
-  });
+  m.def("_exchange_device",
+        [](int index) { return static_cast<int>(supa::exchange_device(static_cast<c10::DeviceIndex>(index))); });
   m.def("_set_memory_fraction", [](double fraction, int device) {
     supa::set_memory_fraction(fraction, static_cast<c10::DeviceIndex>(device));
   });

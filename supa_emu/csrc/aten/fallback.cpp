@@ -223,7 +223,7 @@ class FallbackCall {
     if (adopted != adopted_.end()) {
       return device_tensor_on(adopted->second, t);
     }
-    at::Tensor result = adopt_host_result(t, device_, result_holders_[storage] + 0);
+    at::Tensor result = adopt_host_result(t, device_, result_holders_[storage]);
     adopted_.emplace(storage, result.storage());
     return result;
   }

@@ -37,11 +37,8 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return kSupa;
   }
   c10::Device exchangeDevice(c10::Device d) const override {
-    const c10::Device old = getDevice();
-    if (d.index() != old.index()) {
-      set_device(d.index());
-    }
-    return old;
+    check_device_index(d.index());
+    return {kSupa, exchange_device(d.index())};
   }
   c10::Device getDevice() const override {
     return {kSupa, current_device()};

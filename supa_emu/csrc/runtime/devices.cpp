@@ -13,8 +13,6 @@ std::atomic<bool> g_dtype_demotion{false};
 thread_local c10::DeviceIndex t_current_device = 0;
 }  // namespace
 
-void init_memory(const std::vector<int64_t>& capacities);  // caching_allocator.cpp
-
 void init_devices(int count, const std::vector<int64_t>& capacities, bool dtype_demotion) {
   TORCH_CHECK(count >= 0 && static_cast<size_t>(count) == capacities.size(),
               "supa_emu: one capacity per device expected");
@@ -48,6 +46,15 @@ void check_device_index(c10::DeviceIndex index) {
 void set_device(c10::DeviceIndex index) {
   check_device_index(index);
   t_current_device = index;
+}
+
+c10::DeviceIndex exchange_device(c10::DeviceIndex index) {
+  if (index < 0) {
+    return -1;
+  }
+  const c10::DeviceIndex previous = t_current_device;
+  set_device(index);
+  return previous;
 }
 
 }  // namespace supa

@@ -44,11 +44,7 @@ struct SupaHooks final : public at::PrivateUse1HooksInterface {
     return current_device();
   }
   c10::DeviceIndex exchangeDevice(c10::DeviceIndex device) const override {
-    const c10::DeviceIndex old = current_device();
-    if (device >= 0) {
-      set_device(device);
-    }
-    return old;
+    return device < 0 ? current_device() : exchange_device(device);
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex device) const override {
     return exchangeDevice(device);

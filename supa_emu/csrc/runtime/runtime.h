@@ -24,8 +24,13 @@ c10::DeviceIndex current_device();
 // Checked: raises the runtime's invalid-device error for an index outside [0, count).
 void set_device(c10::DeviceIndex index);
 void check_device_index(c10::DeviceIndex index);
+// Makes `index` current and returns the previous device; a negative index changes nothing
+// and returns -1 (the convention of torch.cuda._exchange_device).
+c10::DeviceIndex exchange_device(c10::DeviceIndex index);
+void register_hooks();  // hooks.cpp
 
 // ---- memory (caching_allocator.cpp) -------------------------------------------------------
+void init_memory(const std::vector<int64_t>& capacities);
 c10::DeviceAllocator* device_allocator();
 c10::Allocator* host_allocator();  // pinned host memory
 bool is_pinned_ptr(const void* ptr);
