@@ -37,31 +37,49 @@ def compare(make_workload, rounds: int, inner: int) -> tuple[float, float]:
     return statistics.median(cpu), statistics.median(supa)
 
 
-def mlp_step(device: str):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(64, 256, device=device), torch.randn(64, 256, device=device)
+def _adamw_step(parameters, loss):
+    """One training step: AdamW on the gradient of `loss()`."""
+    opt = torch.optim.AdamW(parameters, lr=1e-3)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss().backward()
         opt.step()
     return step
+
+
+def mlp_step(device: str):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(device)
+    x, y = torch.randn(64, 256, device=device), torch.randn(64, 256, device=device)
+    return _adamw_step(model.parameters(), lambda: torch.nn.functional.mse_loss(model(x), y))
 
 
 def transformer_step(device: str):
     torch.manual_seed(0)
     block = torch.nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True,
                                              dropout=0.0).to(device)
-    opt = torch.optim.AdamW(block.parameters(), lr=1e-3)
     x = torch.randn(8, 64, 256, device=device)
+    return _adamw_step(block.parameters(), lambda: block(x).pow(2).mean())
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        block(x).pow(2).mean().backward()
-        opt.step()
-    return step
+
+def cnn_step(device: str):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 8 * 8, 10)).to(device)
+    x, y = torch.randn(32, 3, 32, 32, device=device), torch.randint(0, 10, (32,), device=device)
+    return _adamw_step(model.parameters(), lambda: torch.nn.functional.cross_entropy(model(x), y))
+
+
+def lstm_step(device: str):
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(64, 128, batch_first=True).to(device)
+    head = torch.nn.Linear(128, 64).to(device)
+    x, y = torch.randn(16, 32, 64, device=device), torch.randn(16, 32, 64, device=device)
+    return _adamw_step([*lstm.parameters(), *head.parameters()],
+                       lambda: torch.nn.functional.mse_loss(head(lstm(x)[0]), y))
 
 
 def tiny_inplace_ops(device: str):
@@ -90,19 +108,21 @@ def main() -> None:
         raise SystemExit("no supa device: run with SUPA_EMULATE=1")
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} alternating rounds")
-    print(f"{'workload':<44}{'cpu':>12}{'supa':>12}{'supa/cpu':>10}")
+    print(f"{'workload':<48}{'cpu':>12}{'supa':>12}{'supa/cpu':>10}")
     rows = [
         ("MLP train step (256-1024-256, batch 64)", mlp_step, 20, "ms"),
         ("transformer block train step (d=256, seq 64)", transformer_step, 5, "ms"),
+        ("small CNN train step (2 conv, 32x32, batch 32)", cnn_step, 5, "ms"),
+        ("LSTM train step (64->128, seq 32, batch 16)", lstm_step, 5, "ms"),
         ("100 tiny in-place ops (add_ on 16 floats)", tiny_inplace_ops, 20, "us/op"),
         ("large elementwise add (16M floats)", large_elementwise, 5, "ms"),
     ]
     for name, workload, inner, unit in rows:
         cpu, supa = compare(workload, args.rounds, inner)
         scale = 1e6 / 100 if unit == "us/op" else 1e3
-        print(f"{name:<44}{cpu * scale:>9.2f} {unit:<3}{supa * scale:>8.2f} {unit:<3}{supa / cpu:>8.2f}x")
+        print(f"{name:<48}{cpu * scale:>9.2f} {unit:<3}{supa * scale:>8.2f} {unit:<3}{supa / cpu:>8.2f}x")
         if unit == "us/op":
-            print(f"{'  emulation overhead per op':<44}{(supa - cpu) * scale:>21.2f} us")
+            print(f"{'  emulation overhead per op':<48}{(supa - cpu) * scale:>21.2f} us")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Usage: SUPA_EMULATE=1 PYTHONPATH=. python bench/optimizers.py [--params 20000000
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -19,6 +20,10 @@ import torch
 from op_builder.supa.fused_adam import multi_tensor_adam
 
 LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def _supa_device():
@@ -90,7 +95,7 @@ def run(total, count, steps):
     where = f"{device}" if why_not is None else f"cpu ({why_not}; fallback measured on CPU parameters)"
     print(f"Adam(W) step, {sum(sizes) / 1e6:.1f}M parameters in {count} tensors, best of 3 x {steps} steps")
     print(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read+write); fallback device: {where}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; at start: {load()}")
     print(f"{'dtype':<6}{'variant':<42}{'ms/step':>9}{'bound ms':>10}{'bound/actual':>14}")
     for dtype in (torch.float32, torch.bfloat16):
         nbytes = 7 * sum(sizes) * torch.tensor([], dtype=dtype).element_size()
@@ -129,6 +134,7 @@ def run(total, count, steps):
             print(f"{name:<6}{label:<42}{ms:>9.2f}{bound_ms:>10.2f}{bound_ms / ms:>14.2f}")
         fused_ms = results[-1][1]
         print(f"{name:<6}fallback / fused=True: {results[0][1] / fused_ms:.2f}x")
+    print(f"at end: {load()}")
 
 
 def main():

@@ -19,6 +19,8 @@ import dataclasses
 import json
 import os
 import sys
+import time
+import warnings
 
 import torch
 import torch.nn as nn
@@ -27,6 +29,12 @@ import torch.nn.functional as F
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+
+# DeepSpeed 0.19 still calls torch.distributed functions that torch now deprecates
+# (all_gather_into_tensor, ...); every rank would print the FutureWarning between the losses.
+# Silenced here, in this script only, and only for those deprecation notices.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning,
+                        module=r"torch\.distributed\.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,6 +152,8 @@ def parse_args():
                         help="save every N steps (and after the last step); 0 saves only after the last step")
     parser.add_argument("--resume", action="store_true",
                         help="load the latest checkpoint in --checkpoint-dir and continue up to --steps")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the model with the accelerator's torch.compile backend (engine.compile())")
     parser.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="json: one JSON object per line, for scripts and tests")
     # The deepspeed launcher passes --local_rank; torchrun sets LOCAL_RANK instead.
@@ -166,12 +176,18 @@ def log(args, event, **fields):
     elif event == "step":
         scale = f"  loss scale {fields['loss_scale']:g}" if fields["loss_scale"] is not None else ""
         skipped = "  (update skipped: gradient overflow)" if not fields["applied"] else ""
-        print(f"step {fields['step']:4d}  loss {fields['loss']:.4f}{scale}{skipped}")
-    elif event == "memory":
+        memory = " | ".join(f"{b / 2**20:.2f}" for b in fields["memory_allocated_bytes"])
+        print(f"step {fields['step']:4d}  loss {fields['loss']:.4f}  {fields['step_time'] * 1000:7.1f} ms  "
+              f"{fields['tokens_per_second']:9,.0f} tokens/s  memory per card {memory} MiB{scale}{skipped}")
+    elif event == "compile":
+        print(f"torch.compile: {fields['graphs']} graph(s), {fields['graph_breaks']} graph break(s)")
+    elif event == "summary":
+        print(f"{fields['steps']} steps in {fields['time']:.1f} s ({fields['time'] / max(fields['steps'], 1):.3f} s/step, "
+              f"{fields['tokens_per_second']:,.0f} tokens/s), final loss {fields['final_loss']:.4f}")
+        print(f"{'rank':>4}  {'card':<7}  {'peak in training':>16}  {'peak in initialize':>18}")
         for rank, device in enumerate(fields["devices"]):
-            print(f"rank {rank} (supa:{device}): peak memory allocated "
-                  f"{fields['peak_bytes'][rank] / 2**20:.2f} MiB in training, "
-                  f"{fields['initialize_peak_bytes'][rank] / 2**20:.2f} MiB in deepspeed.initialize")
+            print(f"{rank:>4}  supa:{device:<2}  {fields['peak_bytes'][rank] / 2**20:12.2f} MiB  "
+                  f"{fields['initialize_peak_bytes'][rank] / 2**20:14.2f} MiB")
     sys.stdout.flush()
 
 
@@ -194,6 +210,8 @@ def main():
     torch.manual_seed(args.seed)
     model = TinyGPT(cfg, checkpoint_fn)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.config)
+    if args.compile:
+        engine.compile()
     # Placing the whole model on the card before partitioning it is a one-off cost of initialize();
     # measure training on its own from here.
     initialize_peak = torch.supa.max_memory_allocated(device)
@@ -216,9 +234,13 @@ def main():
             accumulation=engine.gradient_accumulation_steps())
 
     accumulation = engine.gradient_accumulation_steps()
+    tokens_per_step = accumulation * world_size * engine.train_micro_batch_size_per_gpu() * cfg.seq_len
+    training_time, final_loss = 0.0, float("nan")
     for step in range(first_step, args.steps + 1):
         batches = micro_batches(step, args.seed, cfg, engine.train_micro_batch_size_per_gpu(), accumulation,
                                 world_size, rank)
+        accelerator.synchronize()
+        started = time.perf_counter()
         step_loss = torch.zeros((), device=device)
         for inputs, targets in batches:
             loss = engine(inputs.to(device), targets.to(device))
@@ -227,17 +249,35 @@ def main():
             step_loss += loss.detach().float() / accumulation
         # Every rank saw different data: the mean over ranks is the loss of the whole step.
         dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+        accelerator.synchronize()
+        step_time = time.perf_counter() - started
+        training_time += step_time
+        # What each card holds after the step (one small gather; not part of the timed step).
+        allocated = torch.tensor([torch.supa.memory_allocated(device)], dtype=torch.int64, device=device)
+        per_card = [torch.zeros_like(allocated) for _ in range(world_size)]
+        dist.all_gather(per_card, allocated)
+        final_loss = step_loss.item()
         if rank == 0:
-            log(args, "step", step=step, loss=step_loss.item(), applied=engine.was_step_applied(),
-                loss_scale=getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None)
+            log(args, "step", step=step, loss=final_loss, applied=engine.was_step_applied(),
+                loss_scale=getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None,
+                step_time=step_time, tokens_per_second=tokens_per_step / step_time,
+                memory_allocated_bytes=[int(t.item()) for t in per_card])
         if args.checkpoint_dir and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
             engine.save_checkpoint(args.checkpoint_dir, tag=f"step{step}", client_state={"step": step})
 
+    if args.compile and rank == 0:
+        from torch._dynamo.utils import counters
+
+        log(args, "compile", graphs=counters["stats"]["unique_graphs"],
+            graph_breaks=sum(counters["graph_break"].values()))
     peak = torch.supa.max_memory_allocated(device)
     peaks = [None] * world_size
     dist.all_gather_object(peaks, (device.index, initialize_peak, peak))
     if rank == 0:
-        log(args, "memory", devices=[p[0] for p in peaks], initialize_peak_bytes=[p[1] for p in peaks],
+        steps_run = max(args.steps - first_step + 1, 0)
+        log(args, "summary", steps=steps_run, time=training_time, final_loss=final_loss,
+            tokens_per_second=tokens_per_step * steps_run / training_time if training_time else 0.0,
+            devices=[p[0] for p in peaks], initialize_peak_bytes=[p[1] for p in peaks],
             peak_bytes=[p[2] for p in peaks])
     dist.destroy_process_group()
 

@@ -11,13 +11,43 @@ __all__ = ["activate"]
 
 
 def _autoload() -> None:
-    """Entry point: activates emulation when SUPA_EMULATE asks for it."""
+    """Entry point: activates emulation when SUPA_EMULATE asks for it.
+
+    Then, as the real package's autoload does, applies transfer_to_supa (CUDA names mean the
+    SUPA card) unless SUPA_EMU_TRANSFER turns that off.
+    """
     if os.environ.get("SUPA_EMULATE", "0").strip() in ("", "0"):
         return  # the common case costs one dictionary lookup
-    from supa_emu.config import emulation_requested  # validates the value
+    try:
+        from supa_emu.config import emulation_requested  # validates the value
 
-    if emulation_requested():
-        activate()
+        if emulation_requested() and activate():
+            from supa_emu import activation
+
+            if activation.config().transfer:
+                from supa_emu import torch_supa
+
+                torch_supa._autoload()
+    except Exception as error:
+        _say_before_torch_wraps(error)
+        raise
+
+
+def _say_before_torch_wraps(error: Exception) -> None:
+    """Prints the project's own message on one line before torch re-raises it.
+
+    torch's autoload replaces any exception with a generic "Failed to load the backend
+    extension" RuntimeError; ours would only show up in the chained traceback above it.
+    """
+    import sys
+
+    from supa_emu.config import ConfigError
+
+    if isinstance(error, ConfigError):
+        print(f"supa_emu: configuration error: {error}", file=sys.stderr, flush=True)
+    else:
+        print(f"supa_emu: activating the emulator failed: {type(error).__name__}: "
+              f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}", file=sys.stderr, flush=True)
 
 
 def activate() -> bool:

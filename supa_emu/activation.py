@@ -11,11 +11,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
+import warnings
 
 log = logging.getLogger("supa_emu")
 
 _lock = threading.Lock()
 _active: bool | None = None
+_config = None  # the validated configuration activation loaded (supa_emu.config.EmulatorConfig)
 
 # Quantized dtypes the real package declares unsupported for the generated helpers.
 _UNSUPPORTED_DTYPES = ("quint8", "quint4x2", "quint2x4", "qint32", "qint8")
@@ -31,6 +33,13 @@ def real_torch_supa_origin() -> str | None:
 
 def is_active() -> bool:
     return bool(_active)
+
+
+def config():
+    """The configuration this process was activated with; only valid once activation ran."""
+    if _config is None:
+        raise RuntimeError("supa_emu is not active in this process: set SUPA_EMULATE=1 before importing torch")
+    return _config
 
 
 def activate() -> bool:
@@ -49,24 +58,42 @@ def activate() -> bool:
 
 
 def _register() -> None:
+    global _config
     import torch
 
-    from supa_emu import config, import_hooks, native
+    from supa_emu import compile as compile_support, config, import_hooks, native
 
-    cfg = config.load()
-    core = native.load(cfg.cache_dir)
+    cfg = _config = config.load()
+    beyond_host = config.memory_beyond_host(cfg)
+    if beyond_host is not None:
+        warnings.warn(beyond_host, RuntimeWarning, stacklevel=2)
+    core = native.load(cfg.cache_dir, config.cache_dir_from_env())
     torch.utils.rename_privateuse1_backend("supa")
     core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion)
 
     from supa_emu import supa as supa_module
 
     torch._register_device_module("supa", supa_module)
+    if cfg.allocator_conf:
+        from supa_emu.supa import _allocator_config
+
+        _allocator_config.apply(cfg.allocator_conf, source="PYTORCH_SUPA_ALLOC_CONF")
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_storage=True,
         unsupported_dtype=[getattr(torch, name) for name in _UNSUPPORTED_DTYPES])
     torch.version.supa = "emulated"
     import_hooks.install(ext=cfg.ext)
+    compile_support.install()
+
+    from supa_emu.multiprocessing import reductions
+
+    reductions.install()
 
     from supa_emu.distributed import register as register_bccl
 
     register_bccl()
+
+    if cfg.sanitize != "off":
+        from supa_emu.supa import _sanitizer
+
+        _sanitizer.enable_supa_sanitizer(report_only=cfg.sanitize == "streams-report")

@@ -11,6 +11,7 @@ import os
 import pathlib
 import re
 
+from supa_emu import allocator_settings
 from supa_emu.device_profile import DEFAULT_PROFILE, PROFILES, DeviceProfile
 
 MAX_DEVICES = 64
@@ -34,8 +35,12 @@ class EmulatorConfig:
     profile: DeviceProfile
     ext: bool
     dtype_demotion: bool
+    transfer: bool  # apply transfer_to_supa at `import torch`, as the real autoload does
+    transfer_silence: bool  # BRTB_TRANSFER_SILENCE: no transfer banner
     cache_dir: pathlib.Path
     deepspeed_accelerator: str  # 'project' | 'builtin'
+    allocator_conf: str  # PYTORCH_SUPA_ALLOC_CONF, validated; applied when the devices are created
+    sanitize: str  # 'off' | 'streams' (races raise) | 'streams-report' (races are logged)
 
 
 def _flag(name: str, default: bool = False) -> bool:
@@ -48,6 +53,11 @@ def _flag(name: str, default: bool = False) -> bool:
     if value in _FALSE:
         return False
     raise ConfigError(f"{name}={raw!r} is not a valid switch; accepted values: 1/0, true/false, yes/no, on/off")
+
+
+# The real transfer_to_supa reads BRTB_TRANSFER_SILENCE itself and accepts these spellings
+# (case-insensitive) as "on"; anything else leaves the banner on.
+_SILENCE_ON = ("on", "1", "yes", "true", "y")
 
 
 def emulation_requested() -> bool:
@@ -79,20 +89,52 @@ def _device_count() -> int:
 
 
 def _visible_devices(count: int) -> tuple[int, ...]:
+    """Physical ids in the order given. Empty, or a negative id, ends the list as with
+    CUDA_VISIBLE_DEVICES (so `-1` hides every card); an id that is not a card or is repeated is
+    an error here, where CUDA would silently drop it and the cards after it."""
     raw = os.environ.get("SUPA_VISIBLE_DEVICES")
     if raw is None:
         return tuple(range(count))
-    if raw.strip() == "":
-        return ()
     ids = []
     for part in raw.split(","):
         part = part.strip()
+        if part == "" or re.fullmatch(r"-[0-9]+", part):
+            break
         if not part.isdigit() or int(part) >= count or int(part) in ids:
             raise ConfigError(
                 f"SUPA_VISIBLE_DEVICES={raw!r} is invalid at {part!r}; accepted: a comma-separated list of "
-                f"distinct card ids from 0 to {count - 1} (SUPA_EMU_DEVICE_COUNT={count}), e.g. '1,0'")
+                f"distinct card ids from 0 to {count - 1} (SUPA_EMU_DEVICE_COUNT={count}), e.g. '1,0'; "
+                f"empty or -1 for no cards (as CUDA_VISIBLE_DEVICES)")
         ids.append(int(part))
     return tuple(ids)
+
+
+def cache_dir_from_env() -> bool:
+    """True when SUPA_EMU_CACHE_DIR chose the native-build cache (error texts name it then)."""
+    return bool(os.environ.get("SUPA_EMU_CACHE_DIR"))
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of the host, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_beyond_host(cfg: EmulatorConfig) -> str | None:
+    """A warning when SUPA_EMU_MEMORY asks for cards larger than the host's memory, else None.
+
+    Only an explicit setting is checked: the profile's default is the real card's size, and a
+    capacity is a ceiling, not a reservation, so a small host can still emulate a big card.
+    """
+    host = host_memory_bytes()
+    raw = os.environ.get("SUPA_EMU_MEMORY")
+    if raw is None or host is None or cfg.memory_bytes <= host:
+        return None
+    return (f"SUPA_EMU_MEMORY={raw!r} gives each emulated card {cfg.memory_bytes / 2**30:.1f} GiB, more than this "
+            f"host's {host / 2**30:.1f} GiB of memory; allocations the host cannot back fail with a host "
+            f"out-of-memory error before the card's capacity is reached")
 
 
 def _choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
@@ -106,6 +148,23 @@ def _choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
 def deepspeed_accelerator() -> str:
     """Which SUPA accelerator DeepSpeed gets: this project's ('project') or its built-in one."""
     return _choice("SUPA_DS_ACCELERATOR", "project", ("project", "builtin"))
+
+
+def _allocator_conf() -> str:
+    raw = os.environ.get("PYTORCH_SUPA_ALLOC_CONF", "")
+    try:
+        allocator_settings.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"PYTORCH_SUPA_ALLOC_CONF={raw!r}: {exc}") from None
+    return raw
+
+
+SANITIZE_MODES = ("off", "streams", "streams-report")
+
+
+def sanitize_mode() -> str:
+    """Which sanitizer runs: none, the stream-race sanitizer, or that one in report-only mode."""
+    return _choice("SUPA_EMU_SANITIZE", "off", SANITIZE_MODES)
 
 
 def load() -> EmulatorConfig:
@@ -127,6 +186,10 @@ def load() -> EmulatorConfig:
         profile=dataclasses.replace(profile, total_memory=memory),
         ext=_flag("SUPA_EMU_EXT"),
         dtype_demotion=_flag("BRTB_ENABLE_DTYPE_DEMOTION"),
+        transfer=_flag("SUPA_EMU_TRANSFER", default=True),
+        transfer_silence=os.environ.get("BRTB_TRANSFER_SILENCE", "").strip().lower() in _SILENCE_ON,
         cache_dir=pathlib.Path(cache),
         deepspeed_accelerator=deepspeed_accelerator(),
+        allocator_conf=_allocator_conf(),
+        sanitize=sanitize_mode(),
     )

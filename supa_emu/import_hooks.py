@@ -1,5 +1,10 @@
 """Makes `import torch_supa` (and, with SUPA_EMU_EXT=1, `import torch_supa_ext`) resolve to
 the emulator's modules while emulation is active, the way the real packages would import.
+
+Two finders: the one activation installs (first on sys.meta_path, once activation has checked
+that no real torch_supa exists), and the start-up one that `supa_emu.pth` appends when
+SUPA_EMULATE is on, so that `import torch_supa` also works as a script's first import, before
+torch. The start-up finder comes last, so a real torch_supa on sys.path always wins.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ _BASE_ALIASES = {
     "torch_supa": "supa_emu.torch_supa",
     "torch_supa.supa": "supa_emu.supa",
     "torch_supa.distributed": "supa_emu.distributed",
+    "torch_supa.multiprocessing": "supa_emu.multiprocessing",
 }
 _EXT_ALIASES = {"torch_supa_ext": "supa_emu.torch_supa_ext"}
 
@@ -36,22 +42,30 @@ class EmulatedPackageFinder(importlib.abc.MetaPathFinder):
         self.aliases = aliases
 
     def target_of(self, fullname: str) -> str | None:
-        if fullname in self.aliases:
-            return self.aliases[fullname]
-        for public, target in self.aliases.items():
-            if fullname.startswith(public + "."):
-                return target + fullname[len(public):]
+        # The longest public name that is `fullname` or a package above it decides the target.
+        for public in sorted(self.aliases, key=len, reverse=True):
+            if fullname == public or fullname.startswith(public + "."):
+                return self.aliases[public] + fullname[len(public):]
         return None
 
     def find_spec(self, fullname, path=None, target=None):
         module = self.target_of(fullname)
-        if module is None or importlib.util.find_spec(module) is None:
+        # Finding must not import the target: activation itself asks whether torch_supa can be
+        # found, and importing supa_emu.torch_supa activates (a re-entrant call, a deadlock).
+        target_spec = None if module is None else importlib.util.find_spec(module)
+        if target_spec is None:
             return None
-        is_package = hasattr(importlib.import_module(module), "__path__")
+        is_package = target_spec.submodule_search_locations is not None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(module), is_package=is_package)
 
 
 _finder: EmulatedPackageFinder | None = None
+
+
+def install_startup_finder() -> None:
+    """Called from supa_emu.pth at interpreter start when SUPA_EMULATE is on. Imports nothing."""
+    if not any(isinstance(finder, EmulatedPackageFinder) for finder in sys.meta_path):
+        sys.meta_path.append(EmulatedPackageFinder(dict(_BASE_ALIASES)))
 
 
 def install(ext: bool) -> None:

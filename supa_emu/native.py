@@ -1,49 +1,138 @@
-"""Builds and loads the native core (`supa_emu/csrc`) for the installed torch.
+"""Builds, validates and loads the native core (`supa_emu/csrc`) for the installed torch.
 
 The build happens once per machine and is cached under SUPA_EMU_CACHE_DIR, keyed by a hash
 of the sources, the torch build and the Python version, so a new torch or edited sources
 give a fresh build. A file lock makes concurrent ranks wait for one builder instead of
-compiling the same thing N times.
+compiling the same thing N times; the waiting ranks say whom they wait for.
+
+A finished build is a directory holding the library and, written last and atomically, a
+manifest with the library's size and SHA-256. A library is loaded only after it matches its
+manifest: loading a damaged shared object can kill the process (SIGBUS, a C++ terminate)
+before Python sees an error, so damage must be caught before dlopen. A damaged build is
+reported in one line and relinked from the cached object files.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import logging
 import os
 import pathlib
-import shutil
 import sys
+import time
 
 import torch
+
+from supa_emu import native_compile
+from supa_emu.config import ConfigError
 
 log = logging.getLogger("supa_emu")
 
 SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
-_CFLAGS = ["-O2"]
+MODULE_NAME = "supa_emu_C"
+MANIFEST = "manifest.json"
+_LAYOUT = "3"  # bump when the cache layout changes, so old caches are not misread
+WAIT_REPORT_SECONDS = 20  # how often a process waiting for another's build says so
+
+
+class CacheDirError(ConfigError):
+    """SUPA_EMU_CACHE_DIR (or its default) cannot hold the native build."""
 
 
 def _sources() -> list[pathlib.Path]:
     return sorted(p for p in SOURCE_DIR.rglob("*") if p.suffix in (".cpp", ".h"))
 
 
+# The sources compile as three translation units. Most of a unit's compile time goes to parsing
+# torch's headers, so the runtime and operator files, which share runtime.h, compile as one unit
+# (measured: 27 s of CPU as one unit, about 11 s per file apart); the two files that need far
+# heavier headers (ATen.h for the autocast policies, Python.h and pybind11 for the bindings) get
+# a unit each so that they compile in parallel with it. A new .cpp file joins "runtime".
+_UNIT_FILES = {"bindings": ("module.cpp",), "autocast": ("aten/autocast.cpp",)}
+
+
+def _units() -> dict[str, list[pathlib.Path]]:
+    """{unit name: its source files}, heaviest unit first."""
+    files = [p for p in _sources() if p.suffix == ".cpp"]
+    named = {name: [SOURCE_DIR / f for f in members] for name, members in _UNIT_FILES.items()}
+    claimed = {p for members in named.values() for p in members}
+    return {"runtime": [p for p in files if p not in claimed], "autocast": named["autocast"],
+            "bindings": named["bindings"]}
+
+
+def _headers() -> list[pathlib.Path]:
+    return [p for p in _sources() if p.suffix == ".h"]
+
+
 def build_key() -> str:
     digest = hashlib.sha256()
+    digest.update(_LAYOUT.encode())
     for path in _sources():
         digest.update(str(path.relative_to(SOURCE_DIR)).encode())
         digest.update(path.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(str(torch.version.git_version).encode())
     digest.update(sys.version.encode())
-    digest.update(" ".join(_CFLAGS).encode())
+    digest.update(" ".join(native_compile.compile_flags(MODULE_NAME)).encode())
+    digest.update(native_compile.compiler().encode())
     return digest.hexdigest()[:16]
 
 
-MODULE_NAME = "supa_emu_C"
+# ---------------------------------------------------------------- validation
 
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def damage(build_dir: pathlib.Path) -> str | None:
+    """Why the build in `build_dir` must not be loaded, or None when it matches its manifest.
+
+    'missing' means there is no finished build (never built, or a build that did not finish).
+    """
+    library, manifest = build_dir / f"{MODULE_NAME}.so", build_dir / MANIFEST
+    if not manifest.exists():
+        return "missing"
+    try:
+        recorded = json.loads(manifest.read_text())
+        size, checksum = int(recorded["size"]), str(recorded["sha256"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"its manifest is unreadable ({error.__class__.__name__})"
+    if not library.exists():
+        return f"{library.name} is gone"
+    actual = library.stat().st_size
+    if actual != size:
+        return f"{library.name} has {actual} bytes, the build wrote {size}"
+    if _sha256(library) != checksum:
+        return f"{library.name} does not match the checksum the build recorded"
+    return None
+
+
+def _write_manifest(build_dir: pathlib.Path, objects: list[pathlib.Path]) -> None:
+    library = build_dir / f"{MODULE_NAME}.so"
+    with open(library, "rb") as f:
+        os.fsync(f.fileno())  # the library reaches the disk before the manifest vouches for it
+    record = {"size": library.stat().st_size, "sha256": _sha256(library), "torch": torch.__version__,
+              "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              # which files of the shared object cache this library was linked from
+              "objects": [obj.name for obj in objects]}
+    staged = build_dir / f"{MANIFEST}.{os.getpid()}.partial"
+    with open(staged, "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, build_dir / MANIFEST)
+
+
+# ---------------------------------------------------------------- loading
 
 def _import_extension(path: pathlib.Path):
     loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
@@ -57,51 +146,166 @@ def _import_extension(path: pathlib.Path):
 _C = None
 
 
-def load(cache_dir: pathlib.Path):
-    """Returns the compiled module, building it first if this machine has no current build.
+def load(cache_dir: pathlib.Path, cache_dir_from_env: bool = True):
+    """Returns the compiled module, building it first if this machine has no valid build.
 
-    Builds run in one work directory per torch/Python pair, so an edit recompiles only the
-    files it touched; each finished library is then published under its build key.
+    `cache_dir_from_env` says whether SUPA_EMU_CACHE_DIR chose the directory (for error texts).
     """
     global _C
     if _C is not None:
         return _C
     root = cache_dir / "native"
-    library = root / build_key() / f"{MODULE_NAME}.so"
-    if library.exists():
-        _C = _import_extension(library)
-        return _C
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the first rank builds, the others wait here
-        if library.exists():
-            _C = _import_extension(library)
-        else:
-            work_dir = root / f"work-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-            _C = _build(work_dir)
-            library.parent.mkdir(exist_ok=True)
-            staged = library.with_suffix(".tmp")
-            shutil.copyfile(work_dir / f"{MODULE_NAME}.so", staged)
-            os.replace(staged, library)
+    build_dir = root / build_key()
+    library = build_dir / f"{MODULE_NAME}.so"
+    if damage(build_dir) is not None:  # a read-only cache with a good build loads without writing
+        _prepare(root, cache_dir, cache_dir_from_env)
+        with _BuildLock(root):
+            problem = damage(build_dir)  # another process may have finished it while we waited
+            if problem is not None:
+                damaged = problem != "missing"
+                if damaged:
+                    log.warning("supa_emu: the cached native core in %s is damaged (%s); rebuilding it",
+                                build_dir, problem)
+                _build(root, build_dir, quiet_relink=damaged)
+    _C = _import_extension(library)
     return _C
 
 
-def _build(work_dir: pathlib.Path):
-    from torch.utils import cpp_extension
+def _prepare(root: pathlib.Path, cache_dir: pathlib.Path, from_env: bool) -> None:
+    """Creates the cache directory and checks it is writable; CacheDirError otherwise."""
+    where = (f"SUPA_EMU_CACHE_DIR={str(cache_dir)!r}" if from_env
+             else f"the default native-build cache {cache_dir} (SUPA_EMU_CACHE_DIR is unset)")
+    advice = ("set SUPA_EMU_CACHE_DIR to a writable directory (e.g. SUPA_EMU_CACHE_DIR=$HOME/.cache/supa_emu), "
+              "or fix the permissions of this one")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        reason = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
+                  errno.EPERM: "permission denied", errno.ENOTDIR: "a path component is a file, not a directory",
+                  errno.EEXIST: "a path component is a file, not a directory",
+                  errno.ENOSPC: "the disk is full"}.get(error.errno, error.strerror or str(error))
+        raise CacheDirError(f"{where} cannot hold the native build: {reason}; {advice}") from None
 
-    log.warning("supa_emu: building the native core for torch %s (once per machine) in %s",
-                torch.__version__, work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    # cpp_extension guards the directory with a lock file of its own, which stays behind when a
-    # build is killed; under our flock no other process is building, so it is safe to clear.
-    (work_dir / "lock").unlink(missing_ok=True)
-    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    return cpp_extension.load(
-        name=MODULE_NAME,
-        sources=[str(p) for p in _sources() if p.suffix == ".cpp"],
-        build_directory=str(work_dir),
-        extra_cflags=_CFLAGS,
-        with_cuda=False,
-        is_python_module=True,
-        verbose=False,
-    )
+
+class _BuildLock:
+    """An exclusive flock on <root>/build.lock; a waiting process reports whom it waits for."""
+
+    def __init__(self, root: pathlib.Path):
+        self.path = root / "build.lock"
+        self.status = root / "build.status"
+
+    def __enter__(self):
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._wait()
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"{os.getpid()}\n")
+        self.file.flush()
+        return self
+
+    def _wait(self) -> None:
+        start = time.monotonic()
+        next_report = start
+        while True:
+            now = time.monotonic()
+            if now >= next_report:
+                self.file.seek(0)
+                holder = self.file.read().strip() or "?"
+                try:
+                    status = self.status.read_text().strip()
+                except OSError:
+                    status = ""
+                log.warning("supa_emu: waiting for the build in pid %s, %d s%s", holder, now - start,
+                            f" (it reports: {status})" if status else "")
+                next_report = now + WAIT_REPORT_SECONDS
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                time.sleep(0.5)
+
+    def __exit__(self, *exc):
+        self.status.unlink(missing_ok=True)
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def _build(root: pathlib.Path, build_dir: pathlib.Path, quiet_relink: bool = False) -> None:
+    """Compiles what the object cache lacks, links the library, then writes its manifest.
+
+    A relink takes a second or two; with `quiet_relink` (the caller has already said what it
+    does) it prints nothing. Compiling always reports its progress.
+    """
+    objects_dir = root / "objects"
+    objects_dir.mkdir(exist_ok=True)
+    build_dir.mkdir(exist_ok=True)
+    # Until the new manifest is written, this build is unfinished, not damaged.
+    (build_dir / MANIFEST).unlink(missing_ok=True)
+    flags = native_compile.compile_flags(MODULE_NAME)
+    headers = _headers()
+    units = []
+    for name, files in _units().items():
+        key = native_compile.object_key(files, headers, flags)
+        source = files[0] if len(files) == 1 else _unity_source(objects_dir / f"{name}-{key}.cpp", files)
+        label = f"{name} ({len(files)} files)" if len(files) > 1 else f"{name} ({files[0].relative_to(SOURCE_DIR)})"
+        units.append((label, source, objects_dir / f"{name}-{key}.o"))
+    missing = [unit for unit in units if not _object_ok(unit[2])]
+    progress = native_compile.Progress(len(missing), root / "build.status")
+    if missing:
+        progress.say(f"building the native core for torch {torch.__version__} (once per machine) in {root}: "
+                     f"compiling {len(missing)} of {len(units)} units, {native_compile.jobs()} at a time: "
+                     f"{', '.join(unit[0] for unit in missing)}")
+        native_compile.compile_objects(missing, flags, progress)
+        for _, _, obj in missing:
+            _record_checksum(obj)
+    elif not quiet_relink:
+        progress.say(f"building the native core for torch {torch.__version__} from its cached objects (linking only)")
+    objects = [unit[2] for unit in units]
+    library = build_dir / f"{MODULE_NAME}.so"
+    try:
+        native_compile.link(objects, library)
+    except native_compile.BuildError:
+        if len(missing) == len(units):
+            raise  # everything was freshly compiled: the failure is real
+        # A reused object may be the damaged part: recompile every unit once, then link again.
+        for obj in objects:
+            obj.unlink(missing_ok=True)
+        progress = native_compile.Progress(len(units), root / "build.status")
+        progress.say(f"linking the cached objects failed; recompiling all {len(units)} units of the native core")
+        native_compile.compile_objects(units, flags, progress)
+        for obj in objects:
+            _record_checksum(obj)
+        native_compile.link(objects, library)
+    _write_manifest(build_dir, objects)
+    if progress.total:
+        progress.say(f"native core ready ({progress.elapsed()}): {library}")
+
+
+def _object_ok(obj: pathlib.Path) -> bool:
+    """An object file is reused only if it still matches the checksum recorded when compiled."""
+    try:
+        return obj.with_suffix(".sha256").read_text().strip() == _sha256(obj)
+    except OSError:
+        return False
+
+
+def _record_checksum(obj: pathlib.Path) -> None:
+    staged = obj.with_name(f"{obj.name}.{os.getpid()}.partial-sum")
+    staged.write_text(_sha256(obj) + "\n")
+    os.replace(staged, obj.with_suffix(".sha256"))
+
+
+def _unity_source(path: pathlib.Path, files: list[pathlib.Path]) -> pathlib.Path:
+    """A generated file that includes `files`, so their shared headers are parsed once."""
+    if not path.exists():
+        staged = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        staged.write_text("// Generated by supa_emu/native.py: one translation unit for these sources.\n" +
+                          "".join(f'#include "{f}"\n' for f in files))
+        os.replace(staged, path)
+    return path

@@ -4,14 +4,56 @@ Tests are written against public APIs (torch.supa, get_accelerator()) so that th
 files run on a real card; `emulation_only` marks those that test the emulator itself.
 """
 
+import atexit
+import fcntl
 import os
+import pathlib
+import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 
 import pytest
-import torch  # noqa: F401  (activates the emulator under SUPA_EMULATE=1, as in user code)
+
+
+def _claim_torch_extensions_dir() -> None:
+    """Gives this test run a directory for torch's JIT-built host ops (DeepSpeed's cpu_adam & co.).
+
+    torch marks a build in progress with a `lock` file in the op's build directory and makes
+    every later build of that op wait for it to go away; a build that was killed leaves it
+    behind, and the next run then hangs without a word (seen: a CI run hung on a lock left by
+    an interrupted session). The run holds its directory under flock, so a `lock` file found
+    there at start-up belongs to no live build and is removed. Concurrent runs take other slots.
+    A TORCH_EXTENSIONS_DIR set by the user is left alone.
+    """
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    for slot in range(8):
+        directory = base / "supa_emu-tests" / f"torch_extensions-{slot}"
+        directory.mkdir(parents=True, exist_ok=True)
+        holder = open(directory / ".held-by-a-test-run", "a")
+        try:
+            fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder.close()
+            continue
+        for stale in directory.glob("*/lock"):
+            stale.unlink()
+        atexit.register(holder.close)  # the lock lasts as long as this process (its children are done by then)
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)
+        return
+    os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="supa_emu-torch_extensions-")
+
+
+_claim_torch_extensions_dir()
+
+# The one-time transfer_to_supa banner (and its TorchScript notice) would otherwise land in the
+# stderr of every test's subprocess; the tests of the banner itself unset this.
+os.environ.setdefault("BRTB_TRANSFER_SILENCE", "1")
+
+import torch  # noqa: E402,F401  (activates the emulator under SUPA_EMULATE=1, as in user code)
 
 
 def _emulated() -> bool:
@@ -23,6 +65,14 @@ def _emulated() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The emulated torch_supa_ext op tests run in a child pytest with SUPA_EMU_EXT=1
+    # (test_torch_supa_ext.py::test_ext_suite_in_subprocess, which prints the child's count in
+    # this run's summary); here they are deselected, so that the summary's skips are real ones.
+    if os.environ.get("SUPA_EMU_EXT") != "1":
+        in_child = [item for item in items if "ext_ops" in item.keywords]
+        if in_child:
+            config.hook.pytest_deselected(items=in_child)
+            items[:] = [item for item in items if "ext_ops" not in item.keywords]
     if _emulated():
         return
     skip = pytest.mark.skip(reason="tests the emulator; run with SUPA_EMULATE=1 on a machine without torch_supa")
@@ -49,6 +99,27 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, check: 
     if check and result.returncode != 0:
         raise AssertionError(f"subprocess failed ({result.returncode}):\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for a rendezvous the test starts next)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_CHILD_RUNS: list[str] = []
+
+
+@pytest.fixture
+def report_child_run():
+    """Adds a line (e.g. a child pytest's summary) to this run's terminal summary."""
+    return _CHILD_RUNS.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _CHILD_RUNS:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture

@@ -629,6 +629,7 @@ def _choice(result):
 
 
 @requires_supa
+@pytest.mark.slow  # several fresh interpreters doing real work
 def test_ds_accelerator_supa_selects_the_project_accelerator():
     report = _choice(_run(REPORT_CHOICE, DS_ACCELERATOR="supa"))
     assert report["class"] == OURS and report["same_everywhere"]
@@ -647,6 +648,7 @@ def test_builtin_setting_selects_deepspeeds_own_accelerator_which_works_too():
 
 
 @requires_supa
+@pytest.mark.slow  # several fresh interpreters doing real work
 def test_other_accelerators_are_untouched():
     assert _choice(_run(REPORT_CHOICE.replace("acc.device(0)", "'cpu'"),
                         DS_ACCELERATOR="cpu"))["class"] == "deepspeed.accelerator.cpu_accelerator.CPU_Accelerator"
@@ -661,6 +663,7 @@ def test_bad_setting_is_a_clear_error():
 
 
 @requires_supa
+@pytest.mark.slow  # a torchrun launch
 def test_torchrun_rank_auto_detects_the_project_accelerator(tmp_path):
     # No DS_ACCELERATOR: DeepSpeed's auto-detection, in a rank the launcher started.
     script = tmp_path / "rank.py"
@@ -672,9 +675,10 @@ def test_torchrun_rank_auto_detects_the_project_accelerator(tmp_path):
 def test_install_imports_nothing_heavy():
     result = _run("""
         import sys
+        before = set(sys.modules)  # with SUPA_EMULATE on, supa_emu.pth imported supa_emu.import_hooks
         from accelerator.deepspeed_selection import install
         install()
-        print(sorted(m for m in ("torch", "deepspeed", "supa_emu") if m in sys.modules))
+        print(sorted(m for m in ("torch", "deepspeed", "supa_emu") if m in sys.modules and m not in before))
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -9,7 +9,8 @@ from supa_emu.device_profile import PROFILES
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for name in ("SUPA_EMULATE", "SUPA_EMU_DEVICE_COUNT", "SUPA_VISIBLE_DEVICES", "SUPA_EMU_MEMORY",
-                 "SUPA_EMU_PROFILE", "SUPA_EMU_EXT", "BRTB_ENABLE_DTYPE_DEMOTION", "SUPA_DS_ACCELERATOR"):
+                 "SUPA_EMU_PROFILE", "SUPA_EMU_EXT", "BRTB_ENABLE_DTYPE_DEMOTION", "SUPA_DS_ACCELERATOR",
+                 "SUPA_EMU_SANITIZE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -21,6 +22,7 @@ def test_defaults():
     assert cfg.profile.total_memory == cfg.memory_bytes
     assert not cfg.ext and not cfg.dtype_demotion
     assert cfg.deepspeed_accelerator == "project"
+    assert cfg.sanitize == "off"
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -46,7 +48,15 @@ def test_visible_devices_reorder(monkeypatch):
     assert config.load().visible_devices == ()
 
 
-@pytest.mark.parametrize("raw", ["4", "1,1", "a", "0;1", "-1"])
+@pytest.mark.parametrize("raw, expected", [("-1", ()), ("", ()), (" ", ()), ("2,-1,0", (2,)), ("1,", (1,)),
+                                           ("3,0,-5", (3, 0))])
+def test_visible_devices_end_at_a_negative_id_or_empty_entry_as_with_cuda(monkeypatch, raw, expected):
+    monkeypatch.setenv("SUPA_EMU_DEVICE_COUNT", "4")
+    monkeypatch.setenv("SUPA_VISIBLE_DEVICES", raw)
+    assert config.load().visible_devices == expected
+
+
+@pytest.mark.parametrize("raw", ["4", "1,1", "a", "0;1", "1gpu"])
 def test_bad_visible_devices(monkeypatch, raw):
     monkeypatch.setenv("SUPA_EMU_DEVICE_COUNT", "4")
     monkeypatch.setenv("SUPA_VISIBLE_DEVICES", raw)
@@ -56,11 +66,21 @@ def test_bad_visible_devices(monkeypatch, raw):
 
 @pytest.mark.parametrize("name, raw", [("SUPA_EMULATE", "perhaps"), ("SUPA_EMU_EXT", "2"),
                                        ("SUPA_EMU_DEVICE_COUNT", "65"), ("SUPA_EMU_PROFILE", "BR999"),
-                                       ("SUPA_DS_ACCELERATOR", "cuda")])
+                                       ("SUPA_DS_ACCELERATOR", "cuda"), ("SUPA_EMU_SANITIZE", "races")])
 def test_bad_values_name_the_variable(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(config.ConfigError, match=name):
         config.load()
+
+
+def test_memory_beyond_the_host_is_flagged_only_when_asked_for(monkeypatch):
+    monkeypatch.setattr(config, "host_memory_bytes", lambda: 8 << 30)
+    assert config.memory_beyond_host(config.load()) is None  # the profile's 32 GiB is only a ceiling
+    monkeypatch.setenv("SUPA_EMU_MEMORY", "4GiB")
+    assert config.memory_beyond_host(config.load()) is None
+    monkeypatch.setenv("SUPA_EMU_MEMORY", "99999TiB")
+    warning = config.memory_beyond_host(config.load())
+    assert "SUPA_EMU_MEMORY='99999TiB'" in warning and "8.0 GiB" in warning
 
 
 @pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("ON", True), ("0", False), ("no", False)])

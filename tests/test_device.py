@@ -212,20 +212,35 @@ def test_peer_access_between_distinct_devices():
 
 @pytest.mark.emulation_only
 def test_emulated_profile_matches_configuration():
-    from supa_emu import config
+    from supa_emu import activation
 
-    cfg = config.load()
+    cfg = activation.config()
     props = torch.supa.get_device_properties(0)
     assert props.name == cfg.profile.name
     assert props.total_memory == cfg.memory_bytes
+    # The core owns the capacity: the properties and the runtime's memory info agree.
+    assert props.total_memory == torch.supa.mem_get_info(0)[1]
     assert torch.supa.get_device_properties(0).uuid != torch.supa.get_device_properties(
         torch.supa.device_count() - 1).uuid or torch.supa.device_count() == 1
 
 
+_synchronizations = []
+
+
 def test_synchronize_and_trace_callback():
+    # Registered once per process: the registry has no removal, like torch.cuda's.
+    if not _synchronizations:
+        torch.supa._gpu_trace.register_callback_for_device_synchronization(lambda: _synchronizations.append(1))
+    before = len(_synchronizations)
+    current = torch.supa.current_device()
     torch.supa.synchronize()
     torch.supa.synchronize(0)
     torch.supa.synchronize("supa:0")
+    assert len(_synchronizations) - before == 3
+    assert torch.supa.current_device() == current  # synchronize(device) does not switch devices
+    with pytest.raises(Exception, match="invalid device ordinal"):
+        torch.supa.synchronize(torch.supa.device_count())
+    assert len(_synchronizations) - before == 3
 
 
 def test_bf16_support_follows_reference_semantics():

@@ -68,12 +68,13 @@ def test_capture_error_modes_accepted(mode):
 
 
 def test_graph_context_attributes_and_pool_sharing():
-    assert torch.supa.graph.default_capture_stream is None or isinstance(
-        torch.supa.graph.default_capture_stream, torch.supa.Stream)
     g1 = torch.supa.SUPAGraph()
     ctx = torch.supa.graph(g1)
     assert isinstance(torch.supa.graph.default_capture_stream, torch.supa.Stream)
     assert ctx.capture_stream is torch.supa.graph.default_capture_stream
+    assert ctx.capture_stream != torch.supa.default_stream()  # capture never uses the default stream
+    # Every graph context without an explicit stream shares the one default capture stream.
+    assert torch.supa.graph(torch.supa.SUPAGraph()).capture_stream is ctx.capture_stream
     assert ctx.pool == ()
     x = torch.ones(2, device="supa")
     with ctx:
@@ -87,6 +88,24 @@ def test_graph_context_attributes_and_pool_sharing():
     g1.replay()
     g2.replay()
     assert torch.equal(y2.cpu(), torch.full((2,), 10.0))
+
+
+def test_graph_pools_come_from_one_counter_and_own_the_captured_blocks():
+    x = torch.ones(1000, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        y = x + 1
+    handle = torch.supa.graph_pool_handle()
+    # Graph pools are (n, 0); handles and the pools of graphs captured without one are
+    # numbered by the same counter, so they never collide.
+    assert g.pool()[1] == 0 and handle[1] == 0
+    assert handle[0] > g.pool()[0] > 0
+    segments = {seg["address"]: seg for seg in torch.supa.memory_snapshot()}
+    assert tuple(segments[y.data_ptr()]["segment_pool_id"]) == g.pool()
+    assert tuple(segments[x.data_ptr()]["segment_pool_id"]) == (0, 0)
+    after = torch.empty(1000, device="supa")  # capture over: back to the general pool
+    assert tuple({seg["address"]: seg for seg in torch.supa.memory_snapshot()}[after.data_ptr()]
+                 ["segment_pool_id"]) == (0, 0)
 
 
 def test_reset_allows_recapture():

@@ -1,6 +1,7 @@
 """torch.supa memory API: allocator statistics, caching, limits, OOM, snapshots and pools."""
 
 import gc
+import re
 import warnings
 
 import pytest
@@ -127,6 +128,21 @@ def test_out_of_memory_error_and_recovery():
     assert torch.equal((keep + 1).cpu(), torch.arange(1, 17, dtype=torch.float32))
 
 
+def test_host_allocation_failure_is_reported_as_the_hosts(python_subprocess):
+    out = python_subprocess("""
+        import warnings, torch
+        warnings.simplefilter("ignore")  # the activation warning about SUPA_EMU_MEMORY is tested elsewhere
+        try:
+            torch.empty(1 << 40, dtype=torch.uint8, device='supa')
+        except torch.OutOfMemoryError as error:
+            print(error)
+        print(torch.supa.memory_reserved())
+    """, env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"}).stdout.splitlines()
+    assert "the host could not provide 1024.00 GiB" in out[0] and "SUPA_EMU_MEMORY" in out[0]
+    assert "total capacity" not in out[0]
+    assert out[1] == "0"
+
+
 def test_memory_fraction_argument_checks():
     with pytest.raises(TypeError, match="Invalid type for fraction argument, must be `float`"):
         torch.supa.set_per_process_memory_fraction(1)
@@ -198,25 +214,269 @@ def test_snapshot_structures():
     assert {"address", "size", "requested_size", "state"} <= set(seg["blocks"][0])
     snap = torch.supa.memory._snapshot()
     assert set(snap) == {"segments", "device_traces", "allocator_settings"}
-    torch.supa.memory._record_memory_history("all")
-    torch.supa.memory._record_memory_history(None)
-    torch.supa.memory._record_memory_history(True)
-    torch.supa.memory._record_memory_history(False)
+    assert len(snap["device_traces"]) == torch.supa.device_count()
     del t
 
 
-def test_dump_snapshot_writes_pickle(tmp_path):
+def _make_and_free_tensor():
+    t = torch.empty(3000, device="supa")
+    address = t.data_ptr()
+    del t
+    return address
+
+
+@pytest.fixture
+def memory_history():
+    torch.supa.memory._record_memory_history("all", stacks="python")
+    yield
+    torch.supa.memory._record_memory_history(None)
+
+
+def test_memory_history_records_allocations_and_frees_with_python_stacks(memory_history):
+    address = _make_and_free_tensor()
+    device = torch.supa.current_device()
+    events = [e for e in torch.supa.memory._snapshot()["device_traces"][device] if e["addr"] == address]
+    actions = [e["action"] for e in events]
+    assert "alloc" in actions and "free_completed" in actions
+    assert actions.index("alloc") < actions.index("free_completed")
+    alloc = events[actions.index("alloc")]
+    assert alloc["size"] >= 3000 * 4 and alloc["stream"] == 0 and alloc["time_us"] > 0
+    names = [frame["name"] for frame in alloc["frames"]]
+    assert "_make_and_free_tensor" in names
+    assert any(frame["filename"].endswith("test_memory.py") for frame in alloc["frames"])
+
+
+def test_memory_history_off_records_nothing_and_clears_the_trace(memory_history):
+    _make_and_free_tensor()
+    torch.supa.memory._record_memory_history(None)
+    _make_and_free_tensor()
+    assert all(trace == [] for trace in torch.supa.memory._snapshot()["device_traces"])
+
+
+def test_memory_history_keeps_the_newest_max_entries():
+    torch.supa.memory._record_memory_history("all", stacks="python", max_entries=3)
+    try:
+        for _ in range(4):
+            _make_and_free_tensor()
+        trace = torch.supa.memory._snapshot()["device_traces"][torch.supa.current_device()]
+        assert len(trace) == 3
+        assert trace[-1]["action"] == "free_completed"
+    finally:
+        torch.supa.memory._record_memory_history(None)
+
+
+def test_memory_history_state_mode_gives_live_blocks_their_stack():
+    torch.supa.memory._record_memory_history("state", stacks="python")
+    try:
+        t = torch.empty(5000, device="supa")
+        (seg,) = [s for s in torch.supa.memory_snapshot() if s["address"] == t.data_ptr()]
+        assert any(frame["name"] == "test_memory_history_state_mode_gives_live_blocks_their_stack"
+                   for frame in seg["blocks"][0]["frames"])
+        assert all(trace == [] for trace in torch.supa.memory._snapshot()["device_traces"])
+    finally:
+        torch.supa.memory._record_memory_history(None)
+
+
+def test_memory_history_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="enabled must be"):
+        torch.supa.memory._record_memory_history("sometimes")
+    with pytest.raises(ValueError, match="stacks must be"):
+        torch.supa.memory._record_memory_history("all", stacks="cpp")
+
+
+def test_legacy_record_memory_history_form(memory_history):
+    torch.supa.memory._record_memory_history(True, trace_alloc_max_entries=100)
+    address = _make_and_free_tensor()
+    device = torch.supa.current_device()
+    assert any(e["addr"] == address for e in torch.supa.memory._snapshot()["device_traces"][device])
+    torch.supa.memory._record_memory_history(False)
+    assert torch.supa.memory._snapshot()["device_traces"][device] == []
+
+
+def test_dumped_snapshot_opens_in_pytorch_memory_viz(tmp_path, memory_history):
     import pickle
 
+    from torch.cuda import _memory_viz
+
+    keep = torch.empty(4096, device="supa")
+    _make_and_free_tensor()
     path = tmp_path / "snap.pickle"
     torch.supa.memory._dump_snapshot(str(path))
     with open(path, "rb") as f:
-        assert "segments" in pickle.load(f)
+        data = pickle.load(f)
+    # PyTorch's own readers of a CUDA snapshot: the text trace, the segment summary, the
+    # flame-graph input and the HTML trace plot.
+    text = _memory_viz.trace(data)
+    assert "entries" in text and "cudaMalloc" in text and "del " in text
+    assert "segments:" in _memory_viz.segsum(data)
+    # Live blocks carry the stack that allocated them (here: `keep`, made in this test).
+    assert "test_dumped_snapshot_opens_in_pytorch_memory_viz" in _memory_viz.memory(
+        data, format_flamegraph=lambda lines: lines)
+    assert "<html>" in _memory_viz.trace_plot(data).lower() or "html" in _memory_viz.trace_plot(data).lower()
+    del keep
 
 
+@pytest.mark.emulation_only
 def test_allocator_backend_and_settings():
     assert torch.supa.get_allocator_backend() == "native"
-    torch.supa._set_allocator_settings("pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
+    with pytest.warns(UserWarning, match="not modelled by the emulator"):
+        torch.supa._set_allocator_settings("pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
+    settings = torch.supa.memory._snapshot()["allocator_settings"]
+    assert settings["pinned_use_supa_host_register"] is True
+    assert settings["pinned_num_register_threads"] == 8
+    torch.supa._set_allocator_settings("pinned_use_cuda_host_register:False,pinned_num_register_threads:1")
+
+
+@pytest.mark.emulation_only
+def test_expandable_segments_is_a_documented_no_op_that_warns():
+    with pytest.warns(UserWarning, match="expandable_segments:True is not modelled by the emulator"):
+        torch.supa._set_allocator_settings("expandable_segments:True")
+    t = torch.empty(1 << 20, device="supa")
+    (seg,) = [s for s in torch.supa.memory_snapshot() if s["address"] == t.data_ptr()]
+    assert seg["is_expandable"] is False
+    torch.supa._set_allocator_settings("expandable_segments:False")
+
+
+BAD_ALLOCATOR_SETTINGS = {
+    "no_such_knob:1": "unrecognized or malformed entry 'no_such_knob:1'; known keys: ",
+    "pinned_num_register_threads:many": "invalid value 'many' for pinned_num_register_threads",
+    "backend:cudaMallocAsync": "only backend is 'native'",
+    "max_split_size_mb:8": "max_split_size_mb: too small, must be > 20",
+    "garbage_collection_threshold:1.5": "garbage_collection_threshold: must be between 0.0 and 1.0",
+    "roundup_power2_divisions:3": "roundup_power2_divisions: the number of divisions must be a power of two",
+    # A rejected string changes nothing, not even its valid entries.
+    "garbage_collection_threshold:0.5,no_such_knob:1": "unrecognized or malformed entry 'no_such_knob:1'",
+}
+
+
+@pytest.mark.emulation_only
+@pytest.mark.parametrize("setting", list(BAD_ALLOCATOR_SETTINGS))
+def test_allocator_settings_reject_bad_input(setting):
+    before = torch.supa.memory._snapshot()["allocator_settings"]
+    with pytest.raises(RuntimeError, match=re.escape(BAD_ALLOCATOR_SETTINGS[setting])):
+        torch.supa._set_allocator_settings(setting)
+    assert torch.supa.memory._snapshot()["allocator_settings"] == before
+
+
+# ---- allocator settings that change accounting -------------------------------------------------
+
+@pytest.fixture
+def allocator_settings_restored():
+    """The settings are process-wide: put back what the test changed, and start from an empty cache."""
+    from supa_emu.supa import _allocator_config
+
+    saved = dict(_allocator_config._settings)
+    torch.supa.empty_cache()
+    yield
+    torch.supa.empty_cache()
+    _allocator_config._settings.update(saved)
+    torch.supa.set_per_process_memory_fraction(1.0)
+    torch.supa._native()._set_allocator_knobs(saved["max_split_size"], saved["garbage_collection_threshold"],
+                                              saved["roundup_power2_divisions"])
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.emulation_only
+def test_roundup_power2_divisions_rounds_requests(allocator_settings_restored):
+    size = 3 * MiB + 100  # +32 bytes of padding: between 2 MiB and 4 MiB
+    x = torch.empty(size, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() == (size + 32 + 511) // 512 * 512
+    del x
+    torch.supa._set_allocator_settings("roundup_power2_divisions:4")  # 2, 2.5, 3, 3.5, 4 MiB
+    x = torch.empty(size, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() == 3 * MiB + MiB // 2
+    del x
+    # Per-interval form: one division up to 256 MiB, so the plain 512-byte rounding applies here.
+    torch.supa._set_allocator_settings("roundup_power2_divisions:[256:1,>:4]")
+    x = torch.empty(size, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() == (size + 32 + 511) // 512 * 512
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"][:9] == [1] * 8 + [4]
+
+
+@pytest.mark.emulation_only
+def test_max_split_size_counts_oversize_blocks_and_lets_them_serve_smaller_requests(allocator_settings_restored):
+    torch.supa._set_allocator_settings("max_split_size_mb:32")
+    stats = torch.supa.memory_stats()
+    assert stats["max_split_size"] == 32 * MiB
+    big = torch.empty(40 * MiB, dtype=torch.uint8, device="supa")
+    stats = torch.supa.memory_stats()
+    assert (stats["oversize_allocations.current"], stats["oversize_segments.current"]) == (1, 1)
+    del big
+    assert torch.supa.memory_stats()["oversize_allocations.current"] == 0
+    # A request below max_split_size never takes an oversize block: a new segment.
+    small = torch.empty(30 * MiB, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_stats()["segment.all.current"] == 2
+    # An oversize request takes a cached oversize block less than 20 MiB larger, whole.
+    reused = torch.empty(35 * MiB, dtype=torch.uint8, device="supa")
+    stats = torch.supa.memory_stats()
+    assert stats["segment.all.current"] == 2 and stats["oversize_allocations.current"] == 1
+    assert torch.supa.memory_allocated() == (30 * MiB + 512) + (40 * MiB + 512)
+    del small, reused
+
+
+@pytest.mark.emulation_only
+def test_garbage_collection_threshold_releases_the_oldest_cached_blocks(allocator_settings_restored):
+    torch.supa.set_per_process_memory_fraction(1 / 1024)
+    limit = torch.supa.get_device_properties(0).total_memory // 1024
+    eighth = limit // 8 - 512
+    blocks = [torch.empty(eighth, dtype=torch.uint8, device="supa") for _ in range(3)]
+    addresses = [b.data_ptr() for b in blocks]
+    while blocks:  # freed in order 0, 1, 2
+        del blocks[0]
+    assert torch.supa.memory_reserved() == 3 * limit // 8
+    torch.supa._set_allocator_settings("garbage_collection_threshold:0.5")
+    frees = torch.supa.memory_stats()["num_device_free"]
+    fresh = torch.empty(limit // 4 - 512, dtype=torch.uint8, device="supa")  # 3/8 + 2/8 > 1/2: collect
+    # Only the least recently freed block went back: 2/8 + 2/8 is within the threshold.
+    assert torch.supa.memory_stats()["num_device_free"] == frees + 1
+    assert torch.supa.memory_reserved() == 4 * limit // 8
+    cached = {s["address"] for s in torch.supa.memory_snapshot() if s["allocated_size"] == 0}
+    assert cached == set(addresses[1:])
+    del fresh
+
+
+@pytest.mark.emulation_only
+def test_allocator_conf_variable_applies_at_start_and_is_validated(python_subprocess):
+    code = """
+        import torch
+        x = torch.empty(3 * 2**20 + 100, dtype=torch.uint8, device="supa")
+        print(torch.supa.memory_allocated(), torch.supa.memory_stats()["max_split_size"])
+    """
+    result = python_subprocess(code, env={"PYTORCH_SUPA_ALLOC_CONF": "roundup_power2_divisions:4,max_split_size_mb:64"})
+    assert result.stdout.split() == [str(3 * MiB + MiB // 2), str(64 * MiB)]
+    bad = python_subprocess(code, env={"PYTORCH_SUPA_ALLOC_CONF": "max_split_size_mb:lots"}, check=False)
+    assert bad.returncode != 0
+    assert "PYTORCH_SUPA_ALLOC_CONF='max_split_size_mb:lots': invalid value 'lots' for max_split_size_mb" in bad.stderr
+
+
+@pytest.mark.emulation_only
+def test_disabling_the_caching_allocator_warns_that_it_is_not_modelled():
+    with pytest.warns(UserWarning, match="not modelled by the emulator"):
+        torch.supa.caching_allocator_enable(False)
+    torch.supa.caching_allocator_enable(True)
+
+
+def test_fallback_kernel_scratch_counts_toward_the_device_peak():
+    # A CPU kernel run for a supa op allocates on the device (see the README, "What the emulator
+    # changes in PyTorch"): median's CPU kernel partitions a copy of its input, so the peak grows
+    # by about the input's size although the result is one element; after the call the scratch
+    # is freed again.
+    dev = last_device()
+    x = torch.rand(1 << 20, device=f"supa:{dev}")  # 4 MiB
+    before = torch.supa.memory_allocated(dev)
+    torch.supa.reset_peak_memory_stats(dev)
+    result = torch.median(x)
+    assert torch.supa.max_memory_allocated(dev) - before >= x.numel() * x.element_size()
+    assert torch.supa.memory_allocated(dev) - before < 4096
+    assert result.device == x.device
+    assert result.item() == torch.median(x.cpu()).item()
+    # CPU work outside a supa op is not device memory.
+    torch.supa.reset_peak_memory_stats(dev)
+    scratch = torch.rand(1 << 20).sort().values
+    assert torch.supa.max_memory_allocated(dev) == torch.supa.memory_allocated(dev)
+    del scratch
 
 
 def test_mem_pool_ids_and_use_count():
@@ -233,7 +493,58 @@ def test_mem_pool_ids_and_use_count():
     assert pool.use_count() == 1
     assert torch.supa.MemPoolContext.active_pool() is None
     assert torch.equal(t.cpu(), torch.ones(8))
-    assert isinstance(pool.snapshot(), list)
+    assert pool.id[0] == 0 and pool.id[1] > 0  # user pools are (0, n), as in PyTorch
+
+
+def test_mem_pool_owns_the_blocks_allocated_under_it():
+    pool = torch.supa.MemPool()
+    with torch.supa.use_mem_pool(pool):
+        inside = torch.empty(10_000, device="supa")
+    outside = torch.empty(10_000, device="supa")
+    segments = {seg["address"]: seg for seg in torch.supa.memory_snapshot()}
+    assert tuple(segments[inside.data_ptr()]["segment_pool_id"]) == pool.id
+    assert tuple(segments[outside.data_ptr()]["segment_pool_id"]) == (0, 0)
+    assert [seg["address"] for seg in pool.snapshot()] == [inside.data_ptr()]
+
+
+def test_mem_pool_blocks_are_reused_only_inside_the_pool():
+    pool = torch.supa.MemPool()
+    with torch.supa.use_mem_pool(pool):
+        freed = torch.empty(20_000, device="supa")
+    address = freed.data_ptr()
+    del freed
+    # The freed block stays cached in the pool: a request of the same size outside the pool
+    # gets another block, one inside the pool gets it back.
+    outside = torch.empty(20_000, device="supa")
+    assert outside.data_ptr() != address
+    with torch.supa.use_mem_pool(pool):
+        again = torch.empty(20_000, device="supa")
+    assert again.data_ptr() == address
+    del outside, again
+
+
+def test_deleting_a_mem_pool_releases_its_cached_blocks():
+    torch.supa.empty_cache()
+    reserved = torch.supa.memory_reserved()
+    pool = torch.supa.MemPool()
+    with torch.supa.use_mem_pool(pool):
+        t = torch.empty(300_000, device="supa")
+    del t
+    assert torch.supa.memory_reserved() > reserved
+    del pool
+    assert torch.supa.memory_reserved() == reserved
+
+
+def test_use_mem_pool_on_another_device_does_not_route_this_one():
+    if torch.supa.device_count() < 2:
+        pytest.skip("needs two SUPA devices")
+    pool = torch.supa.MemPool()
+    with torch.supa.device(0), torch.supa.use_mem_pool(pool, device=1):
+        here = torch.empty(1000, device="supa:0")
+        there = torch.empty(1000, device="supa:1")
+    segments = {seg["address"]: seg for seg in torch.supa.memory_snapshot()}
+    assert tuple(segments[here.data_ptr()]["segment_pool_id"]) == (0, 0)
+    assert tuple(segments[there.data_ptr()]["segment_pool_id"]) == pool.id
 
 
 @pytest.mark.emulation_only

@@ -1,14 +1,24 @@
 """The native core is built once per machine for the installed torch, rebuilt when its
-sources change, and safe to build from several ranks starting at once."""
+sources change, safe to build from several ranks starting at once, validated before it is
+loaded, and rebuilt (from its cached objects) when a finished build was damaged.
 
+No test here compiles the whole core: they start from a copy of the build this test process
+loaded, so a damaged library costs a relink, not a cold build.
+"""
+
+import errno
+import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from supa_emu import native
+from supa_emu import config, native
+
+CODE = "import torch; print(torch.ones(2, device='supa').sum().item())"
 
 
 def test_build_key_follows_the_sources(tmp_path, monkeypatch):
@@ -22,17 +32,193 @@ def test_build_key_follows_the_sources(tmp_path, monkeypatch):
     assert native.build_key() != key
 
 
+def test_every_source_file_is_in_exactly_one_unit():
+    units = native._units()
+    members = [p for files in units.values() for p in files]
+    assert sorted(members) == sorted(p for p in native._sources() if p.suffix == ".cpp")
+    assert len(members) == len(set(members))
+
+
+# ---------------------------------------------------------------- a copy of a good build
+
+def _current_cache() -> pathlib.Path:
+    return config.load().cache_dir / "native"
+
+
+@pytest.fixture
+def seeded_cache(tmp_path):
+    """A cache dir holding this process's finished build and its object files, nothing else."""
+    source = _current_cache()
+    key = native.build_key()
+    if native.damage(source / key) is not None:
+        pytest.skip("this process did not load a finished build of the current sources")
+    target = tmp_path / "cache" / "native"
+    shutil.copytree(source / key, target / key)
+    # Only the objects this build was linked from: the shared object cache also holds those of
+    # other source versions, which a test must not pick up.
+    (target / "objects").mkdir()
+    for name in json.loads((source / key / native.MANIFEST).read_text())["objects"]:
+        for companion in (source / "objects").glob(f"{pathlib.Path(name).stem}.*"):
+            shutil.copy2(companion, target / "objects" / companion.name)
+    return tmp_path / "cache"
+
+
+def _run(cache: pathlib.Path, **env):
+    full = dict(os.environ, SUPA_EMULATE="1", SUPA_EMU_CACHE_DIR=str(cache), **env)
+    return subprocess.run([sys.executable, "-c", CODE], env=full, capture_output=True, text=True, timeout=900)
+
+
+def _library(cache: pathlib.Path) -> pathlib.Path:
+    return cache / "native" / native.build_key() / f"{native.MODULE_NAME}.so"
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _random_bytes(path):
+    size = path.stat().st_size
+    path.write_bytes(os.urandom(size))
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _garbage_manifest(path):
+    (path.parent / native.MANIFEST).write_text("{not json")
+
+
+DAMAGE = {"truncated": _truncate, "random bytes": _random_bytes, "emptied": _empty,
+          "garbage manifest": _garbage_manifest}
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_damage_is_detected_before_loading(seeded_cache, how):
+    build_dir = _library(seeded_cache).parent
+    assert native.damage(build_dir) is None
+    DAMAGE[how](_library(seeded_cache))
+    assert native.damage(build_dir) not in (None, "missing")
+
+
+@pytest.mark.emulation_only
+@pytest.mark.parametrize("how", ["truncated", "random bytes", "emptied"])
+def test_damaged_library_is_reported_once_and_relinked(seeded_cache, how):
+    """The three ways a damaged library used to kill `import torch` (bus error, C++ terminate, ImportError)."""
+    DAMAGE[how](_library(seeded_cache))
+    result = _run(seeded_cache)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2.0"
+    # One line says what happened; the relink from the cached objects needs no more.
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert "is damaged (" in result.stderr and "rebuilding it" in result.stderr, result.stderr
+    assert native.damage(_library(seeded_cache).parent) is None
+
+
+@pytest.mark.emulation_only
+def test_unfinished_build_without_manifest_is_finished_then_reused(seeded_cache):
+    (_library(seeded_cache).parent / native.MANIFEST).unlink()
+    result = _run(seeded_cache)
+    assert result.returncode == 0, result.stderr
+    assert "is damaged" not in result.stderr and "linking only" in result.stderr
+    again = _run(seeded_cache)  # a finished, valid build loads without a word
+    assert again.returncode == 0 and again.stdout.strip() == "2.0" and again.stderr == "", again.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.emulation_only
-def test_concurrent_ranks_build_once(tmp_path):
-    env = dict(os.environ, SUPA_EMULATE="1", SUPA_EMU_CACHE_DIR=str(tmp_path))
-    code = "import torch; print(torch.ones(2, device='supa').sum().item())"
-    ranks = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+def test_damaged_object_file_is_recompiled_alone(seeded_cache):
+    objects = list((seeded_cache / "native" / "objects").glob("bindings-*.o"))
+    assert len(objects) == 1, objects
+    _random_bytes(objects[0])
+    _empty(_library(seeded_cache))
+    result = _run(seeded_cache)
+    assert result.returncode == 0, result.stderr
+    assert "compiling 1 of 3 units" in result.stderr and "[1/1] compiled bindings" in result.stderr, result.stderr
+
+
+@pytest.mark.emulation_only
+@pytest.mark.slow  # several fresh interpreters doing real work
+def test_concurrent_ranks_build_once(tmp_path, seeded_cache):
+    """Two ranks start on a cache with no finished library: one links, the other waits and says so."""
+    shutil.rmtree(_library(seeded_cache).parent)
+    env = dict(os.environ, SUPA_EMULATE="1", SUPA_EMU_CACHE_DIR=str(seeded_cache))
+    ranks = [subprocess.Popen([sys.executable, "-c", CODE], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = [rank.communicate(timeout=1200) for rank in ranks]
+    results = [rank.communicate(timeout=900) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], results
     assert [out.strip() for out, _ in results] == ["2.0", "2.0"]
-    assert sum(err.count("building the native core") for _, err in results) == 1
-    # A later process finds the cached build and does not compile again.
-    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    builds = [line for _, err in results for line in err.splitlines() if line.startswith("supa_emu: building")]
+    assert len(builds) == 1, results
+    # The other rank (if it arrived while the first was linking) said whom it waited for.
+    waits = [line for _, err in results for line in err.splitlines() if "waiting for the build" in line]
+    assert all(line.startswith("supa_emu: waiting for the build in pid ") for line in waits), waits
+    # A later process finds the cached build and does not build again.
+    again = _run(seeded_cache)
     assert again.returncode == 0 and "building the native core" not in again.stderr
+
+
+# ---------------------------------------------------------------- progress and waiting
+
+def test_a_waiting_process_names_the_builder(tmp_path, caplog):
+    root = tmp_path / "native"
+    root.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(root / 'build.lock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "f.seek(0); f.truncate(); f.write('4242\\n'); f.flush()\n"
+        f"open({str(root / 'build.status')!r}, 'w').write('[1/3] compiled runtime\\n')\n"
+        "print('locked', flush=True); time.sleep(1.5)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with caplog.at_level("WARNING", logger="supa_emu"), native._BuildLock(root):
+            pass
+    finally:
+        holder.wait(timeout=30)
+    waits = [r.getMessage() for r in caplog.records if "waiting for the build" in r.getMessage()]
+    assert waits and "pid 4242" in waits[0] and "[1/3] compiled runtime" in waits[0]
+
+
+# ---------------------------------------------------------------- unusable cache directories
+
+def test_cache_dir_under_a_file_names_the_variable(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(native.CacheDirError, match=r"SUPA_EMU_CACHE_DIR=.*a-file.*writable directory"):
+        native._prepare(blocker / "native", blocker, from_env=True)
+
+
+def test_read_only_cache_dir_names_the_variable(tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    with pytest.raises(native.CacheDirError, match=r"SUPA_EMU_CACHE_DIR=.*read-only file system.*writable"):
+        native._prepare(tmp_path / "native", tmp_path, from_env=True)
+    with pytest.raises(native.CacheDirError, match=r"SUPA_EMU_CACHE_DIR is unset"):
+        native._prepare(tmp_path / "native", tmp_path, from_env=False)
+
+
+@pytest.mark.emulation_only
+def test_unusable_cache_dir_at_import_is_one_clear_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = _run(blocker / "cache")
+    assert result.returncode != 0
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("supa_emu: configuration error: SUPA_EMU_CACHE_DIR="), result.stderr
+    assert "writable directory" in first
+
+
+@pytest.mark.emulation_only
+def test_a_good_build_loads_from_a_read_only_cache(seeded_cache):
+    """Loading needs no write access: a shared, read-only cache with a good build works."""
+    for path in seeded_cache.rglob("*"):
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        result = _run(seeded_cache)
+    finally:
+        for path in seeded_cache.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert result.returncode == 0 and result.stdout.strip() == "2.0", result.stderr
+    assert json.loads((_library(seeded_cache).parent / native.MANIFEST).read_text())["size"] > 0

@@ -268,11 +268,58 @@ def test_extension_builders_with_installed_torch_supa_ext():
 # ---- host C++ builders ----------------------------------------------------------------------------
 
 
+HOST_BUILDERS = ['CPUAdamBuilder', 'CPUAdagradBuilder', 'CPULionBuilder', 'PinMemoryBuilder', 'AsyncIOBuilder']
+
+
+@pytest.mark.parametrize('cls_name', HOST_BUILDERS)
+def test_host_builders_build_exactly_like_deepspeeds_builtin_ones(cls_name):
+    """Both accelerators JIT-build an op under one name into one torch-extensions directory, where
+    ninja recompiles whenever the compile command changes: any difference in sources, include
+    paths or flags would make every switch of SUPA_DS_ACCELERATOR rebuild the op."""
+    builtin = getattr(importlib.import_module('deepspeed.ops.op_builder.supa'), cls_name)()
+    ours = getattr(supa_builders, cls_name)()
+    assert ours.name == builtin.name and ours.absolute_name() == builtin.absolute_name()
+    for method in ('sources', 'include_paths', 'cxx_args', 'extra_ldflags'):
+        assert getattr(ours, method)() == getattr(builtin, method)(), method
+
+
+_LOAD_CPU_ADAM = """
+import torch
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder('CPUAdamBuilder')
+builder.load()
+print(type(builder).__module__)
+"""
+
+
+@pytest.mark.slow
+def test_switching_accelerators_does_not_rebuild_host_ops(tmp_path, python_subprocess):
+    """One cold build of cpu_adam; then each accelerator loads it as it is (and ours says when it builds)."""
+    ext_dir = tmp_path / 'torch_extensions'
+    env = {'TORCH_EXTENSIONS_DIR': str(ext_dir), 'DS_ACCELERATOR': 'supa', 'SUPA_EMULATE': '1'}
+
+    def run(accelerator):
+        result = python_subprocess(_LOAD_CPU_ADAM, env={**env, 'SUPA_DS_ACCELERATOR': accelerator}, timeout=1200)
+        library = next(ext_dir.rglob('cpu_adam.so'))
+        return result, library.stat().st_mtime_ns, (library.parent / '.ninja_log').read_text()
+
+    first, built_at, log = run('project')
+    assert first.stdout.split()[-1] == 'op_builder.supa.cpu_adam', first.stdout
+    assert "building DeepSpeed's cpu_adam op" in first.stderr and "built DeepSpeed's cpu_adam op" in first.stderr
+    builtin, mtime, builtin_log = run('builtin')
+    assert builtin.stdout.split()[-1] == 'deepspeed.ops.op_builder.supa.cpu_adam', builtin.stdout
+    assert (mtime, builtin_log) == (built_at, log), "DeepSpeed's built-in accelerator rebuilt cpu_adam"
+    again, mtime, again_log = run('project')
+    assert (mtime, again_log) == (built_at, log), "switching back rebuilt cpu_adam"
+    assert 'cpu_adam op' not in again.stderr
+
+
 @pytest.fixture(scope='module')
 def cpu_adam_module():
     return supa_builders.CPUAdamBuilder().load()
 
 
+@pytest.mark.slow  # builds cpu_adam on first use
 def test_deepspeed_cpu_adam_matches_torch_adamw(cpu_adam_module, monkeypatch):
     import deepspeed.ops.adam.cpu_adam as cpu_adam
     # Route DeepSpeedCPUAdam through this project's builder whatever accelerator is active.
@@ -293,6 +340,7 @@ def test_deepspeed_cpu_adam_matches_torch_adamw(cpu_adam_module, monkeypatch):
         assert torch.allclose(q, r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # builds the op on first use
 @pytest.mark.parametrize('cls_name,functions', [('CPUAdagradBuilder', ['create_adagrad', 'adagrad_update']),
                                                 ('CPULionBuilder', ['create_lion', 'lion_update'])])
 def test_other_host_optimizers_build(cls_name, functions):
@@ -303,6 +351,7 @@ def test_other_host_optimizers_build(cls_name, functions):
         assert callable(getattr(module, fn))
 
 
+@pytest.mark.slow  # builds pin_memory on first use
 def test_pin_memory_builds_and_is_shared_with_deepspeed():
     builder = supa_builders.PinMemoryBuilder()
     assert builder.is_compatible() is True

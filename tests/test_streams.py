@@ -47,6 +47,20 @@ def test_new_stream_properties():
     assert high.priority == greatest
 
 
+def test_priority_is_known_to_the_core_for_streams_made_by_any_api():
+    # A stream made through the generic torch.Stream API, then wrapped by its id, still
+    # reports the priority it was created with: the core, not torch.supa, keeps it.
+    idx = torch.supa.current_device()
+    generic = torch.Stream(device=torch.device("supa", idx), priority=-1)
+    wrapped = torch.supa.Stream(stream_id=generic.stream_id, device_index=generic.device_index,
+                                device_type=generic.device_type)
+    assert wrapped.priority == -1
+    low = torch.Stream(device=torch.device("supa", idx), priority=0)
+    assert torch.supa.Stream(stream_id=low.stream_id, device_index=low.device_index,
+                             device_type=low.device_type).priority == 0
+    assert torch.supa.default_stream().priority == 0
+
+
 def test_stream_context_selects_and_restores():
     s = torch.supa.Stream()
     before = torch.supa.current_stream()
@@ -126,11 +140,59 @@ def test_elapsed_time_needs_recorded_events():
     start = torch.supa.Event(enable_timing=True)
     end = torch.supa.Event(enable_timing=True)
     start.record()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="Both events must be recorded"):
         start.elapsed_time(end)
 
 
+def test_elapsed_time_needs_timing_events():
+    start = torch.supa.Event()
+    end = torch.supa.Event()
+    start.record()
+    end.record()
+    with pytest.raises(RuntimeError, match="enable_timing=True"):
+        start.elapsed_time(end)
+
+
+def test_elapsed_time_measures_the_time_between_records():
+    import time
+
+    start = torch.supa.Event(enable_timing=True)
+    end = torch.supa.Event(enable_timing=True)
+    start.record()
+    time.sleep(0.02)
+    end.record()
+    assert start.elapsed_time(end) >= 20.0
+    assert end.elapsed_time(start) <= -20.0
+
+
+_event_log = []
+
+
+def _log_events():
+    # Registered once per process: the trace registries have no removal, like torch.cuda's.
+    if not _event_log:
+        _event_log.append(("start", 0, 0))
+        torch.supa._gpu_trace.register_callback_for_event_record(
+            lambda event, stream: _event_log.append(("record", event, stream)))
+        torch.supa._gpu_trace.register_callback_for_event_wait(
+            lambda event, stream: _event_log.append(("wait", event, stream)))
+    return len(_event_log)
+
+
+def test_wait_stream_records_on_the_source_and_waits_on_the_target():
+    # Work is synchronous in the emulator, so the order itself cannot go wrong here; what can
+    # is the dependency wait_stream sets up, which the trace callbacks make observable.
+    side = torch.supa.Stream()
+    main = torch.supa.current_stream()
+    start = _log_events()
+    side.wait_stream(main)
+    (record, wait) = _event_log[start:]
+    assert record[0] == "record" and record[2] == main.stream_id
+    assert wait == ("wait", record[1], side.stream_id) and record[1] != 0
+
+
 def test_wait_stream_orders_work_between_streams():
+    # The data check is meant for a real card, where the streams run concurrently.
     side = torch.supa.Stream()
     x = torch.zeros(8, device="supa")
     side.wait_stream(torch.supa.current_stream())

@@ -109,15 +109,61 @@ def test_float64_from_cpu_is_refused_like_the_real_copy_kernel():
         torch.ones(2, dtype=torch.float64).to(DEV)
 
 
+# The rule lives in the copy kernel (reference §17.16): float64 data that comes FROM THE HOST
+# into a supa float64 tensor is refused; float64 made on the device is not a copy from the host.
+_F64 = torch.float64
+_HOST_TO_DEVICE_FLOAT64 = {
+    "to": lambda: torch.ones(2, dtype=_F64).to(DEV),
+    "to_with_dtype": lambda: torch.ones(2).to(DEV, _F64),
+    "tensor_factory": lambda: torch.tensor([1.5], dtype=_F64, device=DEV),
+    "pinned": lambda: torch.ones(2, dtype=_F64).pin_memory().to(DEV, non_blocking=True),
+    "copy_": lambda: torch.zeros(2, dtype=_F64, device=DEV).copy_(torch.ones(2)),
+    "module_to": lambda: torch.nn.Linear(2, 2).double().to(DEV),
+    "load_state_dict": lambda: torch.nn.Linear(2, 2).to(DEV).double().load_state_dict(
+        torch.nn.Linear(2, 2).double().state_dict()),
+}
+_ON_DEVICE_FLOAT64 = {
+    "factories": lambda: [torch.ones(2, dtype=_F64, device=DEV), torch.full((2,), 1.5, dtype=_F64, device=DEV),
+                          torch.arange(2, dtype=_F64, device=DEV), torch.randn(2, dtype=_F64, device=DEV)][-1],
+    "double": lambda: torch.ones(2, device=DEV).double(),
+    "to_dtype": lambda: torch.ones(2, device=DEV).to(_F64),
+    "reduction_dtype": lambda: torch.ones(2, device=DEV).sum(dtype=_F64),
+    "ops": lambda: torch.ones(2, device=DEV).double() * 2 + torch.tensor(1.0, dtype=_F64),
+    "module_double": lambda: torch.nn.Linear(2, 2).to(DEV).double().weight,
+}
+
+
+@pytest.mark.parametrize("path", sorted(_HOST_TO_DEVICE_FLOAT64))
+def test_float64_copied_from_the_host_is_refused(path):
+    with pytest.raises(RuntimeError, match=r"SUPA device does not support double \(float64\)\. Please use float32"):
+        _HOST_TO_DEVICE_FLOAT64[path]()
+
+
+@pytest.mark.parametrize("path", sorted(_ON_DEVICE_FLOAT64))
+def test_float64_made_on_the_device_works_and_reads_back(path):
+    t = _ON_DEVICE_FLOAT64[path]()
+    assert t.device == DEV and t.dtype == _F64
+    back = t.cpu()  # device -> host is allowed
+    assert back.dtype == _F64 and torch.isfinite(back).all()
+
+
+def test_float64_host_data_converted_before_the_copy_is_accepted():
+    t = torch.full((2,), 1 / 3, dtype=_F64).to(DEV, torch.float32)
+    assert t.dtype == torch.float32 and t.cpu().tolist() == torch.full((2,), 1 / 3).tolist()
+    assert torch.zeros(2, device=DEV).copy_(torch.ones(2, dtype=_F64)).dtype == torch.float32
+
+
 def test_float64_demotion_opt_in(python_subprocess):
     out = python_subprocess("""
         import warnings, torch
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
             t = torch.tensor([1 + 1e-12], dtype=torch.float64).to('supa')
+            u = torch.zeros(2, dtype=torch.float64, device='supa').copy_(torch.full((2,), 1 / 3, dtype=torch.float64))
         print(t.item() == 1.0, any('float64' in str(w.message) for w in caught))
+        print(u.dtype, u.cpu().tolist() == torch.full((2,), 1 / 3).double().tolist())
     """, env={"SUPA_EMULATE": "1", "BRTB_ENABLE_DTYPE_DEMOTION": "1"}).stdout
-    assert out.strip() == "True True"
+    assert out.splitlines() == ["True True", "torch.float64 True"]
 
 
 def test_training_matches_cpu():
@@ -196,3 +242,51 @@ def test_operators_are_bit_identical_to_the_cpu_kernels():
     ]
     for case in cases:
         assert torch.equal(case(x.to(DEV)).cpu(), case(x))
+
+
+def test_lazily_conjugated_and_negated_tensors_keep_their_values_across_copies():
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    conj = x.to(DEV).conj()
+    negated = x.to(DEV).conj().imag  # a lazily negated view
+    assert conj.is_conj() and negated.is_neg()
+    torch.testing.assert_close(conj.cpu(), x.conj(), rtol=0, atol=0)
+    torch.testing.assert_close(conj.clone().cpu(), x.conj(), rtol=0, atol=0)
+    torch.testing.assert_close(conj.to("supa:1").cpu(), x.conj(), rtol=0, atol=0)
+    torch.testing.assert_close(negated.cpu(), -x.imag, rtol=0, atol=0)
+    torch.testing.assert_close((conj @ conj.mT).cpu(), x.conj() @ x.conj().mT)
+    target = torch.zeros(3, 4, dtype=torch.complex64, device=DEV).conj()
+    target.copy_(x)  # writing through a conjugated view stores the conjugate
+    torch.testing.assert_close(target.resolve_conj().cpu(), x, rtol=0, atol=0)
+    torch.testing.assert_close(target.conj().cpu(), x.conj(), rtol=0, atol=0)
+
+
+def test_copying_a_lazily_conjugated_fft_result_does_not_crash(python_subprocess):
+    # The six FFTs that conjugate lazily (fft.ifft of real input, hfft, ihfft, ...) used to
+    # crash the process: copying a conj-bit supa tensor recursed until the stack overflowed.
+    result = python_subprocess(
+        """
+        import torch
+        x = torch.randn(5, 6, 7)
+        for fn, kwargs in [(torch.fft.ifft, dict(n=10, dim=1, norm="ortho")), (torch.fft.hfft, {}),
+                           (torch.fft.ihfft, {}), (torch.fft.hfftn, {}), (torch.fft.ihfftn, {}),
+                           (torch.fft.hfft2, {})]:
+            got = fn(x.to("supa"), **kwargs)
+            assert got.device.type == "supa"
+            torch.testing.assert_close(got.cpu(), fn(x, **kwargs))
+        print("ok")
+        """,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_zero_tensors_from_autograd_have_no_memory_and_read_as_zeros():
+    # sgn's backward returns an efficient zero tensor; making it from the CPU one used to read
+    # through its null data pointer (a crash in the autograd thread).
+    x = torch.randn(4, device=DEV, requires_grad=True)
+    torch.sgn(x).sum().backward()
+    assert x.grad.device == DEV and x.grad.cpu().tolist() == [0.0] * 4
+    zeros = torch._efficientzerotensor(2, 3, device=DEV)
+    assert zeros._is_zerotensor() and zeros.device == DEV
+    torch.testing.assert_close((zeros + torch.ones(2, 3, device=DEV)).cpu(), torch.ones(2, 3))
+    assert zeros.cpu().tolist() == [[0.0] * 3] * 2

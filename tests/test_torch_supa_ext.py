@@ -4,7 +4,9 @@ The op tests need ``import torch_supa_ext`` to resolve to the emulated package, 
 started with SUPA_EMULATE=1 SUPA_EMU_EXT=1. Registering the ops in the main pytest process
 would change what every other test sees (op builders probe ``torch.ops.deepspeed``), so by
 default ``test_ext_suite_in_subprocess`` runs this file's op tests in a child pytest with
-SUPA_EMU_EXT=1; a run that already has SUPA_EMU_EXT=1 runs them directly.
+SUPA_EMU_EXT=1; a run that already has SUPA_EMU_EXT=1 runs them directly. The op tests carry
+the ``ext_ops`` mark: a run without SUPA_EMU_EXT=1 does not collect them (conftest.py), so they
+are not reported as skips; the child's own count is printed in the parent's summary.
 
 Numerical references are written here in plain PyTorch (or are torch.optim), never the code
 under test.
@@ -24,8 +26,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXT_ACTIVE = os.environ.get("SUPA_EMU_EXT") == "1"
 DEVICE = "supa"
 
-needs_ext = pytest.mark.skipif(not EXT_ACTIVE, reason="op tests run in test_ext_suite_in_subprocess "
-                                                      "(needs SUPA_EMU_EXT=1)")
+needs_ext = pytest.mark.ext_ops  # collected only with SUPA_EMU_EXT=1 (see conftest.py)
 outer_only = pytest.mark.skipif(EXT_ACTIVE, reason="drives child processes; not rerun inside them")
 
 
@@ -194,7 +195,7 @@ print(json.dumps({"imported": imported,
 
 
 @outer_only
-def test_ext_suite_in_subprocess():
+def test_ext_suite_in_subprocess(report_child_run):
     outer = ["test_absent_without_supa_emu_ext", "test_ext_suite_in_subprocess",
              "test_fused_adam_emulated_kernel_matches_fallback"]
     proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
@@ -204,6 +205,8 @@ def test_ext_suite_in_subprocess():
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, f"op tests failed with SUPA_EMU_EXT=1:\n{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
     assert "skipped" not in summary, summary
+    assert "passed" in summary, summary
+    report_child_run(f"emulated torch_supa_ext op tests (child run with SUPA_EMU_EXT=1): {summary}")
 
 
 _FUSED_ADAM_RUN = """
@@ -239,6 +242,7 @@ print(json.dumps({"kernel_used": "deepspeed.multi_tensor_adam.default" in seen,
 
 
 @outer_only
+@pytest.mark.slow  # two DeepSpeed processes, 90 optimizer steps each
 def test_fused_adam_emulated_kernel_matches_fallback():
     with_kernel = _last_json(_run_python(_FUSED_ADAM_RUN, ext=True))
     fallback = _last_json(_run_python(_FUSED_ADAM_RUN, ext=False))

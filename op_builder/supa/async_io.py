@@ -14,14 +14,16 @@ class AsyncIOBuilder(builder.SUPAOpBuilder):
     def absolute_name(self):
         return f'deepspeed.ops.aio.{self.NAME}_op'
 
+    # Sources, include paths and flags as DeepSpeed's built-in SUPA AsyncIOBuilder has them, so the
+    # two accelerators share one build (see builder.SUPAOpBuilder).
     def sources(self):
         return [
-            'csrc/aio/py_lib/deepspeed_py_io_handle.cpp', 'csrc/aio/py_lib/deepspeed_py_aio.cpp',
-            'csrc/aio/py_lib/deepspeed_py_aio_handle.cpp', 'csrc/aio/py_lib/deepspeed_aio_thread.cpp',
-            'csrc/aio/common/deepspeed_aio_utils.cpp', 'csrc/aio/common/deepspeed_aio_common.cpp',
-            'csrc/aio/common/deepspeed_aio_types.cpp', 'csrc/aio/py_lib/deepspeed_cpu_op.cpp',
-            'csrc/aio/py_lib/deepspeed_aio_op_desc.cpp', 'csrc/aio/py_lib/deepspeed_py_copy.cpp',
-            'csrc/aio/py_lib/deepspeed_pin_tensor_client.cpp', 'csrc/aio/py_lib/py_ds_aio.cpp'
+            'csrc/aio/py_lib/deepspeed_py_copy.cpp', 'csrc/aio/py_lib/py_ds_aio.cpp',
+            'csrc/aio/py_lib/deepspeed_py_aio.cpp', 'csrc/aio/py_lib/deepspeed_py_aio_handle.cpp',
+            'csrc/aio/py_lib/deepspeed_aio_thread.cpp', 'csrc/aio/common/deepspeed_aio_utils.cpp',
+            'csrc/aio/common/deepspeed_aio_common.cpp', 'csrc/aio/common/deepspeed_aio_types.cpp',
+            'csrc/aio/py_lib/deepspeed_pin_tensor_client.cpp', 'csrc/aio/py_lib/deepspeed_py_io_handle.cpp',
+            'csrc/aio/py_lib/deepspeed_cpu_op.cpp', 'csrc/aio/py_lib/deepspeed_aio_op_desc.cpp'
         ]
 
     def include_paths(self):
@@ -29,10 +31,10 @@ class AsyncIOBuilder(builder.SUPAOpBuilder):
 
     def cxx_args(self):
         # I/O bound: optimisation buys nothing, debuggability does.
-        return ['-O0', '-g', '-Wall', '-Wno-reorder', '-fPIC', self.cpu_arch(), '-fopenmp', self.simd_width()]
+        return [arg for arg in super().cxx_args() if not arg.startswith('-O')] + ['-O0', '-Wall', '-shared', '-fPIC']
 
     def extra_ldflags(self):
-        return ['-laio', '-fopenmp']
+        return ['-laio']
 
     def _libaio_found(self):
         # Compile and link a program calling io_submit: the only test that covers headers and library.

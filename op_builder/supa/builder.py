@@ -41,12 +41,50 @@ class SUPAOpBuilder(OpBuilder):
                             extra_compile_args={'cxx': self.strip_empty_entries(self.cxx_args())},
                             extra_link_args=self.strip_empty_entries(self.extra_ldflags()))
 
+    # The build flags below equal those of DeepSpeed's built-in SUPA builders on purpose. Both
+    # accelerators JIT-build an op under the same name into the same torch-extensions directory;
+    # torch's build there is driven by ninja, which recompiles whenever the compile command
+    # changes. With different flags, every switch of SUPA_DS_ACCELERATOR rebuilt cpu_adam & co.
+    # (about two minutes each); with the same flags, whichever accelerator builds first serves both.
     def cxx_args(self):
         # The host kernels (cpu_adam & co.) pick their SIMD path from these macros.
-        return ['-O3', '-g', '-Wno-reorder', self.cpu_arch(), '-fopenmp', self.simd_width()]
+        return ['-O3', '-std=c++17', '-g', '-Wno-reorder', '-fopenmp', self.cpu_arch(), self.simd_width()]
 
     def extra_ldflags(self):
-        return ['-fopenmp']
+        return []  # libgomp comes with libtorch_cpu, which every extension links
+
+    def jit_load(self, verbose=True):
+        """DeepSpeed's JIT build, saying when it compiles (it is silent otherwise for minutes)."""
+        import time
+        library = _extension_library(self.name)
+        before = _mtime(library)
+        if before is None:
+            _say(f"building DeepSpeed's {self.name} op for SUPA (once; cached in {library.parent}); "
+                 f"this takes a minute or two")
+        start = time.monotonic()
+        module = super().jit_load(verbose)
+        if _mtime(library) != before:
+            _say(f"built DeepSpeed's {self.name} op in {time.monotonic() - start:.0f} s")
+        return module
+
+
+def _say(message):
+    import sys
+    print(f"op_builder.supa: {message}", file=sys.stderr, flush=True)
+
+
+def _extension_library(name):
+    """Where torch's JIT build puts the library of extension `name`."""
+    import pathlib
+    from torch.utils import cpp_extension
+    return pathlib.Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+
+
+def _mtime(path):
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 class SUPAPythonOpBuilder(SUPAOpBuilder):

@@ -12,6 +12,10 @@ Order of preference: torch_supa_ext's `deepspeed::multi_tensor_adam`; PyTorch's 
 kernels (`torch._fused_adam_` / `torch._fused_adamw_`), which compute the same formula in fp32
 with one rounding on store and take the noop flag on the device (`found_inf`); a `torch._foreach_*`
 chain. Each is probed on the parameters' device type and dtype before use.
+
+The emulator's stand-in for the compiled kernel (supa_emu/torch_supa_ext/optimizers.py) is
+written independently of this fallback on purpose: op_builder never imports the emulator, and
+tests/test_torch_supa_ext.py holds the two against each other and both against torch.optim.
 """
 
 import math

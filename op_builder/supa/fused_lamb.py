@@ -14,9 +14,7 @@ Returns coeff as a one-element tensor.
 
 import torch
 
-from . import builder, supa_kernels
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+from . import builder, multi_tensor, supa_kernels
 
 
 def _probe_ext_kernel(op, device):
@@ -27,8 +25,8 @@ def _probe_ext_kernel(op, device):
 
 def lamb_fallback(p, p_copy, m, v, g, lr, beta1, beta2, max_coeff, min_coeff, eps, grad_scale, step, mode,
                   bias_correction, decay):
-    p32, m32, v32 = p.float(), m.float(), v.float()
-    g32 = g.float() / grad_scale
+    (p32, ), (m32, ), (v32, ), (g32, ) = (multi_tensor.as_fp32([t]) for t in (p, m, v, g))
+    g32 = g32 / grad_scale
     m32.mul_(beta1).add_(g32, alpha=1 - beta1)
     v32.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
     denom = (v32 + eps).sqrt_() if mode == 0 else v32.sqrt().add_(eps)
@@ -46,9 +44,8 @@ def lamb_fallback(p, p_copy, m, v, g, lr, beta1, beta2, max_coeff, min_coeff, ep
         step_size = lr
     p32.sub_(update.mul_(coeff * step_size))
     for dst, src in ((p, p32), (m, m32), (v, v32)):
-        if dst is not src:
-            dst.copy_(src)
-    if p_copy.numel() > 0 and g.dtype in _LOW_PRECISION:
+        multi_tensor.store([dst], [src])
+    if p_copy.numel() > 0 and g.dtype in multi_tensor.LOW_PRECISION:
         p_copy.copy_(p32)
     coeff_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
     return coeff.reshape(1).to(coeff_dtype)

@@ -5,6 +5,9 @@ Semantics (those of DeepSpeed's fused kernel), per element, in fp32 arithmetic:
   p = p * (1 - lr * decay) + (-lr if c > 0 else +lr)      note: c == 0 moves p by +lr, not 0
   m = beta2 * m + (1 - beta2) * g
 A nonzero `noop_flag` skips the step. `step` is accepted and unused, as in DeepSpeed.
+
+Independent of the emulator's stand-in kernel (supa_emu/torch_supa_ext/optimizers.py) on
+purpose, as explained in fused_adam.py.
 """
 
 import torch

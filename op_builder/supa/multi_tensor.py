@@ -7,12 +7,12 @@ the fallbacks compute on fp32 copies of 16-bit lists and write the results back 
 
 import torch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def as_fp32(tensors):
     """fp32 tensors holding the values of `tensors` (the same objects when they already are fp32)."""
-    if tensors and tensors[0].dtype in _LOW_PRECISION:
+    if tensors and tensors[0].dtype in LOW_PRECISION:
         return [t.float() for t in tensors]
     return list(tensors)
 

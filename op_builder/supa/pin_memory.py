@@ -28,7 +28,9 @@ class PinMemoryBuilder(builder.SUPAOpBuilder):
         return ['csrc/pin_memory']
 
     def cxx_args(self):
-        return ['-O2', '-g', '-Wno-reorder', '-fPIC']
+        # DeepSpeed's own pin_memory builder passes no flags; the same (empty) flags let both
+        # accelerators share one build (see builder.SUPAOpBuilder).
+        return []
 
     def load(self, verbose=False):
         # DeepSpeed keeps one process-wide pin_memory module, loaded RTLD_GLOBAL, because the aio

@@ -1,8 +1,22 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native._C`).
 #include "runtime/runtime.h"
 
+// Only the Python-binding headers: torch/extension.h would add the whole C++ frontend (nn,
+// optim, data), which this file does not use and which dominated the build time.
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Event.h>
 #include <torch/csrc/Generator.h>
-#include <torch/extension.h>
+#include <torch/csrc/profiler/combined_traceback.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/utils/pybind.h>
+
+// From torch/csrc/profiler/python/combined_traceback.h, which cannot be included here: it pulls
+// in nlohmann/json.hpp, which the installed torch does not ship. Both are exported by
+// libtorch_python with these exact signatures.
+namespace torch {
+std::vector<pybind11::object> py_symbolize(std::vector<CapturedTraceback*>& to_symbolize);
+void installCapturedTracebackPython();
+}  // namespace torch
 
 namespace {
 
@@ -24,14 +38,44 @@ py::tuple default_generators() {
   return generators;
 }
 
+// Python frames of recorded stacks, as lists of {"name", "filename", "line"} dicts.
+std::vector<py::object> symbolize(const std::vector<std::shared_ptr<torch::CapturedTraceback>>& stacks) {
+  std::vector<torch::CapturedTraceback*> present;
+  for (const auto& stack : stacks) {
+    if (stack) {
+      present.push_back(stack.get());
+    }
+  }
+  std::vector<py::object> symbolized;
+  if (!present.empty()) {
+    symbolized = torch::py_symbolize(present);
+  }
+  std::vector<py::object> out;
+  size_t next = 0;
+  for (const auto& stack : stacks) {
+    out.push_back(stack ? symbolized.at(next++) : py::list());
+  }
+  return out;
+}
+
+py::tuple pool_id(int64_t graph_id, int64_t user_id) {
+  return py::make_tuple(graph_id, user_id);
+}
+
 py::list memory_snapshot(int device) {
   py::list segments;
   for (const auto& fields : supa::segment_snapshot(static_cast<c10::DeviceIndex>(device))) {
     py::dict segment;
     bool small = false;
+    int64_t pool_graph_id = 0;
+    int64_t pool_user_id = 0;
     for (const auto& field : fields) {
       if (field.first == "is_small") {
         small = field.second != 0;
+      } else if (field.first == "pool_graph_id") {
+        pool_graph_id = field.second;
+      } else if (field.first == "pool_user_id") {
+        pool_user_id = field.second;
       } else {
         segment[py::str(field.first)] = field.second;
       }
@@ -40,7 +84,7 @@ py::list memory_snapshot(int device) {
     segment["active_size"] = allocated;
     segment["stream"] = 0;
     segment["segment_type"] = small ? "small" : "large";
-    segment["segment_pool_id"] = py::make_tuple(0, 0);
+    segment["segment_pool_id"] = pool_id(pool_graph_id, pool_user_id);
     segment["is_expandable"] = false;
     segment["frames"] = py::list();
     py::dict block;
@@ -48,13 +92,73 @@ py::list memory_snapshot(int device) {
     block["size"] = segment["total_size"];
     block["requested_size"] = segment["requested_size"];
     block["state"] = allocated > 0 ? "active_allocated" : "inactive";
-    block["frames"] = py::list();
+    const auto address = static_cast<uintptr_t>(segment["address"].cast<int64_t>());
+    block["frames"] = allocated > 0 ? symbolize({supa::block_stack(reinterpret_cast<void*>(address))})[0]
+                                    : py::list();
     py::list blocks;
     blocks.append(block);
     segment["blocks"] = blocks;
     segments.append(segment);
   }
   return segments;
+}
+
+const c10::Storage& unpack_storage(py::handle obj) {
+  if (!THPStorage_Check(obj.ptr())) {
+    throw py::type_error(std::string("expected a torch.UntypedStorage, got ") + Py_TYPE(obj.ptr())->tp_name);
+  }
+  return THPStorage_Unpack(obj.ptr());
+}
+
+// The recorded allocation events, one list per device, as torch.cuda.memory._snapshot() lays them out.
+py::list memory_trace() {
+  const auto events = supa::memory_events();
+  std::vector<std::shared_ptr<torch::CapturedTraceback>> stacks;
+  stacks.reserve(events.size());
+  for (const auto& event : events) {
+    stacks.push_back(event.stack);
+  }
+  const auto frames = symbolize(stacks);
+  py::list per_device;
+  for (int i = 0; i < supa::device_count(); ++i) {
+    per_device.append(py::list());
+  }
+  for (size_t i = 0; i < events.size(); ++i) {
+    const auto& event = events[i];
+    py::dict entry;
+    entry["action"] = event.action;
+    entry["addr"] = event.addr;
+    entry["size"] = event.size;
+    entry["stream"] = 0;
+    entry["time_us"] = event.time_us;
+    entry["frames"] = frames[i];
+    if (event.action == "oom") {
+      entry["device_free"] = supa::device_allocator()->getMemoryInfo(event.device).first;
+    }
+    per_device[event.device].cast<py::list>().append(entry);
+  }
+  return per_device;
+}
+
+// Asks the device guard, which keeps each event's record time and flags (device_guard.cpp), and
+// raises its RuntimeErrors, as the CUDA runtime's errors reach torch.cuda.Event users.
+double event_elapsed_ms(py::handle start, py::handle end) {
+  TORCH_CHECK_TYPE(THPEvent_Check(start.ptr()) && THPEvent_Check(end.ptr()),
+                   "elapsed time is measured between two torch.Event objects");
+  const c10::Event& a = reinterpret_cast<THPEvent*>(start.ptr())->event;
+  const c10::Event& b = reinterpret_cast<THPEvent*>(end.ptr())->event;
+  return c10::impl::getDeviceGuardImpl(supa::kSupa)->elapsedTime(a.eventId(), b.eventId(), a.device_index());
+}
+
+void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_entries) {
+  if (stacks) {
+    static bool installed = false;  // the GIL serialises this
+    if (!installed) {
+      torch::installCapturedTracebackPython();
+      installed = true;
+    }
+  }
+  supa::set_memory_history(trace, stacks, cpp_stacks, max_entries);
 }
 
 }  // namespace
@@ -73,6 +177,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_get_memory_fraction", [](int device) {
     return supa::get_memory_fraction(static_cast<c10::DeviceIndex>(device));
   });
+  m.def("_set_allocator_knobs", &supa::set_allocator_knobs, py::arg("max_split_size"), py::arg("gc_threshold"),
+        py::arg("divisions"));
   m.def("_capacity", [](int device) { return supa::capacity(static_cast<c10::DeviceIndex>(device)); });
   m.def("_memory_snapshot", &memory_snapshot, py::arg("device") = -1);
   m.def("_raw_alloc", [](size_t nbytes, int device) {
@@ -81,5 +187,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_raw_delete", [](uintptr_t ptr) { supa::raw_delete(reinterpret_cast<void*>(ptr)); });
   m.def("_host_view", &supa::host_view, "A CPU tensor over a supa tensor's memory (no copy)");
   m.def("_default_generators", &default_generators);
+  m.def("_set_cuda_means_supa", &supa::set_cuda_means_supa,
+        "Make device strings that start with 'cuda' mean 'supa' (transfer_to_supa)");
+  m.def("_cuda_means_supa", &supa::cuda_means_supa);
+  m.def("_ipc_export", [](py::handle storage) {
+    const supa::SharedBlock block = supa::export_storage(unpack_storage(storage));
+    return py::make_tuple(block.fd, block.nbytes);
+  }, "Share a supa storage with other processes: (fd, nbytes); counts one pending reference");
+  m.def("_ipc_import", [](int fd, size_t nbytes, int device) {
+    return py::reinterpret_steal<py::object>(
+        THPStorage_Wrap(supa::import_storage(fd, nbytes, static_cast<c10::DeviceIndex>(device))));
+  }, "Map a shared supa storage exported by another process");
+  m.def("_ipc_release_pending", [](py::handle storage) { supa::release_pending_reference(unpack_storage(storage)); });
+  m.def("_ipc_is_shared", [](py::handle storage) { return supa::is_shared_storage(unpack_storage(storage)); });
+  m.def("_ipc_collect", [] { return supa::collect_shared_blocks(); });
   m.def("_is_current_stream_capturing", [] { return supa::is_capturing(); });
+  m.def("_stream_priority", [](int64_t stream_id) { return supa::stream_priority(stream_id); });
+  m.def("_event_elapsed_time", &event_elapsed_ms, "Milliseconds between two recorded timing events");
+  m.def("_graph_pool_handle", [] {
+    const auto id = supa::new_graph_pool_id();
+    return pool_id(id.first, id.second);
+  });
+  m.def("_mem_pool_id", [] {
+    const auto id = supa::new_user_pool_id();
+    return pool_id(id.first, id.second);
+  });
+  m.def("_begin_allocate_to_pool", [](int device, std::pair<uint64_t, uint64_t> pool) {
+    supa::begin_allocate_to_pool(static_cast<c10::DeviceIndex>(device), pool);
+  });
+  m.def("_end_allocate_to_pool", [](int device, std::pair<uint64_t, uint64_t> pool) {
+    supa::end_allocate_to_pool(static_cast<c10::DeviceIndex>(device), pool);
+  });
+  m.def("_retain_pool", [](std::pair<uint64_t, uint64_t> pool) { supa::retain_pool(pool); });
+  m.def("_release_pool", [](std::pair<uint64_t, uint64_t> pool) { return supa::release_pool(pool); });
+  m.def("_pool_use_count", [](std::pair<uint64_t, uint64_t> pool) { return supa::pool_use_count(pool); });
+  m.def("_exchange_active_pool", [](std::pair<uint64_t, uint64_t> pool) {
+    const auto previous = supa::exchange_active_pool(pool);
+    return pool_id(previous.first, previous.second);
+  });
+  m.def("_active_pool", [] {
+    const auto pool = supa::active_pool();
+    return pool_id(pool.first, pool.second);
+  });
+  m.def("_release_pool_cache", [](std::pair<uint64_t, uint64_t> pool) {
+    supa::device_allocator()->emptyCache(pool);
+  });
+  m.def("_set_memory_history", &set_memory_history, py::arg("trace"), py::arg("stacks"),
+        py::arg("cpp_stacks"), py::arg("max_entries"));
+  m.def("_memory_trace", &memory_trace);
 }

@@ -14,22 +14,15 @@ import torch
 DEVICE_TYPE = "supa"
 
 
-def _native_host_view(tensor: torch.Tensor) -> torch.Tensor:
-    from supa_emu.native import _C
-
-    return _C._host_view(tensor)
-
-
-_view_fn = _native_host_view
-
-
 def host_view(tensor: torch.Tensor) -> torch.Tensor:
     """Return a CPU tensor aliasing `tensor`'s memory (same sizes, strides and offset).
 
     Writes through the view are visible on `tensor`; the caller keeps `tensor` alive while the
     view is in use, since the view does not own the memory.
     """
-    return _view_fn(tensor)
+    from supa_emu.supa import _native
+
+    return _native()._host_view(tensor)
 
 
 def is_device_tensor(tensor: torch.Tensor) -> bool:
@@ -45,11 +38,13 @@ class HostCall:
 
     def __init__(self):
         self.device_tensors: List[torch.Tensor] = []
+        self.access_modes: List[tuple] = []  # (read, write) per device tensor, for the sanitizer
         self._fixups: List[Callable[[], None]] = []
         self._writebacks = []
 
     def view(self, tensor: torch.Tensor, read: bool = True, write: bool = True) -> torch.Tensor:
         self.device_tensors.append(tensor)
+        self.access_modes.append((read, write))
         view = host_view(tensor)
         if view.is_contiguous():
             return view
@@ -74,12 +69,3 @@ class HostCall:
 
         return run
 
-
-def _use_cpu_tensors_for_development() -> None:
-    """Treat plain CPU tensors as the device's tensors (identity view).
-
-    Lets the backend be exercised before the native core exists; never called in production.
-    """
-    global DEVICE_TYPE, _view_fn
-    DEVICE_TYPE = "cpu"
-    _view_fn = lambda tensor: tensor  # noqa: E731

@@ -10,9 +10,13 @@ Where gloo lacks an operation it is composed from gloo operations that exist:
   - all_reduce_coalesced of mixed dtypes and the *_coalesced tensor variants (absent on gloo's
     backend): one gloo operation per tensor, in flight together, completing as one work.
 Point-to-point operations are not signature-checked (peers are not in lockstep).
+Argument checks live in arguments.py, the agreement step in signatures.py; this module is the
+dispatch to gloo, one method per c10d collective entry point, which is why it stays one class of
+a little over 400 lines.
 """
 
 import datetime
+import sys
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -20,7 +24,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from . import host_memory, signature_exchange, signatures
+from .arguments import (
+    check_chunk, check_dtypes, check_sizes, numel as _numel, per_rank_list, require_device, root_list, single, split_counts)
 from .host_memory import HostCall
+from supa_emu.supa import _sanitizer_switch as _sanitizer
 from .work import BCCLWork, combine
 
 BACKEND_NAME = "bccl"
@@ -40,10 +47,6 @@ def _reduce_kind(op) -> _RedOp:
     return op.op
 
 
-def _numel(tensors: Sequence[torch.Tensor]) -> List[int]:
-    return [t.numel() for t in tensors]
-
-
 class ProcessGroupBCCL(dist.ProcessGroup):
     """A whole process group (not a c10d Backend): torch calls these methods directly."""
 
@@ -60,10 +63,26 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         self._label = repr(options.group_name or "default")
         timeout = options._timeout
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("bccl/gloo", store), rank, size, timeout)
-        self._signatures = signature_exchange.create(store, rank, size, timeout, self._label)
+        self._agreement = signatures.Agreement(
+            signature_exchange.create(store, rank, size, timeout, self._label), rank, size, self._label)
         self._coalesced: Optional[List[BCCLWork]] = None
 
     # ---- identity ----------------------------------------------------------------------------
+    # c10d keeps a group's name in its c10d Backends, which this whole-group plugin has none of;
+    # without these, `group.group_name` (read by DeviceMesh and FSDP) raises "name not set".
+    @property
+    def group_name(self) -> str:
+        return self.options.group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self.options.group_name = name
+
+    def _get_backend(self, device: torch.device):
+        # This whole group is the backend of its supa tensors (c10d's lookup table is empty).
+        if torch.device(device).type == host_memory.DEVICE_TYPE:
+            return self
+        return super()._get_backend(device)
+
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
@@ -79,38 +98,20 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         return [host_memory.device()]
 
     def shutdown(self) -> None:
-        self._signatures.close()
+        self._agreement.close()
         self._gloo.shutdown()
 
     def abort(self) -> None:
-        self._signatures.close()
+        self._agreement.close()
         self._gloo.abort()
 
     # ---- shared steps --------------------------------------------------------------------------
-    def _require_device(self, tensors: Sequence[torch.Tensor], role: str) -> None:
-        for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"bccl: {role} must be tensors, got {type(tensor).__name__}")
-            if not host_memory.is_device_tensor(tensor) or tensor.layout != torch.strided:
-                raise ValueError(
-                    f"bccl: tensors must be {host_memory.DEVICE_TYPE} and dense; the {role} is a "
-                    f"{tensor.layout} tensor on device '{tensor.device}'"
-                )
-
-    def _single(self, tensors: Sequence[torch.Tensor], role: str) -> torch.Tensor:
-        if len(tensors) != 1:
-            raise ValueError(f"bccl: expects exactly one {role} tensor per call, got {len(tensors)}")
-        self._require_device(tensors, role)
-        return tensors[0]
-
-    def _agree(self, signature: List[int], receive_counts: Sequence[int] = ()) -> None:
-        if self.size() == 1:
-            return
-        everyone = self._signatures.exchange(signature)
-        signatures.check(everyone, self.rank(), self._label, receive_counts)
-
     def _finish(self, parts, call: HostCall, outputs: Sequence[torch.Tensor] = ()) -> BCCLWork:
         work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors)
+        sanitizer = _sanitizer.active()
+        if sanitizer is not None:
+            accesses = [(t, r, w) for t, (r, w) in zip(call.device_tensors, call.access_modes)]
+            sanitizer.collective_issued(work, self._label, accesses, sys._getframe(1).f_code.co_name)
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
@@ -145,9 +146,9 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             opts.reduceOp = dist.ReduceOp.SUM if op is None else op
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        tensor = self._single(tensors, "input")
+        tensor = single(tensors, "input")
         kind = _reduce_kind(opts.reduceOp)
-        self._agree(signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()))
+        self._agreement.agree(signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()))
         call = HostCall()
         view = call.view(tensor)
         gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda: [view])
@@ -156,10 +157,10 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        self._require_device(tensors, "input")
+        require_device(tensors, "input")
         kind = _reduce_kind(opts.reduceOp)
         layout = [n for t in tensors for n in (signatures.dtype_code(t.dtype), t.numel())]
-        self._agree(
+        self._agreement.agree(
             signatures.make(
                 "all_reduce_coalesced", None, int(kind), numel_in=sum(_numel(tensors)),
                 shape_digest=signatures.digest(layout),
@@ -176,9 +177,9 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
-        tensor = self._single(tensors, "input")
+        tensor = single(tensors, "input")
         kind, root = _reduce_kind(opts.reduceOp), opts.rootRank
-        self._agree(signatures.make("reduce", tensor.dtype, int(kind), root, tensor.numel()))
+        self._agreement.agree(signatures.make("reduce", tensor.dtype, int(kind), root, tensor.numel()))
         call = HostCall()
         if self.rank() == root:
             view = call.view(tensor)
@@ -192,14 +193,11 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        output = self._single(outputs, "output")
-        if len(input_lists) != 1 or len(input_lists[0]) != self.size():
-            raise ValueError(f"bccl: reduce_scatter needs one input list of {self.size()} tensors")
-        inputs = input_lists[0]
-        self._require_device(inputs, "input")
-        self._check_chunk(output, inputs[self.rank()], "reduce_scatter", "output", "input list entry")
+        output = single(outputs, "output")
+        inputs = per_rank_list(input_lists, self.size(), "reduce_scatter", "input")
+        check_chunk(output, inputs[self.rank()], "reduce_scatter", "output", "input list entry")
         kind = _reduce_kind(opts.reduceOp)
-        self._agree(
+        self._agreement.agree(
             signatures.make(
                 "reduce_scatter", output.dtype, int(kind), shape_digest=signatures.digest(_numel(inputs))
             )
@@ -223,13 +221,13 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        self._require_device(outputs, "output")
-        self._require_device(inputs, "input")
+        require_device(outputs, "output")
+        require_device(inputs, "input")
         for output, input in zip(outputs, inputs):
-            self._check_sizes(input.numel(), output.numel() * self.size(), operation, input, output)
-            self._check_dtypes(output, input, operation)
+            check_sizes(input.numel(), output.numel() * self.size(), self.size(), operation, input, output)
+            check_dtypes(output, input, operation)
         kind = _reduce_kind(opts.reduceOp)
-        self._agree(
+        self._agreement.agree(
             signatures.make(
                 operation, outputs[0].dtype if outputs else None, int(kind),
                 numel_in=sum(_numel(inputs)), numel_out=sum(_numel(outputs)),
@@ -252,24 +250,21 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             opts.rootRank = 0 if root is None else root
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        tensor = self._single(tensors, "tensor")
-        self._agree(signatures.make("broadcast", tensor.dtype, root=opts.rootRank, numel_in=tensor.numel()))
+        tensor = single(tensors, "tensor")
+        self._agreement.agree(signatures.make("broadcast", tensor.dtype, root=opts.rootRank, numel_in=tensor.numel()))
         call = HostCall()
         view = call.view(tensor, read=self.rank() == opts.rootRank)
         return self._finish([self._gloo.broadcast([view], opts)], call, [tensor])
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
-        input = self._single(inputs, "input")
-        if len(output_lists) != 1 or len(output_lists[0]) != self.size():
-            raise ValueError(f"bccl: all_gather needs one output list of {self.size()} tensors")
-        outputs = output_lists[0]
-        self._require_device(outputs, "output")
-        self._check_chunk(input, outputs[self.rank()], "all_gather", "input", "output list entry")
+        input = single(inputs, "input")
+        outputs = per_rank_list(output_lists, self.size(), "all_gather", "output")
+        check_chunk(input, outputs[self.rank()], "all_gather", "input", "output list entry")
         for output in outputs:
-            self._check_dtypes(output, input, "all_gather")
+            check_dtypes(output, input, "all_gather")
         sizes = _numel(outputs)
-        self._agree(signatures.make("all_gather", input.dtype, shape_digest=signatures.digest(sizes)))
+        self._agreement.agree(signatures.make("all_gather", input.dtype, shape_digest=signatures.digest(sizes)))
         call = HostCall()
         out_views = [call.view(t, read=False) for t in outputs]
         if len(set(sizes)) == 1:
@@ -296,12 +291,12 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def _all_gather_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else AllgatherOptions()
-        self._require_device(outputs, "output")
-        self._require_device(inputs, "input")
+        require_device(outputs, "output")
+        require_device(inputs, "input")
         for output, input in zip(outputs, inputs):
-            self._check_sizes(output.numel(), input.numel() * self.size(), operation, input, output)
-            self._check_dtypes(output, input, operation)
-        self._agree(
+            check_sizes(output.numel(), input.numel() * self.size(), self.size(), operation, input, output)
+            check_dtypes(output, input, operation)
+        self._agreement.agree(
             signatures.make(
                 operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),
                 numel_out=sum(_numel(outputs)), shape_digest=signatures.digest(_numel(inputs)),
@@ -318,7 +313,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         # torch's layout: output_lists[r][i] receives rank r's inputs[i].
-        self._require_device(inputs, "input")
+        require_device(inputs, "input")
         works = []
         with self._coalescing_paused():
             for i, input in enumerate(inputs):
@@ -330,10 +325,10 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
-        input = self._single(inputs, "input")
+        input = single(inputs, "input")
         is_root = self.rank() == opts.rootRank
-        outputs = self._root_list(output_lists, is_root, input, "gather", "output")
-        self._agree(signatures.make("gather", input.dtype, root=opts.rootRank, numel_in=input.numel()))
+        outputs = root_list(output_lists, is_root, input, self.size(), "gather", "output")
+        self._agreement.agree(signatures.make("gather", input.dtype, root=opts.rootRank, numel_in=input.numel()))
         call = HostCall()
         out_views = [[call.view(t, read=False) for t in outputs]] if is_root else []
         part = self._gloo.gather(out_views, [call.view(input, write=False)], opts)
@@ -341,10 +336,10 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
-        output = self._single(outputs, "output")
+        output = single(outputs, "output")
         is_root = self.rank() == opts.rootRank
-        inputs = self._root_list(input_lists, is_root, output, "scatter", "input")
-        self._agree(signatures.make("scatter", output.dtype, root=opts.rootRank, numel_out=output.numel()))
+        inputs = root_list(input_lists, is_root, output, self.size(), "scatter", "input")
+        self._agreement.agree(signatures.make("scatter", output.dtype, root=opts.rootRank, numel_out=output.numel()))
         call = HostCall()
         in_views = [[call.view(t, write=False) for t in inputs]] if is_root else []
         part = self._gloo.scatter([call.view(output, read=False)], in_views, opts)
@@ -354,11 +349,11 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllToAllOptions()
         if len(outputs) != self.size() or len(inputs) != self.size():
             raise ValueError(f"bccl: all_to_all needs {self.size()} input and output tensors")
-        self._require_device(outputs, "output")
-        self._require_device(inputs, "input")
+        require_device(outputs, "output")
+        require_device(inputs, "input")
         for output, input in zip(outputs, inputs):
-            self._check_dtypes(output, input, "all_to_all")
-        self._agree_all_to_all("all_to_all", inputs[0].dtype, _numel(inputs), _numel(outputs))
+            check_dtypes(output, input, "all_to_all")
+        self._agreement.agree_all_to_all("all_to_all", inputs[0].dtype, _numel(inputs), _numel(outputs))
         call = HostCall()
         out_views = [call.view(t, read=False) for t in outputs]
         in_views = [call.view(t, write=False) for t in inputs]
@@ -379,13 +374,12 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
-        self._require_device([output], "output")
-        self._require_device([input], "input")
-        self._check_dtypes(output, input, "all_to_all_single")
-        size = self.size()
-        send = self._split_counts(input, input_split_sizes, "input")
-        receive = self._split_counts(output, output_split_sizes, "output")
-        self._agree_all_to_all("all_to_all_single", input.dtype, send, receive)
+        require_device([output], "output")
+        require_device([input], "input")
+        check_dtypes(output, input, "all_to_all_single")
+        send = split_counts(input, input_split_sizes, self.size(), "input")
+        receive = split_counts(output, output_split_sizes, self.size(), "output")
+        self._agreement.agree_all_to_all("all_to_all_single", input.dtype, send, receive)
         call = HostCall()
         part = self._gloo.alltoall_base(
             call.view(output, read=False), call.view(input, write=False),
@@ -395,56 +389,28 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
-    def _split_counts(self, tensor, split_sizes, role) -> List[int]:
-        """Elements exchanged with each rank, from split sizes along dim 0 (equal split if none)."""
-        size = self.size()
-        rows = tensor.shape[0] if tensor.dim() else 1
-        row = tensor.numel() // rows if rows else 0
-        if not split_sizes:
-            if rows % size:
-                raise ValueError(
-                    f"bccl: all_to_all_single {role} dim 0 ({rows}) is not divisible by the group size ({size})"
-                )
-            return [rows // size * row] * size
-        if len(split_sizes) != size or sum(split_sizes) != rows:
-            raise ValueError(
-                f"bccl: all_to_all_single {role} split sizes {list(split_sizes)} do not cover dim 0 "
-                f"({rows}) in {size} parts"
-            )
-        return [s * row for s in split_sizes]
-
-    def _agree_all_to_all(self, operation, dtype, send: List[int], receive: List[int]) -> None:
-        if self.size() == 1:
-            return
-        if self.size() > signatures.MAX_CROSS_CHECKED_RANKS:
-            # Too many ranks to post every send count: check only what all ranks share.
-            self._agree(signatures.make(operation, dtype))
-            return
-        everyone = self._signatures.exchange(signatures.make(operation, dtype, extra=send))
-        signatures.check(everyone, self.rank(), self._label, receive)
-
     # ---- synchronisation and point-to-point -------------------------------------------------
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
-        self._agree(signatures.make("barrier"))
+        self._agreement.agree(signatures.make("barrier"))
         options = dist.BarrierOptions()
         options.timeout = opts.timeout
         return self._finish([self._gloo.barrier(options)], HostCall())
 
     def send(self, tensors, dst_rank, tag=0):
-        tensor = self._single(tensors, "tensor")
+        tensor = single(tensors, "tensor")
         call = HostCall()
         part = self._gloo.send([call.view(tensor, write=False)], dst_rank, tag)
         return self._finish([part], call)
 
     def recv(self, tensors, src_rank, tag=0):
-        tensor = self._single(tensors, "tensor")
+        tensor = single(tensors, "tensor")
         call = HostCall()
         part = self._gloo.recv([call.view(tensor, read=False)], src_rank, tag)
         return self._finish([part], call, [tensor])
 
     def recv_anysource(self, tensors, tag=0):
-        tensor = self._single(tensors, "tensor")
+        tensor = single(tensors, "tensor")
         call = HostCall()
         part = self._gloo.recv_anysource([call.view(tensor, read=False)], tag)
         return self._finish([part], call, [tensor])
@@ -473,35 +439,3 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def _coalescing_paused(self):
         return self._Paused(self)
-
-    # ---- argument checks ------------------------------------------------------------------------
-    def _check_sizes(self, actual, expected, operation, input, output) -> None:
-        if actual != expected:
-            raise ValueError(
-                f"bccl: {operation} needs output numel == input numel x group size ({self.size()}) "
-                f"(or the reverse for reductions); got input {tuple(input.shape)} and output {tuple(output.shape)}"
-            )
-
-    def _root_list(self, lists, is_root, mine, operation, role) -> List[torch.Tensor]:
-        """The root's per-rank tensors of gather/scatter, each checked against this rank's tensor."""
-        if not is_root:
-            return []
-        if len(lists) != 1 or len(lists[0]) != self.size():
-            raise ValueError(f"bccl: {operation} needs one {role} list of {self.size()} tensors on the root")
-        self._require_device(lists[0], role)
-        for entry in lists[0]:
-            self._check_chunk(mine, entry, operation, "tensor", f"{role} list entry")
-        return lists[0]
-
-    def _check_chunk(self, mine, entry, operation, mine_role, entry_role) -> None:
-        if mine.numel() != entry.numel():
-            raise ValueError(
-                f"bccl: {operation} {mine_role} {tuple(mine.shape)} does not match this rank's "
-                f"{entry_role} {tuple(entry.shape)}"
-            )
-        self._check_dtypes(mine, entry, operation)
-
-    @staticmethod
-    def _check_dtypes(a, b, operation) -> None:
-        if a.dtype != b.dtype:
-            raise TypeError(f"bccl: {operation} tensors must share a dtype, got {a.dtype} and {b.dtype}")

@@ -107,3 +107,29 @@ def check(everyone: List[List[int]], rank: int, group: str, receive_counts: Sequ
                 f"bccl: {OPERATIONS[mine[0]]} size mismatch on group {group}: rank {rank} expects "
                 f"{expected} elements from rank {peer}, which sends it {sent}"
             )
+
+
+class Agreement:
+    """Runs the agreement step of one group: exchanges this rank's signature and checks everyone's."""
+
+    def __init__(self, exchange, rank: int, size: int, label: str):
+        self._exchange, self._rank, self._size, self._label = exchange, rank, size, label
+
+    def agree(self, signature: List[int], receive_counts: Sequence[int] = ()) -> None:
+        """Raise CollectiveMismatchError unless every rank is about to run the same collective."""
+        if self._size == 1:
+            return
+        check(self._exchange.exchange(signature), self._rank, self._label, receive_counts)
+
+    def agree_all_to_all(self, operation: str, dtype, send: List[int], receive: List[int]) -> None:
+        """Like `agree`, and each rank's send count to every peer must be what that peer receives."""
+        if self._size == 1:
+            return
+        if self._size > MAX_CROSS_CHECKED_RANKS:
+            # Too many ranks to post every send count: check only what all ranks share.
+            self.agree(make(operation, dtype))
+            return
+        self.agree(make(operation, dtype, extra=send), receive)
+
+    def close(self) -> None:
+        self._exchange.close()

@@ -15,6 +15,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from supa_emu.supa import _sanitizer_switch as _sanitizer
+
 
 class BCCLWork(dist.Work):
     def __init__(
@@ -58,6 +60,9 @@ class BCCLWork(dist.Work):
             else:
                 part.wait()
         self._complete()
+        sanitizer = _sanitizer.active()
+        if sanitizer is not None:
+            sanitizer.work_waited(self)
         return True
 
     def is_completed(self) -> bool:

@@ -3,18 +3,19 @@
 This package is what `torch._register_device_module('supa', ...)` installs. Its layout follows
 `torch.cuda` so a reader finds each concern where they expect it: device selection and lazy
 init here, then `memory`, `streams`, `random`, `graphs`, `amp`, and the legacy tensor types.
-Everything that touches the native core goes through `supa_emu.native._C` or the generic
-`torch.accelerator` / `torch._C._accelerator_*` entry points the core backs.
+Everything that touches the native core goes through `_native()` (the module activation
+loaded) or the generic `torch.accelerator` / `torch._C._accelerator_*` entry points the core
+backs. Like `torch.cuda`, this package keeps no device state of its own: devices, streams,
+events, pools and capacities are the core's.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 
@@ -28,7 +29,6 @@ _is_internal_in_bad_fork = False  # the real package never sets it; kept for the
 _queued_calls: list[tuple[Callable[[], Any], list[str]]] = []
 _tls = threading.local()
 _initialization_lock = threading.Lock()
-_original_pid: Optional[int] = None
 
 # One torch.Generator per visible device once initialised (see random.py).
 default_generators: tuple[torch.Generator, ...] = ()
@@ -46,19 +46,15 @@ class SupaError(RuntimeError):
         super().__init__(f"{_supart.supaGetErrorString(code)} ({code})")
 
 
-_core = None
-
-
 def _native():
-    # Resolved on first use: the package must stay importable (for tooling and docs) when the
-    # native core is not built, and activation has always loaded it before registering us.
-    global _core
-    if _core is None:
-        from supa_emu import config, native
+    """The native core activation loaded (`supa_emu.native._C`).
 
-        core = getattr(native, "_C", None)
-        _core = core if core is not None else native.load(config.load().cache_dir)
-    return _core
+    Resolved on each use so the package stays importable (for tooling and docs) without a
+    build; raises RuntimeError when the emulator is not active in this process.
+    """
+    from supa_emu import activation, native
+
+    return native.load(activation.config().cache_dir)
 
 
 def _is_compiled() -> bool:
@@ -99,7 +95,7 @@ def _lazy_init() -> None:
     Raises RuntimeError("No BIREN GPUs are available") when no device is visible, and
     DeferredSupaCallError when a queued call fails.
     """
-    global _init_done, _original_pid, default_generators
+    global _init_done, default_generators
     if is_initialized() or getattr(_tls, "is_initializing", False):
         return
     with _initialization_lock:
@@ -113,7 +109,6 @@ def _lazy_init() -> None:
         if native._device_count() <= 0:
             raise RuntimeError("No BIREN GPUs are available")
         default_generators = tuple(native._default_generators())
-        _original_pid = os.getpid()
         _tls.is_initializing = True
         # The runtime itself is usable from here on; queued calls see an initialised module.
         _init_done = True
@@ -300,7 +295,8 @@ def synchronize(device: _DeviceLike = None) -> None:
     with _DeviceContext(device):
         idx = int(_native()._get_device())
         torch._C._accelerator_synchronizeDevice(idx)
-        _gpu_trace.DeviceSynchronizationCallbacks.fire_callbacks()
+        if not _gpu_trace.native_reports:  # else the native core reported it
+            _gpu_trace.DeviceSynchronizationCallbacks.fire_callbacks()
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
@@ -362,6 +358,17 @@ def check_error(res: int) -> None:
 def __getattr__(name: str) -> Any:
     if name == "_initialized":
         return is_initialized()
+    if name == "_sanitizer":
+        # Imported on first use only: the sanitizer costs nothing while nobody asks for it.
+        import importlib
+
+        return importlib.import_module(f"{__name__}._sanitizer")
+    from supa_emu import compile as compile_support
+
+    if name in compile_support.CODEGEN_NAMES:
+        # Inductor asks the PrivateUse1 device module for its code generators; answering
+        # here (not at import) keeps torch._inductor out of processes that never compile.
+        return compile_support.codegen_class(name)
     raise AttributeError(f"module 'torch_supa.supa' has no attribute '{name}'")
 
 

@@ -1,10 +1,14 @@
-"""The object `torch.supa.get_device_properties()` returns, filled from the emulated card profile."""
+"""The object `torch.supa.get_device_properties()` returns, filled from the emulated card profile.
+
+The profile and the visible-device mapping come from the configuration activation validated;
+the memory size from the core, which owns each card's capacity.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from supa_emu import config
+from supa_emu import activation
 
 _MiB = 1 << 20
 
@@ -88,7 +92,9 @@ def _device_properties(idx: int) -> _SupaDeviceProperties:
     """Properties of visible device `idx` (caller has range-checked it); built once per index."""
     props = _cache.get(idx)
     if props is None:
-        cfg = config.load()
+        from . import _native
+
+        cfg = activation.config()
         profile = cfg.profile
         physical = cfg.visible_devices[idx] if idx < len(cfg.visible_devices) else idx
         props = _SupaDeviceProperties(
@@ -98,7 +104,7 @@ def _device_properties(idx: int) -> _SupaDeviceProperties:
             is_multi_gpu_board=profile.is_multi_gpu_board,
             is_integrated=profile.is_integrated,
             multi_processor_count=profile.multi_processor_count,
-            total_memory=cfg.memory_bytes,
+            total_memory=int(_native()._capacity(idx)),
             max_threads_per_multi_processor=profile.max_threads_per_multi_processor,
             max_threads_per_block=profile.max_threads_per_block,
             warp_size=profile.warp_size,

@@ -1,14 +1,28 @@
 """Callback registries for SUPA trace events (`torch.supa._gpu_trace`), as torch.cuda has them.
 
-Tools such as stream sanitizers register here. The emulator fires the device-synchronisation
-callbacks itself (see `torch.supa.synchronize`); the others exist for API compatibility.
+Tools such as stream sanitizers register here. `torch.supa`'s streams, events and `synchronize`
+fire the callbacks themselves, until a tool turns PyTorch's GPU trace on (`activate_native_reports`):
+from then the native core reports every record, wait and synchronisation, also those made in C++
+(autograd, torch.Event), and the Python wrappers stop reporting them a second time.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch._utils import CallbackRegistry
+
+# True once PyTorch's GPU trace is on for this process (it cannot be turned off again).
+native_reports = False
+
+
+def activate_native_reports() -> None:
+    """Turn PyTorch's GPU trace on: the native core then fires these callbacks itself."""
+    global native_reports
+    torch._C._activate_gpu_trace()
+    native_reports = True
+
 
 EventCreationCallbacks: CallbackRegistry[int] = CallbackRegistry("SUPA event creation")
 EventDeletionCallbacks: CallbackRegistry[int] = CallbackRegistry("SUPA event deletion")

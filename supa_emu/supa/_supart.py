@@ -19,7 +19,6 @@ class supaError(enum.IntEnum):
 
 _ERROR_STRINGS = {0: "no error"}
 _profiler_active = False
-_registered_host_ranges: dict[int, int] = {}
 
 
 def supaGetErrorString(err: int) -> str:
@@ -42,14 +41,13 @@ def supaProfilerStop() -> supaError:
 
 
 def supaHostRegister(ptr: int, size: int, flags: int) -> supaError:
-    """Page-lock a host range. Emulated cards share host memory, so this only records the range."""
-    _registered_host_ranges[int(ptr)] = int(size)
+    """Page-lock a host range. Emulated cards read host memory directly, so there is nothing to
+    lock and this always succeeds."""
     return supaError.success
 
 
 def supaHostUnregister(ptr: int) -> supaError:
-    """Undo `supaHostRegister`."""
-    _registered_host_ranges.pop(int(ptr), None)
+    """Undo `supaHostRegister` (nothing to undo in the emulator)."""
     return supaError.success
 
 

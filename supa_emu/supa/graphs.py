@@ -8,14 +8,12 @@ reading and writing the same tensors (so inputs are fed by copying into the capt
 from __future__ import annotations
 
 import gc
-import itertools
-import threading
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _lazy_init, _native, empty_cache, synchronize
+from . import _lazy_init, _native, _sanitizer_switch, empty_cache, synchronize
 
 __all__ = ["is_current_stream_capturing", "graph_pool_handle", "SUPAGraph", "graph",
            "make_graphed_callables"]
@@ -29,16 +27,13 @@ def is_current_stream_capturing() -> bool:
     return bool(_native()._is_current_stream_capturing())
 
 
-# Graph pools are numbered (n, 0). The offset keeps handles made here apart from ids the
-# native core hands out for graphs captured without an explicit pool.
-_pool_handles = itertools.count(1 << 32)
-_pool_lock = threading.Lock()
-
-
 def graph_pool_handle() -> _MempoolId:
-    """A fresh memory-pool token that several graphs can share via `capture_begin(pool=...)`."""
-    with _pool_lock:
-        return (next(_pool_handles), 0)
+    """A fresh memory-pool token (n, 0) that several graphs can share via `capture_begin(pool=...)`.
+
+    The core numbers these from the same counter as the pools of graphs captured without one.
+    """
+    _lazy_init()
+    return tuple(_native()._graph_pool_handle())
 
 
 class SUPAGraph(torch._C._acceleratorGraph):
@@ -61,14 +56,23 @@ class SUPAGraph(torch._C._acceleratorGraph):
                 "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, "
                 f"got {capture_error_mode}")
         super().capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        sanitizer = _sanitizer_switch.active()
+        if sanitizer is not None:
+            sanitizer.graph_capture_begin(self)
 
     def capture_end(self) -> None:
         """Finish the capture started by `capture_begin`; the graph becomes replayable."""
         super().capture_end()
+        sanitizer = _sanitizer_switch.active()
+        if sanitizer is not None:
+            sanitizer.graph_capture_end(self)
 
     def replay(self) -> None:
         """Run the captured work again on the tensors it was captured with."""
         super().replay()
+        sanitizer = _sanitizer_switch.active()
+        if sanitizer is not None:
+            sanitizer.graph_replayed(self)
 
     def reset(self) -> None:
         """Drop the captured graph so this object can capture again."""

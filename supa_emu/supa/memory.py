@@ -1,4 +1,4 @@
-"""Memory management of SUPA devices: statistics, caching-allocator control, pools, snapshots.
+"""Memory management of SUPA devices: statistics, caching-allocator control, limits, summary.
 
 Counters come from the emulator's device allocator through PyTorch's generic accelerator
 entry points (`torch._C._accelerator_*`), so `torch.supa.memory_stats()` and
@@ -8,20 +8,22 @@ entry points (`torch._C._accelerator_*`), so `torch.supa.memory_stats()` and
 from __future__ import annotations
 
 import collections
-import contextlib
-import itertools
-import pickle
-import sys
-import threading
 import warnings
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Union
 
 import torch
 from typing_extensions import deprecated
 
-from . import _get_device_index, _lazy_init, _native, current_device, device_count, is_initialized
+from . import _get_device_index, _lazy_init, _native, current_device, is_initialized
 from . import device as _device_ctx
 from . import supart
+# Snapshots and history, allocator settings and pools live in their own modules; their public
+# names belong to this module, as in torch.cuda.memory.
+from ._allocator_config import _set_allocator_settings, get_allocator_backend
+from ._mem_pool import (
+    MemPool, MemPoolContext, SUPAPluggableAllocator, _get_current_allocator, _SUPAAllocator,
+    change_current_allocator, use_mem_pool)
+from ._memory_history import _dump_snapshot, _record_memory_history, _snapshot, memory_snapshot
 
 _DeviceLike = Union[torch.device, str, int, None]
 
@@ -36,12 +38,6 @@ __all__ = [
     "_set_allocator_settings", "get_allocator_backend", "change_current_allocator", "MemPool",
     "MemPoolContext", "use_mem_pool", "SUPAPluggableAllocator",
 ]
-
-_NO_CUSTOM_ALLOCATOR = (
-    "supa-emu does not load custom allocator shared libraries: every SUPA allocation is served "
-    "by the emulator's own caching allocator, whose accounting (memory_stats, capacity, OOM) the "
-    "emulation depends on. Remove the custom allocator when running under SUPA_EMULATE=1.")
-
 
 # ---------------------------------------------------------------------------------------------
 # Raw allocation through the caching allocator.
@@ -74,18 +70,16 @@ def caching_allocator_delete(mem_ptr: int) -> None:
     _native()._raw_delete(int(mem_ptr))
 
 
-_caching_enabled = True
-
-
 def caching_allocator_enable(value: bool = True) -> None:
-    """Record whether caching is wanted; has an effect only once the runtime is initialised.
+    """Enable or disable the caching allocator.
 
     The emulator's allocator always caches (its statistics describe a caching allocator), so
-    disabling is accepted but does not change allocation behaviour.
+    disabling it warns that this is not modelled and changes nothing.
     """
-    global _caching_enabled
-    if is_initialized():
-        _caching_enabled = bool(value)
+    if not value:
+        warnings.warn("torch.supa.caching_allocator_enable(False) is not modelled by the emulator: "
+                      "its allocator always caches freed blocks (empty_cache() releases them)",
+                      UserWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,8 +120,10 @@ def empty_cache() -> None:
 
 
 def ipc_collect() -> None:
-    """Release memory kept for tensors shared with other processes. The emulator shares none."""
+    """Free the memory of supa tensors sent to other processes once the sender's tensor and
+    every receiver have released it (until then it stays allocated on the sender's device)."""
     _lazy_init()
+    _native()._ipc_collect()
 
 
 def mem_get_info(device: _DeviceLike = None) -> tuple[int, int]:
@@ -318,237 +314,3 @@ def memory_summary(device: _DeviceLike = None, abbreviated: bool = False) -> str
         lines.append(_table_row(title, [_format_count(v, v) for v in values]))
     lines.append(thick)
     return "|" + "|\n|".join(lines) + "|\n"
-
-
-# ---------------------------------------------------------------------------------------------
-# Snapshots and allocation history.
-
-_history: dict[str, Any] = {"enabled": None, "context": None, "stacks": "all", "max_entries": 0}
-_allocator_settings: dict[str, Any] = {
-    "max_split_size": -1, "garbage_collection_threshold": 0.0, "expandable_segments": False,
-    "pinned_num_register_threads": 1, "release_lock_on_supamalloc": False,
-    "pinned_use_supa_host_register": False,
-}
-# Accepted PYTORCH_SUPA_ALLOC_CONF keys -> (settings key, parser). CUDA spellings are accepted
-# too because code written for torch.cuda passes them through unchanged.
-_SETTING_PARSERS = {
-    "max_split_size_mb": ("max_split_size", lambda v: int(v) << 20),
-    "garbage_collection_threshold": ("garbage_collection_threshold", float),
-    "expandable_segments": ("expandable_segments", lambda v: _parse_bool(v)),
-    "pinned_num_register_threads": ("pinned_num_register_threads", int),
-    "release_lock_on_supamalloc": ("release_lock_on_supamalloc", lambda v: _parse_bool(v)),
-    "release_lock_on_cudamalloc": ("release_lock_on_supamalloc", lambda v: _parse_bool(v)),
-    "pinned_use_supa_host_register": ("pinned_use_supa_host_register", lambda v: _parse_bool(v)),
-    "pinned_use_cuda_host_register": ("pinned_use_supa_host_register", lambda v: _parse_bool(v)),
-    "pinned_reserve_segment_size_mb": ("pinned_reserve_segment_size_mb", int),
-    "pinned_use_background_threads": ("pinned_use_background_threads", lambda v: _parse_bool(v)),
-    "roundup_power2_divisions": ("roundup_power2_divisions", str),
-    "backend": ("backend", str),
-}
-
-
-def _parse_bool(value: str) -> bool:
-    if value in ("True", "true", "1"):
-        return True
-    if value in ("False", "false", "0"):
-        return False
-    raise RuntimeError(f"Expected True or False in SUPA allocator config, got {value!r}")
-
-
-def _set_allocator_settings(env: str) -> None:
-    """Apply a PYTORCH_SUPA_ALLOC_CONF-style string ("key:value,key:value") at runtime.
-
-    Raises RuntimeError for unknown keys or malformed values. The emulator records the settings
-    (they appear in `_snapshot()["allocator_settings"]`); its allocator layout is fixed.
-    """
-    for item in filter(None, (part.strip() for part in env.split(","))):
-        key, sep, value = item.partition(":")
-        key, value = key.strip(), value.strip()
-        if key not in _SETTING_PARSERS or not sep:
-            raise RuntimeError(f"Unrecognized or malformed entry {item!r} in SUPA allocator config; "
-                               f"known keys: {', '.join(sorted(_SETTING_PARSERS))}")
-        name, parse = _SETTING_PARSERS[key]
-        try:
-            _allocator_settings[name] = parse(value)
-        except ValueError as exc:
-            raise RuntimeError(f"Invalid value {value!r} for {key} in SUPA allocator config") from exc
-
-
-def get_allocator_backend() -> str:
-    """Name of the active allocator backend: always 'native' (the caching allocator)."""
-    return "native"
-
-
-def _record_memory_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
-    """Turn allocation-history recording on or off (settings show up in `_snapshot()`).
-
-    Accepts the current form `(enabled="all"|"state"|None, context=..., stacks=..., max_entries=...,
-    device=None)` and the legacy form whose first argument is a bool. The emulator keeps no
-    per-allocation trace, so `device_traces` stay empty.
-    """
-    if isinstance(enabled, bool):
-        _record_memory_history_legacy(enabled, *args, **kwargs)
-    else:
-        _record_memory_history_impl(enabled, *args, **kwargs)
-
-
-def _record_memory_history_legacy(enabled: bool, record_context: bool = True,
-                                  trace_alloc_max_entries: int = 1, trace_alloc_record_context: bool = False,
-                                  device: _DeviceLike = None, record_context_cpp: bool = False) -> None:
-    _history.update(enabled="all" if enabled else None,
-                    context="all" if (enabled and trace_alloc_record_context) else ("state" if enabled and record_context else None),
-                    stacks="all" if record_context_cpp else "python",
-                    max_entries=trace_alloc_max_entries if enabled else 0)
-
-
-def _record_memory_history_impl(enabled: Optional[str] = "all", context: Optional[str] = "all",
-                                stacks: str = "all", max_entries: int = sys.maxsize,
-                                device: _DeviceLike = None) -> None:
-    if enabled not in (None, "state", "all"):
-        raise ValueError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
-    if context not in (None, "state", "alloc", "all"):
-        raise ValueError(f"context must be None, 'state', 'alloc' or 'all', got {context!r}")
-    if stacks not in ("python", "all"):
-        raise ValueError(f"stacks must be 'python' or 'all', got {stacks!r}")
-    _history.update(enabled=enabled, context=context, stacks=stacks,
-                    max_entries=max_entries if enabled else 0)
-
-
-def memory_snapshot() -> list[dict[str, Any]]:
-    """The allocator's segments across all devices, each with its blocks (see `_snapshot`)."""
-    return list(_native()._memory_snapshot())
-
-
-def _snapshot(device: _DeviceLike = None) -> dict[str, Any]:
-    """Full allocator state: {"segments", "device_traces", "allocator_settings"}."""
-    return {
-        "segments": memory_snapshot(),
-        "device_traces": [[] for _ in range(device_count())],
-        "allocator_settings": dict(_allocator_settings),
-    }
-
-
-def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
-    """Pickle `_snapshot()` to `filename` (readable by PyTorch's memory visualiser)."""
-    with open(filename, "wb") as f:
-        pickle.dump(_snapshot(), f)
-
-
-# ---------------------------------------------------------------------------------------------
-# Allocators and memory pools.
-
-class _SUPAAllocator:
-    """Handle on an allocator as `change_current_allocator` expects it."""
-
-    def __init__(self, allocator: Any) -> None:
-        self._allocator = allocator
-
-    def allocator(self) -> Any:
-        return self._allocator
-
-
-class SUPAPluggableAllocator(_SUPAAllocator):
-    """A custom allocator loaded from a shared library. Not available in the emulator.
-
-    Raises NotImplementedError (a RuntimeError) on construction.
-    """
-
-    def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None:
-        raise NotImplementedError(f"SUPAPluggableAllocator({path_to_so_file!r}): {_NO_CUSTOM_ALLOCATOR}")
-
-
-def change_current_allocator(allocator: _SUPAAllocator) -> None:
-    """Swap the device allocator. Not available in the emulator: raises NotImplementedError."""
-    raise NotImplementedError(f"change_current_allocator: {_NO_CUSTOM_ALLOCATOR}")
-
-
-def _get_current_allocator() -> _SUPAAllocator:
-    """The active allocator (always the emulator's caching allocator)."""
-    return _SUPAAllocator(None)
-
-
-# User pools get ids (0, n) and graph pools (n, 0), as the caching allocator numbers them.
-_user_pool_ids = itertools.count(1)
-_pool_lock = threading.Lock()
-_pool_state = threading.local()
-
-
-class MemPool:
-    """A private memory pool: an id that groups allocations made under `use_mem_pool`.
-
-    The emulator tracks pool identity and use counts; allocations are still served (and
-    counted) by the device's general caching allocator.
-    """
-
-    def __init__(self, allocator: Optional[_SUPAAllocator] = None, use_on_oom: bool = False,
-                 no_split: bool = False) -> None:
-        _lazy_init()
-        if allocator is not None and allocator.allocator() is not None:
-            raise NotImplementedError(f"MemPool(allocator=...): {_NO_CUSTOM_ALLOCATOR}")
-        with _pool_lock:
-            self._id = (0, next(_user_pool_ids))
-        self._allocator = allocator
-        self._use_count = 1
-        self.use_on_oom = use_on_oom
-        self.no_split = no_split
-
-    @property
-    def id(self) -> tuple[int, int]:
-        """The pool's (graph id, user id) pair."""
-        return self._id
-
-    @property
-    def allocator(self) -> Optional[_SUPAAllocator]:
-        """The allocator this pool was created with (None: the default one)."""
-        return self._allocator
-
-    def use_count(self) -> int:
-        """How many holders reference the pool: 1 for the pool itself, +1 per active `use_mem_pool`."""
-        return self._use_count
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Segments that belong to this pool."""
-        return [seg for seg in memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) == self._id]
-
-
-class MemPoolContext:
-    """Makes `pool` the active pool from construction until `__exit__` (or deletion)."""
-
-    def __init__(self, pool: MemPool) -> None:
-        self._pool = pool
-        self._prev = MemPoolContext.active_pool()
-        self._active = True
-        _pool_state.active = pool
-
-    def __enter__(self) -> "MemPoolContext":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> bool:
-        self._restore()
-        return False
-
-    def __del__(self) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        if getattr(self, "_active", False):
-            self._active = False
-            _pool_state.active = self._prev
-
-    @staticmethod
-    def active_pool() -> Optional[MemPool]:
-        """The pool currently receiving allocations in this thread, or None."""
-        return getattr(_pool_state, "active", None)
-
-
-@contextlib.contextmanager
-def use_mem_pool(pool: MemPool, device: _DeviceLike = None) -> Iterator[None]:
-    """Route allocations on `device` (default: current) to `pool` within the block."""
-    _get_device_index(device, optional=True)  # validates the device argument
-    ctx = MemPoolContext(pool)
-    pool._use_count += 1
-    try:
-        yield
-    finally:
-        pool._use_count -= 1
-        ctx._restore()

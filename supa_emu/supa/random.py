@@ -11,7 +11,7 @@ from typing import Iterable, Union
 
 import torch
 
-from . import _lazy_call, _lazy_init, current_device, device_count
+from . import _get_device_index, _lazy_call, _lazy_init, current_device, device_count
 
 __all__ = [
     "get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all", "manual_seed",
@@ -26,19 +26,10 @@ def _generators() -> tuple[torch.Generator, ...]:
     return sys.modules[__package__].default_generators
 
 
-def _device_index(device: _DeviceLike) -> int:
-    if isinstance(device, str):
-        device = torch.device(device)
-    elif isinstance(device, int):
-        device = torch.device("supa", device)
-    idx = device.index
-    return current_device() if idx is None else idx
-
-
 def get_rng_state(device: _DeviceLike = "supa") -> torch.Tensor:
     """The RNG state of `device` (default: current) as a uint8 CPU tensor. Initialises the runtime."""
     _lazy_init()
-    return _generators()[_device_index(device)].get_state()
+    return _generators()[_get_device_index(device, optional=True)].get_state()
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
@@ -51,7 +42,7 @@ def set_rng_state(new_state: torch.Tensor, device: _DeviceLike = "supa") -> None
     state = new_state.clone(memory_format=torch.contiguous_format)
 
     def apply() -> None:
-        _generators()[_device_index(device)].set_state(state)
+        _generators()[_get_device_index(device, optional=True)].set_state(state)
 
     _lazy_call(apply)
 

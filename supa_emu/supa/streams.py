@@ -1,8 +1,9 @@
 """SUPA streams and events, and the functions that select the current stream.
 
 `Stream` and `Event` extend PyTorch's generic `torch.Stream` / `torch.Event`, which the native
-core backs for the supa device. Work executes synchronously on the host, so ordering between
-streams always holds; the objects still keep the identities, flags and timing users rely on.
+core backs for the supa device: stream ids (with their priority), event records and timestamps
+live in the core's device guard, not here. Work executes synchronously on the host, so ordering
+between streams always holds; the objects still keep the identities and timing users rely on.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-import time
 from typing import Any, Optional
 
 import torch
 
-from . import _get_device_index, _lazy_init, _gpu_trace
+from . import _get_device_index, _lazy_init, _gpu_trace, _native
 from . import device as _device_ctx
 
 __all__ = [
@@ -23,8 +23,6 @@ __all__ = [
     "default_stream", "set_stream",
 ]
 
-# Stream priorities are not visible through torch.Stream, so remember the ones we created.
-_priorities: dict[tuple[int, int], int] = {}
 _IPC_HANDLE_SIZE = 64
 _IPC_MAGIC = b"SUPAEMUEVT"
 
@@ -59,7 +57,6 @@ class Stream(torch.Stream):
         idx = _get_device_index(device, optional=True)
         with _device_ctx(idx):
             self = super().__new__(cls, device=torch.device("supa", idx), priority=priority)
-        _priorities[(idx, self.stream_id)] = priority
         _gpu_trace.StreamCreationCallbacks.fire_callbacks(self.supa_stream)
         return self
 
@@ -71,7 +68,7 @@ class Stream(torch.Stream):
     @property
     def priority(self) -> int:
         """Scheduling priority given at creation (0 is the default, lower is more urgent)."""
-        return _priorities.get((self.device_index, self.stream_id), 0)
+        return int(_native()._stream_priority(self.stream_id))
 
     @staticmethod
     def priority_range() -> tuple[int, int]:
@@ -100,7 +97,8 @@ class Stream(torch.Stream):
     def synchronize(self) -> None:
         """Block until all queued work on this stream has completed."""
         super().synchronize()
-        _gpu_trace.StreamSynchronizationCallbacks.fire_callbacks(self.supa_stream)
+        if not _gpu_trace.native_reports:
+            _gpu_trace.StreamSynchronizationCallbacks.fire_callbacks(self.supa_stream)
 
     @property
     def _as_parameter_(self) -> ctypes.c_void_p:
@@ -130,59 +128,59 @@ class ExternalStream(Stream):
 class Event(torch.Event):
     """A SUPA event: a marker in a stream used for synchronisation and timing.
 
-    `enable_timing` allows `elapsed_time`; `blocking` and `interprocess` are recorded flags
-    (waits are always complete in the emulator, and handles work within this machine's
-    emulator only). The event is created lazily on its first `record`.
+    `enable_timing` allows `elapsed_time`; `blocking` changes nothing (waits are always
+    complete in the emulator); `interprocess` allows `ipc_handle`, whose handles work within
+    this machine's emulator only. The event is created lazily on its first `record`.
     """
 
     def __new__(cls, enable_timing: bool = False, blocking: bool = False,
                 interprocess: bool = False) -> "Event":
         self = super().__new__(cls, device=torch.device("supa"), enable_timing=enable_timing,
                                blocking=blocking, interprocess=interprocess)
-        self._flags = (bool(enable_timing), bool(blocking), bool(interprocess))
-        self._recorded_on: Optional[torch.device] = None
-        self._recorded_at: Optional[float] = None
+        # The only flag the core does not keep: torch.Event has no interprocess events.
+        self._interprocess = bool(interprocess)
         return self
 
     @classmethod
     def from_ipc_handle(cls, device: Any, handle: bytes) -> "Event":
         """Reopen an event from `ipc_handle()` bytes. Raises RuntimeError for a bad handle or a
         non-supa device. The reopened event is complete (the exporter's work already ran)."""
-        dev = torch.device(device) if not isinstance(device, int) else torch.device("supa", device)
-        if dev.type != "supa":
-            raise RuntimeError(f"Event can only be created on SUPA devices, but got device type {dev.type}")
+        try:
+            idx = _get_device_index(device, optional=True)
+        except ValueError:
+            raise RuntimeError(f"Event can only be created on SUPA devices, but got device type "
+                               f"{torch.device(device).type}") from None
         if len(handle) != _IPC_HANDLE_SIZE or not bytes(handle).startswith(_IPC_MAGIC):
             raise RuntimeError(f"Invalid SUPA event IPC handle (expected {_IPC_HANDLE_SIZE} bytes from Event.ipc_handle())")
         event = cls(interprocess=True)
-        idx = dev.index if dev.index is not None else _get_device_index(None, optional=True)
         event.record(default_stream(idx))
         return event
 
     @property
     def device(self) -> Optional[torch.device]:
         """Device of the stream the event was recorded on; None before the first record."""
-        return self._recorded_on
+        return super().device if self.event_id else None
 
     @property
     def supa_event(self) -> int:
         """The event's raw handle; 0 until the event is first recorded."""
-        return int(self.event_id) if self._recorded_on is not None else 0
+        return int(self.event_id)
 
     def record(self, stream: Optional[Stream] = None) -> None:
         """Record the event on `stream` (default: the current stream)."""
         if stream is None:
             stream = current_stream()
         super().record(stream)
-        self._recorded_on = torch.device("supa", stream.device_index)
-        self._recorded_at = time.perf_counter()
-        _gpu_trace.EventRecordCallbacks.fire_callbacks(self.supa_event, stream.stream_id)
+        if not _gpu_trace.native_reports:
+            _gpu_trace.EventRecordCallbacks.fire_callbacks(self.supa_event, stream.stream_id)
 
     def wait(self, stream: Optional[Stream] = None) -> None:
         """Make later work on `stream` (default: current) wait for this event."""
         if stream is None:
             stream = current_stream()
         super().wait(stream)
-        _gpu_trace.EventWaitCallbacks.fire_callbacks(self.supa_event, stream.stream_id)
+        if not _gpu_trace.native_reports:
+            _gpu_trace.EventWaitCallbacks.fire_callbacks(self.supa_event, stream.stream_id)
 
     def query(self) -> bool:
         """True when the work recorded before this event has completed."""
@@ -194,31 +192,29 @@ class Event(torch.Event):
         Raises RuntimeError unless both events were created with `enable_timing=True` and have
         been recorded.
         """
-        # torch.Event.elapsed_time accepts only exact torch.Event arguments, so the timing is
-        # taken here: work is synchronous, so host time between records is the device time.
+        # torch.Event.elapsed_time accepts only exact torch.Event arguments, so the core is
+        # asked directly; it keeps each record's host time (work is synchronous, so host time
+        # between records is the device time).
         if not isinstance(end_event, Event):
             raise TypeError(f"expected end_event to be a torch.supa.Event, got {type(end_event).__name__}")
-        if not (self._flags[0] and end_event._flags[0]):
-            raise RuntimeError("Both events must be created with enable_timing=True to measure elapsed time.")
-        if self._recorded_at is None or end_event._recorded_at is None:
-            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         self.synchronize()
         end_event.synchronize()
-        return (end_event._recorded_at - self._recorded_at) * 1000.0
+        return float(_native()._event_elapsed_time(self, end_event))
 
     def synchronize(self) -> None:
         """Block until the work recorded before this event has completed."""
         super().synchronize()
-        _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(self.supa_event)
+        if not _gpu_trace.native_reports:
+            _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(self.supa_event)
 
     def ipc_handle(self) -> bytes:
         """Bytes that identify this event to `Event.from_ipc_handle`. Requires `interprocess=True`
         and a prior `record`; raises RuntimeError otherwise."""
-        if not self._flags[2]:
+        if not self._interprocess:
             raise RuntimeError("Event.ipc_handle() needs an event created with interprocess=True")
-        if self._recorded_on is None:
+        if not self.event_id:
             raise RuntimeError("Event.ipc_handle() needs a recorded event")
-        body = _IPC_MAGIC + struct.pack("<qqq", os.getpid(), self._recorded_on.index, self.supa_event)
+        body = _IPC_MAGIC + struct.pack("<qqq", os.getpid(), self.device.index, self.supa_event)
         return body.ljust(_IPC_HANDLE_SIZE, b"\0")
 
     @property

@@ -1,17 +1,32 @@
 """The emulated `torch_supa` package: what `import torch_supa` gives under emulation.
 
-It exposes the same entry points as the real package (`torch_supa.supa` is `torch.supa`,
-`_autoload`, `__version__`), with a version string that says it is the emulator.
+Importing it does what importing the real package does (reference §1.2-1.3): it turns PyTorch's
+backend autoload off before importing torch (so a script that starts with `import torch_supa`
+gets the native `supa` device only, without the CUDA transfer), makes sure the device is
+registered, and offers `_autoload()`, which applies `torch_supa.contrib.transfer_to_supa` and
+restores the autoload setting, as the real autoload hook does.
 """
 
-import torch
+import os
 
-from supa_emu import supa
+ORG_AUTOLOAD = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # as the real package: no autoload from here on
+
+import torch  # noqa: E402
+
+import supa_emu  # noqa: E402
+
+supa_emu.activate()
+
+from supa_emu import supa  # noqa: E402,F401
 
 __version__ = f"1.0.0.{''.join(torch.__version__.split('+')[0].split('.')[:2])}00+emulated"
 __supa_version__ = "emulated"
-ORG_AUTOLOAD = "1"
 
 
 def _autoload() -> None:
-    """The real package's autoload hook; under emulation the device is already registered."""
+    """The real package's autoload hook: apply transfer_to_supa, restore the autoload setting."""
+    os.environ["IS_CUSTOM_DEVICE_BACKEND_IMPORTED"] = "1"
+    from supa_emu.torch_supa.contrib import transfer_to_supa  # noqa: F401  (applies on import)
+
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = ORG_AUTOLOAD

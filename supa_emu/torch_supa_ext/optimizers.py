@@ -12,6 +12,12 @@ Meaning, as in DeepSpeed's multi-tensor CUDA kernels (one launch updates whole t
   back, as the CUDA kernels do in registers. ``chunk_size`` only shapes GPU launches.
 
 Everything runs on ``torch._foreach_*`` ops so a call costs a handful of list-wide passes.
+
+These stand in for Biren's compiled kernels and are written independently of the pure-PyTorch
+fallbacks in op_builder/supa/fused_adam.py and fused_lion.py (which run on a real card when the
+extension is absent and must not import the emulator): each is a cross-check of the other, held
+against each other and against torch.optim in tests/test_torch_supa_ext.py and
+tests/test_fused_optimizers.py.
 """
 
 import math

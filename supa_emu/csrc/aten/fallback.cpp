@@ -3,6 +3,9 @@
 // and results that the CPU kernel allocates come from the device's memory pool (see
 // DeviceOutputScope), so they become supa tensors by relabelling their memory.
 //
+// Sparse operands (COO and compressed layouts) cross the same way: CPU sparse tensors over
+// host views of their index and value tensors.
+//
 // It also enforces the placement rules of a GPU: all supa operands on one device, CPU
 // tensors only as 0-dim scalars (or as indices, which CUDA accepts too).
 #include "../runtime/runtime.h"
@@ -10,15 +13,13 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <cstring>
-#include <unordered_map>
 
 namespace supa {
 namespace {
-
-const c10::DispatchKeySet kCpuKeys{c10::DispatchKey::CPU};
 
 bool accepts_host_indices(const c10::OperatorName& name, const std::string& argument) {
   return argument == "indices" &&
@@ -30,6 +31,13 @@ std::string device_name(const c10::Device& d) {
   return d.str();
 }
 
+bool is_layout(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::OptionalType) {
+    return is_layout(type->castRaw<c10::OptionalType>()->getElementType());
+  }
+  return type->kind() == c10::TypeKind::LayoutType;
+}
+
 struct HostOperand {
   at::Tensor original;  // the supa tensor the caller passed
   at::Tensor host;      // the CPU view given to the kernel
@@ -39,7 +47,8 @@ struct HostOperand {
 
 class FallbackCall {
  public:
-  FallbackCall(const c10::OperatorHandle& op, torch::jit::Stack* stack) : op_(op), stack_(*stack) {}
+  FallbackCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel)
+      : op_(op), stack_(*stack), kernel_(kernel) {}
 
   void run() {
     const auto& schema = op_.schema();
@@ -48,7 +57,7 @@ class FallbackCall {
     if (is_capturing()) {
       recorded_inputs_.assign(stack_.begin() + first, stack_.end());
     }
-    std::vector<size_t> missing_generators;
+    c10::SmallVector<size_t, 2> missing_generators;
     for (size_t i = 0; i < num_args; ++i) {
       const auto& arg = schema.arguments()[i];
       c10::IValue& value = stack_[first + i];
@@ -71,6 +80,8 @@ class FallbackCall {
       } else if (value.isDevice() && value.toDevice().type() == kSupa) {
         note_device(value.toDevice(), arg.name());
         value = c10::IValue(c10::Device(c10::DeviceType::CPU));
+      } else if (value.isInt() && value.toInt() != static_cast<int64_t>(c10::kStrided) && is_layout(arg.real_type())) {
+        full_dispatch_ = true;  // a factory asked for a sparse result
       } else if (value.isGenerator()) {
         value = c10::IValue(host_generator_of(value.toGenerator()));
       } else if (value.isNone() && arg.type()->kind() == c10::TypeKind::OptionalType &&
@@ -90,9 +101,15 @@ class FallbackCall {
       stack_[position] = c10::IValue(host_generator_of(default_generator(device_)));
     }
     {
-      c10::DeviceGuard guard(c10::Device(kSupa, device_));
+      CurrentDeviceScope guard(device_);
       DeviceOutputScope route_outputs(device_);
-      op_.redispatchBoxed(kCpuKeys, &stack_);
+      if (kernel_ != nullptr) {
+        kernel_(op_, &stack_);
+      } else if (full_dispatch_) {
+        op_.callBoxed(&stack_);  // the sparse CPU kernels: let the operands' layouts choose
+      } else {
+        op_.redispatchBoxed(kCpuKeys, &stack_);
+      }
       sync_written_operands();
     }
     const size_t num_returns = schema.returns().size();
@@ -133,20 +150,43 @@ class FallbackCall {
     TORCH_CHECK(type == kSupa, "Expected all tensors to be on the same device, but found at least two devices, supa",
                 " and ", t.device(), "! (argument '", argument, "' of ", op_.schema().operator_name(), ")");
     note_device(t.device(), argument);
-    c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
-    auto it = host_storages_.find(key);
-    if (it == host_storages_.end()) {
-      // Views of one storage share one host storage, so the kernel sees them as aliases.
-      it = host_storages_.emplace(key, host_alias_storage(t.storage())).first;
+    if (t.layout() != c10::kStrided) {
+      // Sparse: a CPU sparse tensor over host views of its index and value tensors.
+      at::Tensor host = sparse_over(t, c10::Device(c10::DeviceType::CPU),
+                                    [&](const at::Tensor& part) { return to_host(part, written, argument); });
+      sparse_operands_.push_back({t, host, c10::Storage(), written});
+      full_dispatch_ = true;
+      return host;
     }
-    at::Tensor host = tensor_over(it->second, kCpuKeys, t);
-    operands_.push_back({t, host, it->second, written});
+    // Views of one storage share one host storage, so the kernel sees them as aliases.
+    // Operators have a handful of operands: a linear search beats a hash map here.
+    c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+    c10::Storage host_storage;
+    for (const auto& operand : operands_) {
+      if (operand.original.storage().unsafeGetStorageImpl() == key) {
+        host_storage = operand.host_storage;
+        break;
+      }
+    }
+    if (!host_storage) {
+      host_storage = host_alias_storage(t.storage());
+    }
+    at::Tensor host = tensor_over(host_storage, kCpuKeys, t);
+    operands_.push_back({t, host, std::move(host_storage), written});
     return host;
   }
 
   // In-place kernels may restride their output or (for out= and resize_) give the host
   // storage new memory; carry both back to the supa tensor.
   void sync_written_operands() {
+    for (auto& operand : sparse_operands_) {
+      if (operand.written) {
+        // Index and value tensors may have been replaced: point the supa tensor at the new ones.
+        at::Tensor updated = sparse_over(operand.host, operand.original.device(),
+                                         [&](const at::Tensor& part) { return tensor_to_device(part); });
+        operand.original.unsafeGetTensorImpl()->shallow_copy_from(updated.getIntrusivePtr());
+      }
+    }
     for (auto& operand : operands_) {
       if (!operand.written) {
         continue;
@@ -186,7 +226,14 @@ class FallbackCall {
 
   void count_storage(const at::Tensor& t) {
     if (t.defined() && t.has_storage()) {
-      result_holders_[t.storage().unsafeGetStorageImpl()]++;
+      c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+      for (auto& [known, count] : result_holders_) {
+        if (known == storage) {
+          ++count;
+          return;
+        }
+      }
+      result_holders_.emplace_back(storage, 1);
     }
   }
 
@@ -208,6 +255,14 @@ class FallbackCall {
     if (!t.defined() || t.device().type() != c10::DeviceType::CPU) {
       return t;
     }
+    if (t.layout() != c10::kStrided) {
+      for (const auto& operand : sparse_operands_) {
+        if (operand.host.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+          return operand.original;
+        }
+      }
+      return sparse_over(t, c10::Device(kSupa, device_), [this](const at::Tensor& part) { return tensor_to_device(part); });
+    }
     for (const auto& operand : operands_) {
       if (operand.host.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
         return operand.original;  // in-place ops return their operand itself
@@ -219,31 +274,45 @@ class FallbackCall {
         return device_tensor_on(operand.original.storage(), t);  // a view of an operand
       }
     }
-    auto adopted = adopted_.find(storage);
-    if (adopted != adopted_.end()) {
-      return device_tensor_on(adopted->second, t);
+    for (const auto& [host, device_storage] : adopted_) {
+      if (host == storage) {
+        return device_tensor_on(device_storage, t);
+      }
     }
-    at::Tensor result = adopt_host_result(t, device_, result_holders_[storage]);
-    adopted_.emplace(storage, result.storage());
+    size_t holders = 0;
+    for (const auto& [known, count] : result_holders_) {
+      if (known == storage) {
+        holders = count;
+      }
+    }
+    at::Tensor result = adopt_host_result(t, device_, holders);
+    adopted_.emplace_back(storage, result.storage());
     return result;
   }
 
   const c10::OperatorHandle& op_;
   torch::jit::Stack& stack_;
+  HostKernel kernel_;  // runs on the host operands; nullptr: the op's own CPU kernel
   c10::DeviceIndex device_ = -1;
   std::string host_tensor_arg_;
-  std::vector<HostOperand> operands_;
-  std::unordered_map<c10::StorageImpl*, c10::Storage> host_storages_;
-  std::unordered_map<c10::StorageImpl*, size_t> result_holders_;
-  std::unordered_map<c10::StorageImpl*, c10::Storage> adopted_;
+  // Small inline buffers: a typical call then allocates nothing for its bookkeeping.
+  c10::SmallVector<HostOperand, 4> operands_;
+  std::vector<HostOperand> sparse_operands_;  // their index/value tensors are in operands_
+  bool full_dispatch_ = false;  // sparse operands or results: the CPU dispatch picks the kernel
+  c10::SmallVector<std::pair<c10::StorageImpl*, size_t>, 2> result_holders_;
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted_;
   std::vector<c10::IValue> recorded_inputs_;
 };
 
-void supa_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  FallbackCall(op, stack).run();
+}  // namespace
+
+void run_cpu_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  FallbackCall(op, stack, nullptr).run();
 }
 
-}  // namespace
+void run_host_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
+  FallbackCall(op, stack, kernel).run();
+}
 
 void route_composite_ops_to_cpu_kernels() {
   // Operators with a CPU kernel and a composite one would reach supa through the composite:
@@ -251,24 +320,50 @@ void route_composite_ops_to_cpu_kernels() {
   // few others (native_layer_norm, native_group_norm, ...) a decomposition that rounds
   // differently from the CPU kernel. Registering the fallback as their supa kernel runs the
   // CPU kernel itself: bit-identical to CPU, one call, no temporaries.
-  static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  // For sparse layouts the composite kernels are mostly the "not a sparse tensor" errors
+  // (is_coalesced, ...), so every op with a sparse CPU kernel gets the fallback.
+  struct Route {
+    c10::DispatchKey cpu;
+    c10::DispatchKey supa;
+    bool only_over_composites;
+  };
+  static torch::Library dense(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  static torch::Library coo(torch::Library::IMPL, "aten", c10::DispatchKey::SparsePrivateUse1, __FILE__, __LINE__);
+  static torch::Library compressed(torch::Library::IMPL, "aten", c10::DispatchKey::SparseCsrPrivateUse1, __FILE__,
+                                   __LINE__);
+  const std::pair<Route, torch::Library*> routes[] = {
+      {{c10::DispatchKey::CPU, c10::DispatchKey::PrivateUse1, true}, &dense},
+      {{c10::DispatchKey::SparseCPU, c10::DispatchKey::SparsePrivateUse1, false}, &coo},
+      {{c10::DispatchKey::SparseCsrCPU, c10::DispatchKey::SparseCsrPrivateUse1, false}, &compressed},
+  };
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
     auto op = dispatcher.findOp(name);
-    if (!op.has_value() || name.name.rfind("aten::", 0) != 0 ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
-          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd))) {
+    if (!op.has_value() || name.name.rfind("aten::", 0) != 0) {
       continue;
     }
+    const bool has_composite = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+                               op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
     const std::string qualified = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
-    library.impl(qualified.substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&supa_fallback>());
+    for (const auto& [route, library] : routes) {
+      if (op->hasKernelForDispatchKey(route.cpu) && !op->hasKernelForDispatchKey(route.supa) &&
+          (has_composite || !route.only_over_composites)) {
+        library->impl(qualified.substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&run_cpu_kernel>());
+      }
+    }
   }
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&supa_fallback>());
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&run_cpu_kernel>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&run_cpu_kernel>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&run_cpu_kernel>());
 }
 
 }  // namespace supa

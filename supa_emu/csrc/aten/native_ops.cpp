@@ -3,10 +3,13 @@
 #include "../runtime/runtime.h"
 
 #include <ATen/EmptyTensor.h>
-#include <ATen/Functions.h>
 #include <ATen/InferSize.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/native/Resize.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
@@ -18,11 +21,12 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <memory>
+#include <vector>
 
 namespace supa {
 namespace {
 
-const c10::DispatchKeySet kSupaKeys{c10::DispatchKey::PrivateUse1};
 constexpr const char* kNoDouble = "SUPA device does not support double (float64). Please use float32 instead.";
 
 c10::DeviceIndex target_index(std::optional<c10::Device> device) {
@@ -51,6 +55,26 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
   c10::DeviceGuard guard(c10::Device(kSupa, target_index(device)));
   return at::detail::empty_strided_generic(size, stride, device_allocator(), kSupaKeys,
                                            c10::dtype_or_default(dtype));
+}
+
+// Autograd's all-zero gradients (sgn, ...): a tensor without memory, marked ZeroTensor, as on CUDA.
+at::Tensor efficient_zero_tensor(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                                 std::optional<c10::Layout> /*layout*/, std::optional<c10::Device> device,
+                                 std::optional<bool> /*pin_memory*/) {
+  const c10::DeviceIndex index = target_index(device);
+  check_device_index(index);
+  // Storages keep a pointer to their allocator: one per device, alive for the process.
+  static const auto allocators = [] {
+    std::vector<std::unique_ptr<at::native::ZeroTensorAllocator>> all;
+    for (int i = 0; i < device_count(); ++i) {
+      all.push_back(
+          std::make_unique<at::native::ZeroTensorAllocator>(c10::Device(kSupa, static_cast<c10::DeviceIndex>(i))));
+    }
+    return all;
+  }();
+  const c10::DispatchKeySet keys = kSupaKeys | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor);
+  return at::detail::empty_generic(size, allocators.at(index).get(), keys, c10::dtype_or_default(dtype),
+                                   std::nullopt);
 }
 
 size_t bytes_needed(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset, size_t itemsize) {
@@ -173,12 +197,34 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   return {input.mul(mask).mul_(1.0 / (1.0 - p)), mask};
 }
 
+bool is_dense_host_or_supa(c10::DispatchKeySet keys) {
+  return keys.has(c10::DispatchKey::Dense) &&
+         (keys.has_backend(c10::BackendComponent::CPUBit) || keys.has_backend(c10::BackendComponent::PrivateUse1Bit));
+}
+
+// Module.to() moves a parameter by swapping its `.data` when PyTorch says the two tensor
+// types are shallow-copy compatible; otherwise it makes new Parameter objects and an
+// optimizer built before the move holds stale ones. CUDA and CPU dense tensors are
+// compatible; supa and CPU dense tensors must be too.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  if (is_dense_host_or_supa(self.key_set()) && is_dense_host_or_supa(from.key_set())) {
+    return true;
+  }
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
+}
+
 }  // namespace
 
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("native_dropout", native_dropout);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
+  m.impl("_efficientzerotensor", efficient_zero_tensor);
   m.impl("as_strided", at::native::as_strided_tensorimpl);
   m.impl("view", at::native::view);
   m.impl("_reshape_alias", at::native::_reshape_alias);
@@ -193,6 +239,20 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("record_stream", record_stream);
+}
+
+// A lazily conjugated or negated operand would make the Conjugate/Negative fallbacks
+// materialize it with clone(), whose copy_ calls _copy_from again: endless recursion, then a
+// stack overflow. copy_from keeps both bits on its host views and the CPU copy resolves them,
+// so _copy_from passes through those keys (only non-CPU, non-CUDA devices reach _copy_from).
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 }  // namespace supa

@@ -5,11 +5,18 @@
 // request of the same rounded size. When a request would exceed the card's capacity the
 // cache is released and the request retried once; if it still does not fit, the caller
 // gets torch.OutOfMemoryError with the message shape of the real stack.
+//
+// The allocator settings that change accounting act as on the real allocator (see
+// AllocatorKnobs): roundup_power2_divisions rounds request sizes, max_split_size makes large
+// blocks "oversize" (counted apart, reused by requests up to 20 MiB smaller), and
+// garbage_collection_threshold releases the least recently freed cached blocks once reserved
+// memory passes that fraction of the card.
 #include "runtime.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -30,6 +37,15 @@ constexpr size_t kPadding = 32;             // the real allocator pads each requ
 constexpr size_t kMinBlockSize = 512;       // and rounds to 512-byte blocks
 constexpr size_t kSmallSize = 1 << 20;      // blocks below 1 MiB belong to the small pool
 constexpr size_t kAlignment = 64;
+constexpr size_t kLargeBuffer = 20 << 20;   // an oversize block serves requests up to this much smaller
+constexpr size_t kRoundUpStart = 1 << 20;   // roundup_power2_divisions intervals start at 1 MiB
+
+// Allocator settings that change what is reserved and counted (`_set_allocator_settings`).
+struct AllocatorKnobs {
+  int64_t max_split_size = -1;                      // -1: unlimited, as memory_stats() reports it
+  double gc_threshold = 0.0;                        // 0: off
+  std::vector<size_t> divisions = std::vector<size_t>(kRoundUpIntervals, 0);  // per power of two from 1 MiB
+};
 
 struct Block {
   void* ptr;
@@ -37,6 +53,9 @@ struct Block {
   size_t requested;  // what the caller asked for
   c10::DeviceIndex device;
   bool allocated;
+  c10::MempoolId_t pool{0, 0};  // see mem_pool.cpp
+  uint64_t freed_at = 0;        // order of the last free, for garbage collection
+  bool oversize = false;        // counted as oversize when created (max_split_size at that time)
 };
 
 struct DeviceMemory {
@@ -50,9 +69,44 @@ struct DeviceMemory {
 std::mutex g_mutex;
 std::vector<std::unique_ptr<DeviceMemory>> g_devices;
 std::unordered_map<void*, Block*> g_blocks;  // every block that holds host memory
+AllocatorKnobs g_knobs;
+uint64_t g_free_counter = 0;
+
+size_t divisions_for(size_t size) {
+  size_t interval = 0;
+  while (interval + 1 < kRoundUpIntervals && (kRoundUpStart << (interval + 1)) <= size) {
+    ++interval;
+  }
+  return g_knobs.divisions[interval];
+}
+
+// The next of `divisions` equal steps between the powers of two around `size`.
+size_t round_to_division(size_t size, size_t divisions) {
+  size_t floor = 1;
+  while ((floor << 1) <= size) {
+    floor <<= 1;
+  }
+  if (floor == size) {
+    return size;
+  }
+  const size_t step = floor / divisions;
+  if (step == 0) {
+    return floor << 1;
+  }
+  return ((size + step - 1) / step) * step;
+}
 
 size_t round_size(size_t n) {
-  return ((n + kPadding + kMinBlockSize - 1) / kMinBlockSize) * kMinBlockSize;
+  const size_t padded = n + kPadding;
+  const size_t divisions = divisions_for(padded);
+  if (divisions > 1 && padded > kMinBlockSize * divisions) {
+    return round_to_division(padded, divisions);
+  }
+  return ((padded + kMinBlockSize - 1) / kMinBlockSize) * kMinBlockSize;
+}
+
+bool is_oversize(size_t size) {
+  return g_knobs.max_split_size >= 0 && size >= static_cast<size_t>(g_knobs.max_split_size);
 }
 
 void update(StatArray& stat, size_t size, bool increase) {
@@ -95,19 +149,56 @@ void count_block(StatArray& stat, size_t size, bool increase) {
   }
 }
 
-// Returns the device's cached blocks to the host. Caller holds g_mutex.
-void release_cached(DeviceMemory& mem) {
-  for (auto& entry : mem.cached) {
-    Block* block = entry.second;
-    count_block(mem.stats.segment, block->size, false);
-    update(mem.stats.reserved_bytes, block->size, false);
-    mem.reserved -= static_cast<int64_t>(block->size);
-    mem.stats.num_device_free++;
-    g_blocks.erase(block->ptr);
-    std::free(block->ptr);
-    delete block;
+// Gives a cached block's memory back to the host. Caller holds g_mutex.
+void return_to_host(DeviceMemory& mem, Block* block) {
+  record_memory_event("segment_free", block->device, block->ptr, block->size, nullptr);
+  count_block(mem.stats.segment, block->size, false);
+  update(mem.stats.reserved_bytes, block->size, false);
+  if (block->oversize) {
+    mem.stats.oversize_segments.decrease(1);
   }
-  mem.cached.clear();
+  mem.reserved -= static_cast<int64_t>(block->size);
+  mem.stats.num_device_free++;
+  g_blocks.erase(block->ptr);
+  std::free(block->ptr);
+  delete block;
+}
+
+// Returns the device's cached blocks (only `pool`'s when given) to the host. Caller holds g_mutex.
+void release_cached(DeviceMemory& mem, const c10::MempoolId_t* pool = nullptr) {
+  for (auto it = mem.cached.begin(); it != mem.cached.end();) {
+    Block* block = it->second;
+    if (pool != nullptr && block->pool != *pool) {
+      ++it;
+      continue;
+    }
+    it = mem.cached.erase(it);
+    return_to_host(mem, block);
+  }
+}
+
+// Garbage collection: once reserved memory passes the threshold's share of the card, cached
+// blocks go back to the host, least recently freed first, until it is below again.
+void collect_garbage(DeviceMemory& mem, size_t incoming) {
+  const auto target = static_cast<int64_t>(g_knobs.gc_threshold * static_cast<double>(limit_of(mem)));
+  if (g_knobs.gc_threshold <= 0.0 || mem.reserved + static_cast<int64_t>(incoming) <= target) {
+    return;
+  }
+  std::vector<std::multimap<size_t, Block*>::iterator> by_age;
+  for (auto it = mem.cached.begin(); it != mem.cached.end(); ++it) {
+    by_age.push_back(it);
+  }
+  std::sort(by_age.begin(), by_age.end(), [](const auto& a, const auto& b) {
+    return a->second->freed_at < b->second->freed_at;
+  });
+  for (auto it : by_age) {
+    if (mem.reserved + static_cast<int64_t>(incoming) <= target) {
+      break;
+    }
+    Block* block = it->second;
+    mem.cached.erase(it);
+    return_to_host(mem, block);
+  }
 }
 
 [[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size) {
@@ -122,6 +213,7 @@ void release_cached(DeviceMemory& mem) {
     msg << "This process is limited to " << format_size(limit_of(mem))
         << " by set_per_process_memory_fraction. ";
   }
+  record_memory_event("oom", device, nullptr, size, nullptr);
   msg << "Of the allocated memory " << format_size(allocated)
       << " is allocated by PyTorch, and " << format_size(mem.reserved - allocated)
       << " is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
@@ -131,7 +223,22 @@ void release_cached(DeviceMemory& mem) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
 }
 
+// The host could not back a block the card had room for: say so, with the host's numbers, instead
+// of a card OOM whose "free" figure contradicts it. Still an OutOfMemoryError, so code that
+// recovers from OOM (smaller batch, empty_cache) keeps working.
+[[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error) {
+  mem.stats.num_ooms++;
+  std::ostringstream msg;
+  msg << "SUPA emulator: the host could not provide " << format_size(size) << " of memory for an allocation on "
+      << "supa:" << static_cast<int>(device) << " (" << std::strerror(error) << "). The emulated card has "
+      << format_size(std::max<int64_t>(0, limit_of(mem) - mem.reserved))
+      << " of its capacity free, but its memory is this host's memory: lower SUPA_EMU_MEMORY to what the host can "
+         "hold, or free host memory.";
+  TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
+}
+
 void free_block(void* ptr) {
+  const auto stack = memory_event_stack();
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_blocks.find(ptr);
   TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: freeing unknown device pointer");
@@ -143,7 +250,13 @@ void free_block(void* ptr) {
   update(mem.stats.allocated_bytes, block->size, false);
   update(mem.stats.active_bytes, block->size, false);
   update(mem.stats.requested_bytes, block->requested, false);
+  if (block->oversize) {
+    mem.stats.oversize_allocations.decrease(1);
+  }
+  block->freed_at = ++g_free_counter;
   mem.cached.emplace(block->size, block);
+  record_memory_event("free_requested", block->device, ptr, block->size, stack);
+  record_memory_event("free_completed", block->device, ptr, block->size, stack);
 }
 
 void delete_device_ptr(void* ptr) {
@@ -154,14 +267,23 @@ void delete_device_ptr(void* ptr) {
 
 void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
   const size_t size = round_size(nbytes);
+  const auto stack = memory_event_stack();
+  const c10::MempoolId_t pool = allocation_pool(device);
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
   Block* block = nullptr;
-  auto hit = mem.cached.find(size);
-  if (hit != mem.cached.end()) {
+  // A cached block of the same size serves the request; an oversize request may also take an
+  // oversize block up to kLargeBuffer larger (as the real allocator does, since it will not split it).
+  const size_t largest = is_oversize(size) ? size + kLargeBuffer - 1 : size;
+  auto hit = mem.cached.lower_bound(size);
+  while (hit != mem.cached.end() && hit->first <= largest && hit->second->pool != pool) {
+    ++hit;
+  }
+  if (hit != mem.cached.end() && hit->first <= largest) {
     block = hit->second;
     mem.cached.erase(hit);
   } else {
+    collect_garbage(mem, size);
     if (mem.reserved + static_cast<int64_t>(size) > limit_of(mem) && !mem.cached.empty()) {
       mem.stats.num_alloc_retries++;
       release_cached(mem);
@@ -170,23 +292,38 @@ void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
       raise_oom(mem, device, size);
     }
     void* ptr = nullptr;
-    if (posix_memalign(&ptr, kAlignment, size) != 0) {
-      raise_oom(mem, device, size);
+    if (const int error = posix_memalign(&ptr, kAlignment, size); error != 0) {
+      if (!mem.cached.empty()) {  // cached blocks hold host memory too: give it back and retry once
+        mem.stats.num_alloc_retries++;
+        release_cached(mem);
+      }
+      if (ptr == nullptr && posix_memalign(&ptr, kAlignment, size) != 0) {
+        raise_host_oom(mem, device, size, error);
+      }
     }
-    block = new Block{ptr, size, 0, device, false};
+    block = new Block{ptr, size, 0, device, false, pool};
     g_blocks.emplace(ptr, block);
+    record_memory_event("segment_alloc", device, ptr, size, stack);
     mem.reserved += static_cast<int64_t>(size);
     mem.stats.num_device_alloc++;
     count_block(mem.stats.segment, size, true);
     update(mem.stats.reserved_bytes, size, true);
+    block->oversize = is_oversize(size);
+    if (block->oversize) {
+      mem.stats.oversize_segments.increase(1);
+    }
   }
   block->allocated = true;
   block->requested = nbytes;
-  count_block(mem.stats.allocation, size, true);
-  count_block(mem.stats.active, size, true);
-  update(mem.stats.allocated_bytes, size, true);
-  update(mem.stats.active_bytes, size, true);
+  count_block(mem.stats.allocation, block->size, true);
+  count_block(mem.stats.active, block->size, true);
+  update(mem.stats.allocated_bytes, block->size, true);
+  update(mem.stats.active_bytes, block->size, true);
   update(mem.stats.requested_bytes, nbytes, true);
+  if (block->oversize) {
+    mem.stats.oversize_allocations.increase(1);
+  }
+  record_memory_event("alloc", device, block->ptr, block->size, stack);
   return block->ptr;
 }
 
@@ -221,10 +358,11 @@ class SupaDeviceAllocator final : public c10::DeviceAllocator {
   bool initialized() override {
     return device_count() > 0;
   }
-  void emptyCache(c10::MempoolId_t /*pool*/) override {
+  void emptyCache(c10::MempoolId_t pool) override {
     std::lock_guard<std::mutex> lock(g_mutex);
+    const bool general = pool.first == 0 && pool.second == 0;
     for (auto& mem : g_devices) {
-      release_cached(*mem);
+      release_cached(*mem, general ? nullptr : &pool);
     }
   }
   void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {
@@ -339,6 +477,7 @@ void init_memory(const std::vector<int64_t>& capacities) {
   for (int64_t capacity : capacities) {
     auto mem = std::make_unique<DeviceMemory>();
     mem->capacity = capacity;
+    mem->stats.max_split_size = g_knobs.max_split_size;
     g_devices.push_back(std::move(mem));
   }
   c10::SetAllocator(kSupa, &g_device_allocator);
@@ -374,6 +513,21 @@ double get_memory_fraction(c10::DeviceIndex device) {
   return memory_of(device).fraction;
 }
 
+void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions) {
+  TORCH_CHECK(divisions.size() == kRoundUpIntervals, "supa_emu: expected ", kRoundUpIntervals,
+              " roundup_power2_divisions intervals, got ", divisions.size());
+  std::lock_guard<std::mutex> lock(g_mutex);
+  // Blocks keep the oversize status they were created with, so the counters stay balanced.
+  g_knobs.max_split_size = max_split_size < 0 ? -1 : max_split_size;
+  g_knobs.gc_threshold = gc_threshold;
+  for (size_t i = 0; i < kRoundUpIntervals; ++i) {
+    g_knobs.divisions[i] = static_cast<size_t>(divisions[i]);
+  }
+  for (auto& mem : g_devices) {
+    mem->stats.max_split_size = g_knobs.max_split_size;
+  }
+}
+
 int64_t capacity(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_mutex);
   return memory_of(device).capacity;
@@ -392,7 +546,9 @@ std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::
                    {"total_size", static_cast<int64_t>(b->size)},
                    {"allocated_size", b->allocated ? static_cast<int64_t>(b->size) : 0},
                    {"requested_size", b->allocated ? static_cast<int64_t>(b->requested) : 0},
-                   {"is_small", b->size < kSmallSize ? 1 : 0}});
+                   {"is_small", b->size < kSmallSize ? 1 : 0},
+                   {"pool_graph_id", static_cast<int64_t>(b->pool.first)},
+                   {"pool_user_id", static_cast<int64_t>(b->pool.second)}});
   }
   return out;
 }

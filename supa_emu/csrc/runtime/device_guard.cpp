@@ -6,6 +6,7 @@
 #include "runtime.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/GPUTrace.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -28,7 +29,20 @@ int64_t now_ns() {
       .count();
 }
 
-std::atomic<c10::StreamId> g_next_stream_id{1};
+std::atomic<c10::StreamId> g_next_stream_index{1};
+
+// Once a tool activates PyTorch's GPU trace (the stream sanitizer does), the orderings made in
+// C++ (autograd's cross-stream waits, torch.Event, torch.Stream) reach `torch.supa._gpu_trace`
+// as CUDA's guard reports them; until then this is one load of a flag.
+const c10::impl::PyInterpreter* gpu_trace() {
+  return c10::impl::GPUTrace::get_trace();
+}
+
+// Priority range (0, -1), as Stream.priority_range() reports: the lowest id bit marks the
+// high-priority streams; the default stream (id 0) has priority 0.
+c10::StreamId new_stream_id(int priority) {
+  return (g_next_stream_index++ << 1) | (priority < 0 ? 1 : 0);
+}
 // Current stream per device, per thread (as in CUDA).
 thread_local std::unordered_map<c10::DeviceIndex, c10::StreamId> t_current_streams;
 
@@ -59,12 +73,12 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getDefaultStream(c10::Device d) const override {
     return c10::Stream(c10::Stream::UNSAFE, d, 0);
   }
-  c10::Stream getStreamFromGlobalPool(c10::Device d, bool /*high_priority*/) const override {
-    return getNewStream(d, 0);
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
+    return getNewStream(d, high_priority ? -1 : 0);
   }
-  c10::Stream getNewStream(c10::Device d, int /*priority*/) const override {
+  c10::Stream getNewStream(c10::Device d, int priority) const override {
     check_device_index(d.index());
-    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream_id++);
+    return c10::Stream(c10::Stream::UNSAFE, d, new_stream_id(priority));
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
     const c10::Stream old = getStream(s.device());
@@ -85,8 +99,15 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
     e->recorded = true;
     e->time_ns = now_ns();
+    if (const auto* trace = gpu_trace()) {
+      (*trace)->trace_gpu_event_record(kSupa, reinterpret_cast<uintptr_t>(e), static_cast<uintptr_t>(stream.id()));
+    }
   }
-  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+  void block(void* event, const c10::Stream& stream) const override {
+    if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
+      (*trace)->trace_gpu_event_wait(kSupa, reinterpret_cast<uintptr_t>(event), static_cast<uintptr_t>(stream.id()));
+    }
+  }
   bool queryEvent(void* /*event*/) const override {
     return true;
   }
@@ -96,10 +117,21 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   bool queryStream(const c10::Stream& /*stream*/) const override {
     return true;
   }
-  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
-  void synchronizeEvent(void* /*event*/) const override {}
+  void synchronizeStream(const c10::Stream& stream) const override {
+    if (const auto* trace = gpu_trace()) {
+      (*trace)->trace_gpu_stream_synchronization(kSupa, static_cast<uintptr_t>(stream.id()));
+    }
+  }
+  void synchronizeEvent(void* event) const override {
+    if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
+      (*trace)->trace_gpu_event_synchronization(kSupa, reinterpret_cast<uintptr_t>(event));
+    }
+  }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     check_device_index(device_index);
+    if (const auto* trace = gpu_trace()) {
+      (*trace)->trace_gpu_device_synchronization(kSupa);
+    }
   }
   bool isStreamCapturing(const c10::Stream& /*stream*/) const override {
     return is_capturing();
@@ -117,6 +149,10 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 };
 
 }  // namespace
+
+int stream_priority(c10::StreamId id) {
+  return (id & 1) != 0 ? -1 : 0;
+}
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SupaGuardImpl);
 

@@ -47,20 +47,27 @@ class SupaGraph final : public at::GraphImplInterface {
   explicit SupaGraph(const at::GraphImplArgs& /*args*/) {}
   ~SupaGraph() override {
     SupaGraph* self = this;
-    g_capturing.compare_exchange_strong(self, nullptr);
+    if (g_capturing.compare_exchange_strong(self, nullptr)) {
+      set_capture_pool({0, 0});
+    }
+    if (pool_.first != 0 || pool_.second != 0) {
+      // The pool's free blocks serve no one else; its live blocks return to it when freed.
+      device_allocator()->emptyCache(pool_);
+    }
   }
 
   void capture_begin(c10::MempoolId_t pool, at::GraphCaptureMode /*mode*/) override {
     TORCH_CHECK(g_capturing.load() == nullptr, "another SUPA graph is already capturing");
     TORCH_CHECK(!captured_, "This SUPAGraph instance already owns a captured graph. To capture a new graph, "
                 "create a new instance or call reset() first.");
-    static std::atomic<c10::CaptureId_t> next_id{1};
-    pool_ = (pool.first != 0 || pool.second != 0) ? pool : c10::MempoolId_t{next_id++, 0};
+    pool_ = (pool.first != 0 || pool.second != 0) ? pool : new_graph_pool_id();
     calls_.clear();
+    set_capture_pool(pool_);
     g_capturing = this;
   }
   void capture_end() override {
     TORCH_CHECK(g_capturing.load() == this, "capture_end() called on a graph that is not capturing");
+    set_capture_pool({0, 0});
     g_capturing = nullptr;
     captured_ = true;
   }

@@ -3,6 +3,9 @@
 // kernels without copying its operands.
 #include "runtime.h"
 
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseTensorImpl.h>
+#include <ATen/ops/_efficientzerotensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
@@ -12,18 +15,18 @@
 namespace supa {
 namespace {
 
+// The host alias's context is the device StorageImpl itself, holding one reference (no
+// separate heap object: this runs once per operand of every fallback call).
 void release_device_storage(void* ctx) {
-  delete static_cast<c10::Storage*>(ctx);
+  c10::intrusive_ptr<c10::StorageImpl>::reclaim(static_cast<c10::StorageImpl*>(ctx));
 }
-
-const c10::DispatchKeySet kSupaKeys{c10::DispatchKey::PrivateUse1};
-const c10::DispatchKeySet kCpuKeys{c10::DispatchKey::CPU};
 
 }  // namespace
 
 c10::Storage host_alias_storage(const c10::Storage& device_storage) {
   void* data = const_cast<void*>(device_storage.data());
-  c10::DataPtr ptr(data, new c10::Storage(device_storage), &release_device_storage,
+  auto keep = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(device_storage.unsafeGetStorageImpl());
+  c10::DataPtr ptr(data, keep.release(), &release_device_storage,
                    c10::Device(c10::DeviceType::CPU));
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), device_storage.nbytes(), std::move(ptr), c10::GetCPUAllocator(),
@@ -32,7 +35,11 @@ c10::Storage host_alias_storage(const c10::Storage& device_storage) {
 
 at::Tensor tensor_over(const c10::Storage& storage, c10::DispatchKeySet keys, const at::Tensor& like) {
   auto out = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), keys, like.dtype());
-  out.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  c10::TensorImpl* impl = out.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  // Lazy conjugation and negation are part of what the memory means: keep them on both sides.
+  impl->_set_conj(like.is_conj());
+  impl->_set_neg(like.is_neg());
   return out;
 }
 
@@ -47,6 +54,10 @@ at::Tensor device_tensor_on(const c10::Storage& device_storage, const at::Tensor
 }
 
 at::Tensor adopt_host_result(const at::Tensor& cpu, c10::DeviceIndex device, size_t holders) {
+  if (cpu._is_zerotensor()) {
+    // A zero tensor has no memory to take over or copy (autograd's zero gradients).
+    return at::_efficientzerotensor(cpu.sizes(), cpu.options().device(c10::Device(kSupa, device)));
+  }
   c10::StorageImpl* host = cpu.storage().unsafeGetStorageImpl();
   const size_t nbytes = host->nbytes();
   c10::DataPtr data;
@@ -64,6 +75,38 @@ at::Tensor adopt_host_result(const at::Tensor& cpu, c10::DeviceIndex device, siz
   c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), nbytes, std::move(data), device_allocator(), /*resizable=*/true));
   return tensor_over(storage, kSupaKeys, cpu);
+}
+
+at::Tensor sparse_over(const at::Tensor& sparse, c10::Device device,
+                       const std::function<at::Tensor(const at::Tensor&)>& convert) {
+  const bool cpu = device.is_cpu();
+  if (sparse.layout() == c10::kSparse) {
+    const auto* impl = static_cast<const at::SparseTensorImpl*>(sparse.unsafeGetTensorImpl());
+    const at::Tensor indices = convert(impl->indices());
+    const at::Tensor values = convert(impl->values());
+    auto out = at::detail::make_tensor<at::SparseTensorImpl>(
+        c10::DispatchKeySet(cpu ? c10::DispatchKey::SparseCPU : c10::DispatchKey::SparsePrivateUse1),
+        sparse.dtype());
+    auto* out_impl = static_cast<at::SparseTensorImpl*>(out.unsafeGetTensorImpl());
+    out_impl->resize_(impl->sparse_dim(), impl->dense_dim(), sparse.sizes());
+    out_impl->set_indices_and_values_unsafe(indices, values);
+    out_impl->set_coalesced(impl->coalesced());
+    return out;
+  }
+  TORCH_CHECK(sparse.layout() == c10::kSparseCsr || sparse.layout() == c10::kSparseCsc ||
+                  sparse.layout() == c10::kSparseBsr || sparse.layout() == c10::kSparseBsc,
+              "supa tensors can be strided, sparse COO or sparse compressed (CSR, CSC, BSR, BSC); got layout ",
+              sparse.layout());
+  const auto* impl = static_cast<const at::SparseCsrTensorImpl*>(sparse.unsafeGetTensorImpl());
+  const at::Tensor compressed = convert(impl->compressed_indices());
+  const at::Tensor plain = convert(impl->plain_indices());
+  const at::Tensor values = convert(impl->values());
+  auto out = at::detail::make_tensor<at::SparseCsrTensorImpl>(
+      c10::DispatchKeySet(cpu ? c10::DispatchKey::SparseCsrCPU : c10::DispatchKey::SparseCsrPrivateUse1),
+      values.device(), sparse.layout(), sparse.dtype());
+  static_cast<at::SparseCsrTensorImpl*>(out.unsafeGetTensorImpl())
+      ->set_member_tensors(compressed, plain, values, sparse.sizes());
+  return out;
 }
 
 }  // namespace supa

@@ -9,14 +9,25 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
+#include <vector>
+
+namespace torch {
+struct CapturedTraceback;
+}
 
 namespace supa {
 
 constexpr c10::DeviceType kSupa = c10::DeviceType::PrivateUse1;
+// The dispatch keys of a supa tensor and of a host (CPU) tensor.
+constexpr c10::DispatchKeySet kSupaKeys{c10::DispatchKey::PrivateUse1};
+constexpr c10::DispatchKeySet kCpuKeys{c10::DispatchKey::CPU};
 
-// ---- devices (device_state.cpp) -----------------------------------------------------------
+// ---- devices (devices.cpp) --------------------------------------------------------------
 void init_devices(int count, const std::vector<int64_t>& capacities, bool dtype_demotion);
 int device_count() noexcept;
 bool dtype_demotion_enabled();
@@ -29,6 +40,10 @@ void check_device_index(c10::DeviceIndex index);
 c10::DeviceIndex exchange_device(c10::DeviceIndex index);
 void register_hooks();  // hooks.cpp
 
+// ---- streams (device_guard.cpp) -----------------------------------------------------------
+// A stream's priority is encoded in its id (as CUDA encodes it), so no table is kept.
+int stream_priority(c10::StreamId id);
+
 // ---- memory (caching_allocator.cpp) -------------------------------------------------------
 void init_memory(const std::vector<int64_t>& capacities);
 c10::DeviceAllocator* device_allocator();
@@ -38,6 +53,10 @@ bool is_pinned_ptr(const void* ptr);
 c10::DeviceIndex device_of_ptr(const void* ptr);
 void set_memory_fraction(double fraction, c10::DeviceIndex device);
 double get_memory_fraction(c10::DeviceIndex device);
+// roundup_power2_divisions has one entry per power-of-two interval from 1 MiB (the last is open).
+constexpr size_t kRoundUpIntervals = 16;
+// The allocator settings that change accounting; max_split_size < 0 means unlimited.
+void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions);
 int64_t capacity(c10::DeviceIndex device);
 std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device);
 void* raw_alloc(size_t nbytes, c10::DeviceIndex device);
@@ -58,10 +77,82 @@ class DeviceOutputScope {
  private:
   c10::DeviceIndex previous_;
 };
+// Makes `device` current for the kernel and restores the previous one; does nothing when it is
+// current already (the common case), which saves the guard-registry lookups of c10::DeviceGuard.
+class CurrentDeviceScope {
+ public:
+  explicit CurrentDeviceScope(c10::DeviceIndex device) : previous_(current_device()) {
+    if (device != previous_) {
+      set_device(device);
+    } else {
+      previous_ = -1;
+    }
+  }
+  ~CurrentDeviceScope() {
+    if (previous_ >= 0) {
+      set_device(previous_);
+    }
+  }
+  CurrentDeviceScope(const CurrentDeviceScope&) = delete;
+  CurrentDeviceScope& operator=(const CurrentDeviceScope&) = delete;
+
+ private:
+  c10::DeviceIndex previous_;
+};
 void install_host_routing_allocator();
 // Moves the memory of a host storage into a device DataPtr when that memory came from
 // `device`'s pool; returns an empty DataPtr (and leaves the storage alone) otherwise.
 c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device);
+
+// ---- memory shared with other processes (ipc_memory.cpp) -----------------------------------
+struct SharedBlock {
+  int fd;         // names the block to a receiver; owned by the storage (-1 for an empty one)
+  size_t nbytes;
+};
+// Moves the storage's memory into a shared block (the first time) and counts one more
+// pending reference, which the receiver takes over (or releases when it maps the block already).
+SharedBlock export_storage(const c10::Storage& storage);
+// Maps the block behind `fd` (not taken over) as a non-resizable storage on `device`.
+c10::Storage import_storage(int fd, size_t nbytes, c10::DeviceIndex device);
+void release_pending_reference(const c10::Storage& storage);
+bool is_shared_storage(const c10::Storage& storage);
+// Frees the blocks whose sender storage and receivers are all gone; returns how many.
+size_t collect_shared_blocks();
+// ---- memory pools (mem_pool.cpp) ---------------------------------------------------------
+c10::MempoolId_t new_graph_pool_id();  // (n, 0)
+c10::MempoolId_t new_user_pool_id();   // (0, n)
+// use_mem_pool: this thread's allocations on `device` go to `pool` until the matching end.
+void begin_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool);
+void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool);
+// While a graph captures, every allocation goes to its pool; {0, 0} when capture ends.
+void set_capture_pool(c10::MempoolId_t pool);
+// The pool an allocation on `device` made now by this thread belongs to ({0, 0}: general).
+c10::MempoolId_t allocation_pool(c10::DeviceIndex device);
+// Holders of a user pool (the MemPool object, each active use_mem_pool); release returns what is left.
+void retain_pool(c10::MempoolId_t pool);
+int64_t release_pool(c10::MempoolId_t pool);
+int64_t pool_use_count(c10::MempoolId_t pool);
+// This thread's active pool (MemPoolContext); returns the previous one ({0, 0}: none).
+c10::MempoolId_t exchange_active_pool(c10::MempoolId_t pool);
+c10::MempoolId_t active_pool();
+
+// ---- allocation history (memory_history.cpp) ----------------------------------------------
+struct MemoryEvent {
+  std::string action;  // alloc, free_requested, free_completed, segment_alloc, segment_free, oom
+  c10::DeviceIndex device;
+  int64_t addr;
+  int64_t size;
+  int64_t time_us;
+  std::shared_ptr<torch::CapturedTraceback> stack;  // null when stacks are not recorded
+};
+void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_entries);
+// The caller's stack when stacks are recorded, else null. Call without allocator locks held.
+std::shared_ptr<torch::CapturedTraceback> memory_event_stack();
+void record_memory_event(const char* action, c10::DeviceIndex device, const void* ptr, size_t size,
+                         const std::shared_ptr<torch::CapturedTraceback>& stack);
+std::vector<MemoryEvent> memory_events();
+// The stack recorded when the live block at `ptr` was allocated, or null.
+std::shared_ptr<torch::CapturedTraceback> block_stack(const void* ptr);
 
 // ---- tensors living on both sides (host_alias.cpp) ----------------------------------------
 // A CPU tensor over a supa tensor's memory: same sizes, strides and offset, no copy.
@@ -78,6 +169,11 @@ at::Tensor adopt_host_result(const at::Tensor& cpu, c10::DeviceIndex device, siz
 // the operator fallback then moves back into the supa storage.
 c10::Storage host_alias_storage(const c10::Storage& device_storage);
 at::Tensor tensor_over(const c10::Storage& storage, c10::DispatchKeySet keys, const at::Tensor& like);
+// A sparse (COO or compressed) tensor like `sparse` on `device` (CPU or supa), whose index
+// and value tensors are `convert` applied to those of `sparse`: how sparse operands and
+// results cross between the two sides without copies.
+at::Tensor sparse_over(const at::Tensor& sparse, c10::Device device,
+                       const std::function<at::Tensor(const at::Tensor&)>& convert);
 
 // ---- generators (generator.cpp) -----------------------------------------------------------
 const at::Generator& default_generator(c10::DeviceIndex device);
@@ -92,7 +188,20 @@ void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& 
                  const std::vector<c10::IValue>& outputs);
 void register_graph_impl();
 
+// ---- device strings (device_strings.cpp) --------------------------------------------------
+// While enabled, device strings parsed from Python that start with "cuda" mean "supa".
+void set_cuda_means_supa(bool enabled);
+bool cuda_means_supa();
+
 // ---- operators (fallback.cpp) -------------------------------------------------------------
 void route_composite_ops_to_cpu_kernels();
+// The boxed fallback: runs the op's CPU kernel on CPU views of its supa operands (zero
+// copy) and hands the results back as supa tensors. Usable as any op's supa kernel.
+void run_cpu_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// The same call machinery (placement checks, host views, results into device memory), but
+// `kernel` runs on the host operands instead of the op's CPU kernel: for ops that have no
+// CPU kernel because PyTorch only calls them for GPUs.
+using HostKernel = void (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+void run_host_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel);
 
 }  // namespace supa

@@ -1,0 +1,167 @@
+"""One DeepSpeed training script on DeepSpeed's CPU accelerator and on emulated SUPA cards, step time side by side.
+
+    python bench/deepspeed_step.py [--stages 0 1 2 3] [--rounds 2] [--steps 10] [--warmup 4]
+
+The same script runs as 2 ranks (torchrun) twice per round: once with DS_ACCELERATOR=cpu (gloo,
+no emulator) and once with SUPA_EMULATE=1 (DeepSpeed picks SUPA, bccl). Rounds alternate the two
+sides, in the order cpu, supa, supa, cpu, ... so a load drift hits both alike. Each job trains the
+same model (an MLP of --layers Linear+GELU blocks --width wide, bf16, DeepSpeed's Adam from the
+config) at every requested ZeRO stage and reports rank 0's median step time over the steps after
+the warm-up ones. The table gives the median over rounds and the supa/cpu ratio per stage.
+Machines are noisy: read the ratios; the load average at start and end is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORLD = 2
+MARK = "DEEPSPEED_STEP "  # rank 0's result lines start with this
+JOB_TIMEOUT_S = 900
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank of one job
+# ------------------------------------------------------------------------------------------------
+def _ds_config(stage: int, micro_batch: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                 "weight_decay": 0.0}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500_000, "allgather_bucket_size": 500_000},
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _worker(args) -> None:
+    import torch
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    torch.set_num_threads(1)  # two ranks share the machine's two cores, on both sides alike
+    accelerator = get_accelerator()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    accelerator.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+    rank = torch.distributed.get_rank()
+    device = torch.device(accelerator.device_name(local_rank))
+    for stage in args.stages:
+        torch.manual_seed(1234)
+        blocks = []
+        for _ in range(args.layers):
+            blocks += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
+        model = torch.nn.Sequential(*blocks)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=_ds_config(stage, args.batch))
+        generator = torch.Generator().manual_seed(rank)
+        x = torch.randn(args.batch, args.width, generator=generator).to(device, torch.bfloat16)
+        y = torch.randn(args.batch, args.width, generator=generator).to(device, torch.bfloat16)
+        seconds = []
+        for _ in range(args.warmup + args.steps):
+            accelerator.synchronize()
+            start = time.perf_counter()
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            accelerator.synchronize()
+            seconds.append(time.perf_counter() - start)
+        measured = seconds[args.warmup:]
+        if rank == 0:
+            print(MARK + json.dumps({"stage": stage, "median_s": statistics.median(measured),
+                                     "accelerator": accelerator.device_name(),
+                                     "backend": accelerator.communication_backend_name(),
+                                     "loss": float(loss)}), flush=True)
+        engine.destroy()
+        del engine, model
+    torch.distributed.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# The driver: alternating jobs on both sides
+# ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _side_env(side: str) -> dict:
+    env = dict(os.environ)
+    if side == "cpu":
+        env.pop("SUPA_EMULATE", None)
+        env["DS_ACCELERATOR"] = "cpu"
+    else:
+        env["SUPA_EMULATE"] = "1"
+        env["DS_ACCELERATOR"] = "supa"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _run_job(side: str, args) -> dict[int, float]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               str(pathlib.Path(__file__).resolve()), "--worker",
+               "--stages", *map(str, args.stages), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch)]
+    result = subprocess.run(command, cwd=ROOT, env=_side_env(side), capture_output=True, text=True,
+                            timeout=JOB_TIMEOUT_S)
+    rows = [json.loads(line[len(MARK):]) for line in result.stdout.splitlines() if line.startswith(MARK)]
+    if result.returncode != 0 or len(rows) != len(args.stages):
+        sys.stderr.write(result.stdout[-4000:] + result.stderr[-8000:])
+        raise SystemExit(f"the {side} job failed (exit code {result.returncode})")
+    for row in rows:
+        expected = "cpu" if side == "cpu" else "supa"
+        if row["accelerator"] != expected:
+            raise SystemExit(f"the {side} job ran on DeepSpeed's {row['accelerator']!r} accelerator")
+    return {row["stage"]: row["median_s"] for row in rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    parser.add_argument("--rounds", type=int, default=2, help="jobs per side (alternating)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per stage and job")
+    parser.add_argument("--warmup", type=int, default=4, help="steps run before measuring")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=16, help="micro batch per rank")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    print(f"{WORLD} ranks, {args.layers}x{args.width} MLP, bf16, Adam, micro batch {args.batch}; "
+          f"median of {args.steps} steps after {args.warmup}, {args.rounds} rounds per side")
+    print(f"at start: {load()}")
+    times = {"cpu": {s: [] for s in args.stages}, "supa": {s: [] for s in args.stages}}
+    for round_index in range(args.rounds):
+        order = ("cpu", "supa") if round_index % 2 == 0 else ("supa", "cpu")
+        for side in order:
+            for stage, seconds in _run_job(side, args).items():
+                times[side][stage].append(seconds)
+    print(f"{'ZeRO stage':<12}{'cpu accel':>12}{'emulated supa':>16}{'supa/cpu':>10}   per-round supa/cpu")
+    for stage in args.stages:
+        cpu, supa = statistics.median(times["cpu"][stage]), statistics.median(times["supa"][stage])
+        rounds = " ".join(f"{s / c:.2f}" for c, s in zip(times["cpu"][stage], times["supa"][stage]))
+        print(f"{stage:<12}{cpu * 1e3:>9.2f} ms{supa * 1e3:>13.2f} ms{supa / cpu:>9.2f}x   {rounds}")
+    print(f"at end: {load()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""torch.compile for emulated SUPA cards: registers the Dynamo device interface and the Inductor
+backend for `supa`, each at the moment PyTorch first needs it.
+
+`install()` runs at activation and imports nothing of Dynamo or Inductor (they cost seconds):
+- the device interface is registered right after `torch._dynamo.device_interface` is first
+  imported (an import hook), before Dynamo looks up any device;
+- the Inductor backend is imported when Inductor asks the PrivateUse1 device module for its
+  code generators (`torch.supa.Scheduling`, ... served by `codegen_class`), which is the hook
+  PyTorch provides for out-of-tree backends in `init_backend_registration`.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any
+
+_DYNAMO_DEVICE_INTERFACE = "torch._dynamo.device_interface"
+
+# The names Inductor's init_backend_registration looks up on the PrivateUse1 device module.
+CODEGEN_NAMES = ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
+
+
+def codegen_class(name: str) -> Any:
+    """Inductor's code generator class `name` for supa (imports the backend on first use)."""
+    from supa_emu.compile import inductor_backend
+
+    return inductor_backend.CODEGEN_CLASSES[name]
+
+
+def register_device_interface(device_type: str = "supa") -> None:
+    """Registers `SupaInterface` with Dynamo for `device_type` and `device_type:<i>`.
+
+    Also meant for transfer_to_supa, which calls it with "cuda" so that Dynamo answers CUDA
+    device questions with the supa runtime. Safe to call before Dynamo is imported: the
+    registration then happens when it is.
+    """
+    _pending_device_types.add(device_type)
+    if _DYNAMO_DEVICE_INTERFACE in sys.modules:
+        _register_pending()
+    else:
+        _install_import_hook()
+
+
+_pending_device_types: set[str] = set()
+
+
+def _register_pending() -> None:
+    import torch
+    from torch._dynamo import device_interface as registry
+
+    from supa_emu.compile.device_interface import SupaInterface
+
+    # Dynamo fills in its built-in interfaces (cuda, cpu, ...) on first lookup; doing that now
+    # keeps it from later overwriting an entry registered here (e.g. "cuda" under transfer).
+    if not registry._device_initialized:
+        registry.init_device_reg()
+    for device_type in sorted(_pending_device_types):
+        registry.register_interface_for_device(device_type, SupaInterface)
+        for index in range(torch.supa.device_count()):
+            registry.register_interface_for_device(f"{device_type}:{index}", SupaInterface)
+
+
+class _RunAfterExec(importlib.abc.Loader):
+    """Runs the real loader of a module, then a callback; everything else is the real loader's."""
+
+    def __init__(self, loader: importlib.abc.Loader, callback) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._callback()
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect/linecache
+        return getattr(self._loader, name)
+
+
+class _DeviceInterfaceImportHook(importlib.abc.MetaPathFinder):
+    """Registers the pending device interfaces as soon as Dynamo's registry module has run."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _DYNAMO_DEVICE_INTERFACE:
+            return None
+        sys.meta_path.remove(self)  # one import is all it takes
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RunAfterExec(spec.loader, _register_pending)
+        return spec
+
+
+_hook: _DeviceInterfaceImportHook | None = None
+
+
+def _install_import_hook() -> None:
+    global _hook
+    if _hook is None or _hook not in sys.meta_path:
+        _hook = _DeviceInterfaceImportHook()
+        sys.meta_path.insert(0, _hook)
+
+
+def install() -> None:
+    """Called at activation: arranges the lazy registrations; imports nothing of torch._dynamo."""
+    register_device_interface("supa")

@@ -1,0 +1,103 @@
+// Memory-pool identities and the pool each allocation goes to.
+//
+// One counter per kind of pool, as PyTorch numbers them: graph pools are (n, 0), user pools
+// (MemPool) are (0, n), (0, 0) is a device's general pool. Allocations made inside
+// `use_mem_pool` (a per-thread stack) or while a graph captures (process-wide, like CUDA's
+// global capture mode) carry the pool id, and the caching allocator reuses a freed block only
+// for a request of the same pool. The core also owns each user pool's use count and the
+// thread's active pool (MemPoolContext), so Python holds no copy of either.
+#include "runtime.h"
+
+#include <atomic>
+#include <map>
+#include <mutex>
+
+namespace supa {
+namespace {
+
+std::atomic<c10::CaptureId_t> g_next_graph_pool{1};
+std::atomic<c10::CaptureId_t> g_next_user_pool{1};
+
+thread_local std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>> t_pool_stack;
+
+std::mutex g_capture_mutex;
+c10::MempoolId_t g_capture_pool{0, 0};
+
+std::mutex g_use_mutex;
+std::map<c10::MempoolId_t, int64_t> g_use_counts;  // live user pools -> holders
+thread_local c10::MempoolId_t t_active_pool{0, 0};
+
+}  // namespace
+
+void retain_pool(c10::MempoolId_t pool) {
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  ++g_use_counts[pool];
+}
+
+int64_t release_pool(c10::MempoolId_t pool) {
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  auto it = g_use_counts.find(pool);
+  TORCH_CHECK(it != g_use_counts.end(), "supa_emu: pool (", pool.first, ", ", pool.second, ") has no holders");
+  const int64_t left = --it->second;
+  if (left == 0) {
+    g_use_counts.erase(it);
+  }
+  return left;
+}
+
+int64_t pool_use_count(c10::MempoolId_t pool) {
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  auto it = g_use_counts.find(pool);
+  return it == g_use_counts.end() ? 0 : it->second;
+}
+
+c10::MempoolId_t active_pool() {
+  return t_active_pool;
+}
+
+c10::MempoolId_t exchange_active_pool(c10::MempoolId_t pool) {
+  const c10::MempoolId_t previous = t_active_pool;
+  t_active_pool = pool;
+  return previous;
+}
+
+c10::MempoolId_t new_graph_pool_id() {
+  return {g_next_graph_pool++, 0};
+}
+
+c10::MempoolId_t new_user_pool_id() {
+  return {0, g_next_user_pool++};
+}
+
+void begin_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
+  check_device_index(device);
+  t_pool_stack.emplace_back(device, pool);
+}
+
+void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
+  for (auto it = t_pool_stack.rbegin(); it != t_pool_stack.rend(); ++it) {
+    if (it->first == device && it->second == pool) {
+      t_pool_stack.erase(std::next(it).base());
+      return;
+    }
+  }
+  TORCH_CHECK(false, "supa_emu: pool (", pool.first, ", ", pool.second,
+              ") is not receiving allocations on device ", static_cast<int>(device));
+}
+
+void set_capture_pool(c10::MempoolId_t pool) {
+  std::lock_guard<std::mutex> lock(g_capture_mutex);
+  g_capture_pool = pool;
+}
+
+c10::MempoolId_t allocation_pool(c10::DeviceIndex device) {
+  for (auto it = t_pool_stack.rbegin(); it != t_pool_stack.rend(); ++it) {
+    if (it->first == device) {
+      return it->second;
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_capture_mutex);
+  return g_capture_pool;
+}
+
+}  // namespace supa

@@ -1,0 +1,64 @@
+"""Caching-allocator settings at runtime (`_set_allocator_settings`, PYTORCH_SUPA_ALLOC_CONF syntax).
+
+The syntax is parsed by supa_emu/allocator_settings.py. The settings that change what is
+reserved and counted act in the native allocator: `max_split_size_mb`,
+`garbage_collection_threshold` and `roundup_power2_divisions`. The others would change a layout
+or a driver interaction the emulator does not have; setting them warns that they are not
+modelled (their value is still reported in `_snapshot()["allocator_settings"]`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from supa_emu import allocator_settings
+
+_settings: dict[str, Any] = dict(allocator_settings.DEFAULTS)
+
+# Why a setting changes nothing in the emulator, by settings key.
+_NOT_MODELLED = {
+    "expandable_segments": "the emulated allocator maps every segment at its final size, so "
+                           "there are no segments to expand (a documented no-op)",
+    "release_lock_on_supamalloc": "there is no driver call to release the lock around",
+    "pinned_num_register_threads": "pinned host memory is plain host memory",
+    "pinned_use_supa_host_register": "pinned host memory is plain host memory",
+    "pinned_reserve_segment_size_mb": "pinned host memory is plain host memory",
+    "pinned_use_background_threads": "pinned host memory is plain host memory",
+}
+
+
+def apply(text: str, source: str = "SUPA allocator config") -> None:
+    """Applies a "key:value,..." string; RuntimeError (naming `source`) for a bad entry."""
+    try:
+        parsed = allocator_settings.parse(text)
+    except ValueError as exc:
+        raise RuntimeError(f"{source}: {exc}") from None
+    for name, (entry, value) in parsed.items():
+        if name in _NOT_MODELLED and value != allocator_settings.DEFAULTS[name]:
+            warnings.warn(f"SUPA allocator setting {entry} is not modelled by the emulator: {_NOT_MODELLED[name]}",
+                          UserWarning, stacklevel=3)
+        _settings[name] = value
+    from . import _native
+
+    _native()._set_allocator_knobs(_settings["max_split_size"], _settings["garbage_collection_threshold"],
+                                       _settings["roundup_power2_divisions"])
+
+
+def _set_allocator_settings(env: str) -> None:
+    """Apply a PYTORCH_SUPA_ALLOC_CONF-style string ("key:value,key:value") at runtime.
+
+    Raises RuntimeError for unknown keys or malformed values, and for a `backend` other than
+    "native" (the only one the emulator has).
+    """
+    apply(env)
+
+
+def allocator_settings_in_effect() -> dict[str, Any]:
+    """A copy of the current settings, as `_snapshot()` reports them."""
+    return {key: list(value) if isinstance(value, list) else value for key, value in _settings.items()}
+
+
+def get_allocator_backend() -> str:
+    """Name of the active allocator backend: always 'native' (the caching allocator)."""
+    return "native"

@@ -1,0 +1,338 @@
+"""torch.compile on SUPA cards: Dynamo's device interface, Inductor's supa backend, numerics
+against eager PyTorch on the CPU, dynamic shapes, placement rules, memory accounting, the
+on-disk compile cache, and DeepSpeed's engine.compile() on two cards.
+
+Compiling costs seconds per graph on two cores, so the models are tiny and each test compiles
+as few graphs as it can. The references are plain PyTorch modules (nn.TransformerEncoderLayer,
+nn.Sequential) run eagerly on the CPU.
+"""
+
+import copy
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytestmark = pytest.mark.skipif(not (hasattr(torch, "supa") and torch.supa.is_available()),
+                                reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+
+MiB = 1 << 20
+# Largest difference allowed, relative to the largest magnitude of the reference tensor.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def assert_close_relative(actual, expected, tol, what="", scale=None):
+    """max |actual - expected| <= tol * scale; scale defaults to max |expected|."""
+    actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
+    scale = expected.abs().max().item() if scale is None else scale
+    error = (actual - expected).abs().max().item() / max(scale, 1e-12)
+    assert error <= tol, f"{what}: relative error {error:.3g} > {tol:g}"
+
+
+class CompileCounter:
+    """A torch.compile backend that counts the graphs it is given and compiles them with Inductor."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(graph_module, example_inputs)
+
+
+def last_device():
+    return torch.device("supa", torch.supa.device_count() - 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registration
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.emulation_only
+@pytest.mark.slow  # several fresh interpreters doing real work
+def test_import_torch_loads_nothing_of_dynamo_or_inductor(python_subprocess):
+    out = python_subprocess("""
+        import sys, torch
+        torch.randn(2, device="supa")
+        print([m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor", "supa_emu.compile."))])
+        from torch._dynamo.device_interface import get_interface_for_device
+        print(get_interface_for_device("supa").__name__, get_interface_for_device("supa:1").__name__,
+              "torch._inductor.codegen.common" in sys.modules)
+    """)
+    assert out.stdout.split("\n")[:2] == ["[]", "SupaInterface SupaInterface False"], out.stdout
+
+
+def test_device_interface_answers_with_torch_supa():
+    from torch._dynamo.device_interface import get_interface_for_device
+
+    interface = get_interface_for_device("supa")
+    assert interface.is_available() and interface.device_count() == torch.supa.device_count()
+    assert interface.current_device() == torch.supa.current_device()
+    device = last_device()
+    with interface.device(device.index):
+        assert torch.supa.current_device() == device.index
+    previous = interface.exchange_device(device.index)
+    assert torch.supa.current_device() == device.index
+    interface.maybe_exchange_device(previous)
+    assert torch.supa.current_device() == previous
+    props = torch.supa.get_device_properties(device)
+    assert interface.Worker.get_device_properties(device).name == props.name
+    assert interface.get_compute_capability(device) == props.major * 10 + props.minor
+    assert isinstance(interface.get_raw_stream(device.index), int)
+    assert isinstance(interface.current_stream(), torch.Stream)
+    assert issubclass(interface.Stream, torch.Stream) and issubclass(interface.Event, torch.Event)
+    interface.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics against eager PyTorch on the CPU
+# ------------------------------------------------------------------------------------------------
+def attention_scores(q, k, v):
+    weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+    return (weights @ v).relu().sum(dim=1), weights.amax(dim=-1)
+
+
+def test_function_matches_eager_on_cpu():
+    q, k, v = (torch.randn(3, 8, 16) for _ in range(3))
+    expected = attention_scores(q, k, v)
+    actual = torch.compile(attention_scores)(*(t.to("supa") for t in (q, k, v)))
+    for a, e in zip(actual, expected):
+        assert a.device.type == "supa"
+        assert_close_relative(a, e, TOLERANCE[torch.float32])
+
+
+@pytest.mark.emulation_only
+def test_generated_code_runs_cpu_kernels_on_supa_memory():
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(64, 32, device="supa:1")
+    out, (source, *_) = run_and_get_code(torch.compile(lambda a: (a @ a.T).relu().sum(0)), x)
+    assert out.device == torch.device("supa:1")
+    # A C++ kernel fused the relu and the reduction; its buffers come from the supa allocator
+    # of the card the graph runs on; nothing is copied to or from the CPU.
+    call = source[source.index("def call("):]
+    assert "cpp_fused_relu_sum" in call
+    assert "device=device(type='supa', index=1)" in call
+    assert not re.search(r"empty_strided_cpu\(|\.copy_\(|\.cpu\(|\.to\(", call), call
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def transformer_block():
+    return nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0,
+                                      batch_first=True, norm_first=True)
+
+
+def train(model, inputs, steps=3, **compile_kwargs):
+    """Losses and final parameters of `steps` SGD steps (compiled when compile_kwargs are given)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    forward = torch.compile(model, **compile_kwargs) if compile_kwargs else model
+    losses = []
+    for _ in range(steps):
+        loss = forward(inputs).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses, list(model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("make_model, input_shape", [(mlp, (8, 16)), (transformer_block, (2, 6, 32))],
+                         ids=["mlp", "transformer_block"])
+def test_training_steps_match_eager_on_cpu(make_model, input_shape, dtype):
+    torch.manual_seed(0)
+    reference = make_model().to(dtype)
+    model = copy.deepcopy(reference).to("supa")
+    inputs = torch.randn(input_shape, dtype=dtype)
+    expected_losses, expected_params = train(reference, inputs)
+    # fullgraph=True: the whole forward is one graph, or compilation fails.
+    losses, params = train(model, inputs.to("supa"), fullgraph=True)
+    tol = TOLERANCE[dtype]
+    for step, (loss, expected) in enumerate(zip(losses, expected_losses)):
+        assert_close_relative(loss, expected, tol, f"loss of step {step}")
+    # Parameters are measured against the model's largest weight: zero-initialised biases hold
+    # only three updates, each rounded to bf16, so their own size is no yardstick.
+    model_scale = max(p.detach().abs().max().item() for p in expected_params)
+    for param, expected in zip(params, expected_params):
+        assert param.device.type == "supa"
+        assert_close_relative(param, expected, tol, f"parameter {tuple(expected.shape)}", scale=model_scale)
+
+
+def test_new_batch_size_recompiles_once_with_dynamic_shapes():
+    torch.manual_seed(0)
+    reference = mlp()
+    model = copy.deepcopy(reference).to("supa")
+    torch._dynamo.reset()  # forget the sizes other tests compiled nn.Sequential.forward for
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    with torch.no_grad():
+        for batch in (4, 7, 9):
+            inputs = torch.randn(batch, 16)
+            assert_close_relative(compiled(inputs.to("supa")), reference(inputs), TOLERANCE[torch.float32],
+                                  f"batch {batch}")
+    # The second size recompiles with a symbolic batch dimension, which the third one reuses.
+    assert counter.graphs == 2
+
+
+def test_models_on_two_cards_run_on_their_own_card():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    inputs = torch.randn(4, 16)
+    first, second = torch.device("supa", 0), last_device()
+    models = {device: torch.compile(copy.deepcopy(reference).to(device)) for device in (first, second)}
+    with torch.no_grad():
+        expected = reference(inputs)
+        for device, model in models.items():
+            other = first if device == second else second
+            torch.supa.reset_peak_memory_stats(other)
+            other_peak = torch.supa.max_memory_allocated(other)
+            out = model(inputs.to(device))
+            assert out.device == device
+            assert torch.supa.max_memory_allocated(other) == other_peak
+            assert_close_relative(out, expected, TOLERANCE[torch.float32], str(device))
+
+
+def test_cpu_input_to_supa_module_raises_the_eager_device_mismatch_error():
+    model = nn.Linear(8, 4).to("supa")
+    inputs = torch.randn(2, 8)
+    mismatch = r"Expected all tensors to be on the same device, but found at least two devices, (supa:0 and cpu|cpu and supa:0)"
+    with pytest.raises(RuntimeError, match=mismatch):
+        model(inputs)
+    with pytest.raises(RuntimeError, match=mismatch):
+        torch.compile(model)(inputs)
+
+
+def test_cpu_scalar_tensor_mixes_with_supa_tensors_as_in_eager():
+    x, scale = torch.randn(16, device="supa"), torch.tensor(3.0)
+    out = torch.compile(lambda a, s: (a * s + s).sin())(x, scale)
+    assert out.device.type == "supa"
+    assert_close_relative(out, (x.cpu() * scale + scale).sin(), TOLERANCE[torch.float32])
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory: compiled code allocates from the card's allocator
+# ------------------------------------------------------------------------------------------------
+def two_matmuls(a):
+    return (a @ a).relu() @ a
+
+
+def test_compiled_allocations_are_counted_on_the_card():
+    device = last_device()
+    a = torch.randn(512, 512, device=device)  # 1 MiB
+    compiled = torch.compile(two_matmuls)
+    compiled(a)  # compile outside the measurement
+    torch.supa.synchronize(device)
+    base = torch.supa.memory_allocated(device)
+    torch.supa.reset_peak_memory_stats(device)
+    out = compiled(a)
+    # The first product stays alive while the second one is written: two buffers at the peak.
+    assert torch.supa.max_memory_allocated(device) - base >= 2 * a.nbytes
+    assert torch.supa.memory_allocated(device) - base >= out.nbytes
+    del out
+    assert torch.supa.memory_allocated(device) == base
+
+
+def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
+    device = last_device()
+    a = torch.randn(1024, 1024, device=device)  # 4 MiB
+    compiled = torch.compile(two_matmuls)
+    compiled(a)
+    torch.supa.empty_cache()
+    total = torch.supa.get_device_properties(device).total_memory
+    # Room for one more 4 MiB buffer, not for the two the compiled code needs.
+    torch.supa.set_per_process_memory_fraction((torch.supa.memory_reserved(device) + 6 * MiB) / total, device)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+            compiled(a)
+    finally:
+        torch.supa.set_per_process_memory_fraction(1.0, device)
+    assert torch.allclose(compiled(a), two_matmuls(a))
+
+
+# ------------------------------------------------------------------------------------------------
+# What cannot work on the emulator
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.emulation_only
+def test_reduce_overhead_runs_without_graphs_as_on_cpu():
+    from torch._dynamo.utils import counters
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    x = torch.randn(8, 8, device="supa")
+    out = torch.compile(lambda a: (a @ a).sigmoid(), mode="reduce-overhead")(x)
+    assert_close_relative(out, (x.cpu() @ x.cpu()).sigmoid(), TOLERANCE[torch.float32])
+    # Inductor declined to capture a CUDA graph, counted the skip and ran the compiled code.
+    assert counters["inductor"]["cudagraph_skips"] == skips + 1
+
+
+@pytest.mark.emulation_only
+def test_cpp_wrapper_fails_with_an_error_that_says_it_is_unsupported():
+    x = torch.randn(8, 8, device="supa")
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        with pytest.raises(RuntimeError, match="cpp_wrapper=True .* is not supported on emulated SUPA cards"):
+            torch.compile(lambda a: (a @ a).tanh())(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# The on-disk compile cache
+# ------------------------------------------------------------------------------------------------
+CACHE_PROBE = """
+    import json, torch
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to("supa")
+    with torch.no_grad():
+        out = torch.compile(model)(torch.randn(8, 16, device="supa"))
+    print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
+                      "miss": counters["inductor"]["fxgraph_cache_miss"], "sum": out.sum().item()}))
+"""
+
+
+@pytest.mark.slow  # several fresh interpreters doing real work
+def test_second_process_reuses_the_on_disk_compile_cache(python_subprocess, tmp_path):
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    first, second = (json.loads(python_subprocess(CACHE_PROBE, env=env).stdout.splitlines()[-1])
+                     for _ in range(2))
+    assert (first["hit"], first["miss"]) == (0, 1), first
+    assert (second["hit"], second["miss"]) == (1, 0), second
+    assert second["sum"] == first["sum"]
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSpeed: engine.compile() on two cards
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def deepspeed_jobs(tmp_path_factory):
+    """deepspeed_jobs(stage, compiled) -> the finished 2-rank job of examples/train_gpt.py."""
+    from test_deepspeed_training import WORLD, launch
+
+    if torch.supa.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} SUPA cards")
+    # One Inductor cache for the compiled jobs: hermetic, and stages 1 and 2 compile the same graphs.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
+    cache = {}
+
+    def job(stage, compiled):
+        if (stage, compiled) not in cache:
+            args = ["--steps", 4] + (["--compile"] if compiled else [])
+            cache[stage, compiled] = launch(f"zero{stage}.json", *args, env=env).require_success()
+        return cache[stage, compiled]
+
+    return job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_engine_compile_trains_like_eager(deepspeed_jobs, stage):
+    compiled, eager = deepspeed_jobs(stage, True), deepspeed_jobs(stage, False)
+    assert compiled.event("compile")["graphs"] >= 1
+    assert len(compiled.losses) == len(eager.losses) == 4
+    torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{m}\ncompiled: {compiled.losses}\neager: {eager.losses}")

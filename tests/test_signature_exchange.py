@@ -1,0 +1,121 @@
+"""The cross-rank signature exchange of bccl, over both carriers.
+
+Ranks run as threads of this process sharing a HashStore. The cross-host carrier (GlooExchange)
+is what bccl uses when a group spans hosts; here the host identity each rank reports is replaced
+per thread (the test-only seam `_host_identity`) so that two ranks on this machine look like two
+hosts, and the whole process group runs through it.
+"""
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+
+from supa_emu.distributed import signature_exchange  # noqa: E402
+from supa_emu.distributed.process_group import ProcessGroupBCCL  # noqa: E402
+from supa_emu.distributed.signature_exchange import CollectiveMismatchError, GlooExchange  # noqa: E402
+
+pytestmark = pytest.mark.emulation_only
+
+WORLD = 2
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _run_ranks(body):
+    """Run body(rank, store) in WORLD threads; return their results, re-raising the first failure."""
+    store = dist.HashStore()
+    results, errors = [None] * WORLD, []
+
+    def run(rank):
+        try:
+            results[rank] = body(rank, store)
+        except BaseException as error:  # reported to the test below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(WORLD)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture
+def ranks_on_separate_hosts(monkeypatch):
+    host = threading.local()
+    monkeypatch.setattr(signature_exchange, "_host_identity", lambda: f"host-{host.rank}")
+    return host
+
+
+def test_gloo_exchange_gives_every_rank_all_signatures():
+    def body(rank, store):
+        exchange = GlooExchange(store, rank, WORLD, TIMEOUT)
+        try:
+            return [exchange.exchange([rank, 7, 100 + rank]) for _ in range(3)]
+        finally:
+            exchange.close()
+
+    results = _run_ranks(body)
+    for per_rank in results:
+        for everyone in per_rank:
+            assert [words[:3] for words in everyone] == [[0, 7, 100], [1, 7, 101]]
+            assert all(len(words) == signature_exchange.WORDS for words in everyone)
+            assert all(set(words[3:]) == {0} for words in everyone)
+
+
+def test_groups_on_one_host_use_shared_memory_and_across_hosts_use_gloo(ranks_on_separate_hosts, monkeypatch):
+    def body(rank, store):
+        ranks_on_separate_hosts.rank = rank
+        carrier = signature_exchange.create(store, rank, WORLD, TIMEOUT, "'test'")
+        carrier.close()
+        return type(carrier)
+
+    assert _run_ranks(body) == [GlooExchange, GlooExchange]
+
+    def same_host(rank, store):
+        carrier = signature_exchange.create(store, rank, WORLD, TIMEOUT, "'test'")
+        carrier.close()
+        return type(carrier)
+
+    monkeypatch.setattr(signature_exchange, "_host_identity", lambda: "one-host")
+    assert _run_ranks(same_host) == [signature_exchange.SharedMemoryBoard] * WORLD
+
+
+def test_process_group_across_hosts_runs_collectives_and_rejects_mismatches(ranks_on_separate_hosts):
+    if torch.supa.device_count() < WORLD:
+        pytest.skip("needs two SUPA devices")
+
+    def body(rank, store):
+        ranks_on_separate_hosts.rank = rank
+        options = ProcessGroupBCCL.Options()
+        options._timeout = TIMEOUT
+        group = ProcessGroupBCCL(store, rank, WORLD, options)
+        try:
+            assert isinstance(group._agreement._exchange, GlooExchange)
+            device = torch.device("supa", rank)
+            x = torch.full((4,), float(rank + 1), device=device)
+            group.allreduce([x]).wait()
+            try:
+                group.allreduce([torch.ones(4 if rank == 0 else 8, device=device)]).wait()
+            except CollectiveMismatchError as error:
+                mismatch = str(error)
+            else:
+                mismatch = None
+            # The group stays usable after a rejected call.
+            y = torch.ones(2, device=device)
+            group.allreduce([y]).wait()
+            return x.cpu(), mismatch, y.cpu()
+        finally:
+            group.shutdown()
+
+    for summed, mismatch, after in _run_ranks(body):
+        assert torch.equal(summed, torch.full((4,), 3.0))
+        assert mismatch is not None and "numel=4" in mismatch and "numel=8" in mismatch
+        assert torch.equal(after, torch.full((2,), 2.0))
