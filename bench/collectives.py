@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from machine_load import load
+
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 TRIALS = 3
 TRIAL_SECONDS = 0.15
@@ -113,6 +115,7 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    print(f"at start: {load()}")
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(args.world, port, sizes, queue), nprocs=args.world)
     rows = queue.get()
@@ -121,6 +124,7 @@ def main() -> None:
     print(f"{'collective':<24}{'size':>9}{'bccl GB/s':>12}{'gloo GB/s':>12}{'ratio':>8}")
     for name, size, bccl_bw, gloo_bw in rows:
         print(f"{name:<24}{_size_label(size):>9}{bccl_bw / 1e9:>12.3f}{gloo_bw / 1e9:>12.3f}{bccl_bw / gloo_bw:>8.2f}")
+    print(f"at end: {load()}")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import time
 
 import torch
+from machine_load import load
 
 
 def training_step(block: torch.nn.Module, device: str, compiled: bool):
@@ -41,9 +41,6 @@ def seconds_per_step(step, inner: int) -> float:
         step()
     return (time.perf_counter() - start) / inner
 
-
-def load() -> str:
-    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def main() -> None:

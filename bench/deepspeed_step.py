@@ -22,15 +22,13 @@ import statistics
 import subprocess
 import sys
 import time
+from machine_load import load
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORLD = 2
 MARK = "DEEPSPEED_STEP "  # rank 0's result lines start with this
 JOB_TIMEOUT_S = 900
 
-
-def load() -> str:
-    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 # ------------------------------------------------------------------------------------------------

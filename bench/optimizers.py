@@ -12,18 +12,15 @@ Usage: SUPA_EMULATE=1 PYTHONPATH=. python bench/optimizers.py [--params 20000000
 """
 
 import argparse
-import os
 import time
 
 import torch
 
 from op_builder.supa.fused_adam import multi_tensor_adam
+from machine_load import load
 
 LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
 
-
-def load() -> str:
-    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def _supa_device():

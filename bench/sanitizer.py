@@ -10,16 +10,13 @@ Machines are noisy: read the ratios; the load average is printed at start and en
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 
 from device_overhead import _median_seconds, cnn_step, mlp_step, transformer_step
+from machine_load import load
 
-
-def load() -> str:
-    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def side_stream_step(device: str):
