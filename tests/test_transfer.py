@@ -63,6 +63,18 @@ def test_invalid_cuda_index_fails_like_the_supa_index():
     assert str(via_cuda.value) == str(via_supa.value)
 
 
+def test_cuda_99_fails_where_supa_99_fails():
+    """`torch.device` only parses; the first use of a card that does not exist fails, with the supa error."""
+    assert torch.device("cuda:99") == torch.device("supa:99")
+    errors = []
+    for text in ("cuda:99", "supa:99"):
+        with pytest.raises(Exception) as caught:
+            torch.ones(1).to(torch.device(text))
+        errors.append(caught.value)
+    assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1])
+    assert "99" in str(errors[0])
+
+
 def test_other_device_strings_are_unchanged():
     assert torch.device("cpu").type == "cpu"
     assert torch.device("meta").type == "meta"
@@ -220,6 +232,17 @@ def test_load_with_cuda_map_location_lands_on_that_card():
     torch.testing.assert_close(loaded["w"].cpu(), torch.arange(6.0).reshape(2, 3))
 
 
+def test_model_saved_on_the_cards_loads_onto_the_card_named_by_map_location():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).cuda()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location="cuda:1", weights_only=False)
+    assert {p.device for p in loaded.parameters()} == {torch.device("supa", 1)}
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(loaded(x.to("cuda:1")).cpu(), model(x.cuda()).cpu())
+
+
 def _retag(checkpoint: bytes, old: bytes, new: bytes) -> bytes:
     """The same checkpoint with its storages' location tags rewritten (as if saved on another device)."""
     source, target = zipfile.ZipFile(io.BytesIO(checkpoint)), io.BytesIO()
@@ -263,6 +286,17 @@ def test_nccl_means_bccl(single_rank_group, backend):
     group = dist.new_group([0], backend="nccl")
     assert dist.get_backend(group) == "bccl"
     assert dist.is_nccl_available()
+
+
+def test_new_subgroups_with_nccl_are_bccl_groups(single_rank_group):
+    single_rank_group("nccl")
+    group, groups = dist.new_subgroups(group_size=1, backend="nccl")
+    assert dist.get_backend(group) == "bccl" and [dist.get_backend(g) for g in groups] == ["bccl"]
+    group, groups = dist.new_subgroups_by_enumeration([[0]], backend="nccl")
+    assert dist.get_backend(group) == "bccl" and [dist.get_backend(g) for g in groups] == ["bccl"]
+    x = torch.ones(3, device="cuda")
+    dist.all_reduce(x, group=group)
+    torch.testing.assert_close(x.cpu(), torch.ones(3))
 
 
 def test_device_mesh_on_cuda_is_on_supa(single_rank_group):
