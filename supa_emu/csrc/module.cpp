@@ -8,6 +8,7 @@
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/profiler/combined_traceback.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 // From torch/csrc/profiler/python/combined_traceback.h, which cannot be included here: it pulls
@@ -186,6 +187,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_raw_delete", [](uintptr_t ptr) { supa::raw_delete(reinterpret_cast<void*>(ptr)); });
   m.def("_host_view", &supa::host_view, "A CPU tensor over a supa tensor's memory (no copy)");
+  // The raw pointer, so the call itself adds no reference to what it counts.
+  m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },
+        "How many references a c10d Work has (1: only the caller's Python object)");
   m.def("_default_generators", &default_generators);
   m.def("_set_cuda_means_supa", &supa::set_cuda_means_supa,
         "Make device strings that start with 'cuda' mean 'supa' (transfer_to_supa)");

@@ -1,4 +1,4 @@
-"""ProcessGroupBCCL: torch.distributed collectives on emulated device tensors, run by gloo on host views.
+"""ProcessGroupBCCL: torch.distributed collectives on emulated device tensors, run by gloo on host views (one method per c10d entry point, hence its length).
 
 Each call checks that its tensors live on the device, agrees with its peers on what is being run
 (see signatures.py), then hands gloo CPU views that alias the device tensors' memory, so data moves
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import host_memory, signature_exchange, signatures
+from . import gloo_handoff, host_memory, signature_exchange, signatures
 from .arguments import (
     check_chunk, check_dtypes, check_sizes, numel as _numel, per_rank_list, require_device, root_list, single, split_counts)
 from .host_memory import HostCall
@@ -107,6 +107,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     # ---- shared steps --------------------------------------------------------------------------
     def _finish(self, parts, call: HostCall, outputs: Sequence[torch.Tensor] = ()) -> BCCLWork:
+        gloo_handoff.hold(parts)
         work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:

@@ -24,6 +24,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from . import gloo_handoff
+
 WORDS = 64  # signature payload per rank per collective, in int64 words
 _RING = 256  # collectives a rank may run ahead of its slowest peer before it waits
 _LIVENESS_PERIOD = 0.05  # seconds between checks that waited-for peers still exist
@@ -166,7 +168,9 @@ class GlooExchange:
         mine = torch.zeros(WORDS, dtype=torch.int64)
         mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
         everyone = torch.empty(self._size * WORDS, dtype=torch.int64)
-        self._pg._allgather_base(everyone, mine).wait()
+        work = self._pg._allgather_base(everyone, mine)
+        gloo_handoff.hold([work])
+        work.wait()
         return everyone.view(self._size, WORDS).tolist()
 
     def close(self) -> None:
