@@ -313,3 +313,28 @@ def test_gpu_trace_registries_have_reference_names():
     finally:
         _gpu_trace.DeviceSynchronizationCallbacks.callback_list.clear()
     assert calls
+
+
+@pytest.mark.slow  # a fresh interpreter: PyTorch's GPU trace, once on, stays on for the process
+def test_gpu_trace_reports_event_lifetimes_and_memory_blocks(python_subprocess):
+    """The callbacks that only the native runtime can fire (as CUDA's allocator and guard fire them)."""
+    result = python_subprocess("""
+        import gc, json, torch
+        from torch.supa import _gpu_trace
+        seen = {name: [] for name in ("created", "deleted", "allocated", "freed")}
+        _gpu_trace.register_callback_for_event_creation(seen["created"].append)
+        _gpu_trace.register_callback_for_event_deletion(seen["deleted"].append)
+        _gpu_trace.register_callback_for_memory_allocation(seen["allocated"].append)
+        _gpu_trace.register_callback_for_memory_deallocation(seen["freed"].append)
+        x = torch.empty(1000, device="supa")
+        address = x.data_ptr()
+        del x
+        event = torch.supa.Event()
+        event.record()
+        del event
+        gc.collect()
+        print(json.dumps({"address": address, **seen}))
+    """)
+    seen = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    assert seen["address"] in seen["allocated"] and seen["address"] in seen["freed"]
+    assert len(seen["created"]) == 1 and seen["deleted"] == seen["created"]

@@ -2,6 +2,7 @@
 streams and stacks; the same snippets, correctly synchronised, are silent."""
 
 import datetime
+import gc
 import json
 import logging
 import os
@@ -159,6 +160,10 @@ def test_event_recorded_after_the_write_orders_it(side):
 # ---- the caching allocator: free without record_stream, then reuse -------------------------------
 
 def _used_on_side_then_freed(side, record: bool):
+    # A cached block of the same size (from earlier tests' garbage, collected at any time) would
+    # serve the next request instead of the block freed here.
+    gc.collect()
+    torch.supa.empty_cache()
     x = torch.empty(N, device="supa")
     side.wait_stream(torch.supa.current_stream())
     with torch.supa.stream(side):

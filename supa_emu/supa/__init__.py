@@ -1,4 +1,4 @@
-"""`torch.supa`: device management and lazy initialisation of the emulated SUPA runtime.
+"""`torch.supa`: device management and lazy initialisation of the emulated SUPA runtime (torch.cuda's __init__ counterpart; its length is that public surface).
 
 This package is what `torch._register_device_module('supa', ...)` installs. Its layout follows
 `torch.cuda` so a reader finds each concern where they expect it: device selection and lazy

@@ -4,6 +4,10 @@ Tools such as stream sanitizers register here. `torch.supa`'s streams, events an
 fire the callbacks themselves, until a tool turns PyTorch's GPU trace on (`activate_native_reports`):
 from then the native core reports every record, wait and synchronisation, also those made in C++
 (autograd, torch.Event), and the Python wrappers stop reporting them a second time.
+
+Event creation and deletion and memory allocation and deallocation happen only in the native
+core (the device guard and the caching allocator report them, as CUDA's do), so registering for
+one of those turns the trace on.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ native_reports = False
 def activate_native_reports() -> None:
     """Turn PyTorch's GPU trace on: the native core then fires these callbacks itself."""
     global native_reports
-    torch._C._activate_gpu_trace()
-    native_reports = True
+    if not native_reports:
+        torch._C._activate_gpu_trace()
+        native_reports = True
 
 
 EventCreationCallbacks: CallbackRegistry[int] = CallbackRegistry("SUPA event creation")
@@ -38,10 +43,12 @@ EventSynchronizationCallbacks: CallbackRegistry[int] = CallbackRegistry("SUPA ev
 
 def register_callback_for_event_creation(cb: Callable[[int], None]) -> None:
     EventCreationCallbacks.add_callback(cb)
+    activate_native_reports()
 
 
 def register_callback_for_event_deletion(cb: Callable[[int], None]) -> None:
     EventDeletionCallbacks.add_callback(cb)
+    activate_native_reports()
 
 
 def register_callback_for_event_record(cb: Callable[[int, int], None]) -> None:
@@ -54,10 +61,12 @@ def register_callback_for_event_wait(cb: Callable[[int, int], None]) -> None:
 
 def register_callback_for_memory_allocation(cb: Callable[[int], None]) -> None:
     MemoryAllocationCallbacks.add_callback(cb)
+    activate_native_reports()
 
 
 def register_callback_for_memory_deallocation(cb: Callable[[int], None]) -> None:
     MemoryDeallocationCallbacks.add_callback(cb)
+    activate_native_reports()
 
 
 def register_callback_for_stream_creation(cb: Callable[[int], None]) -> None:

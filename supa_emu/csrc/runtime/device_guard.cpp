@@ -96,6 +96,10 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (e == nullptr) {
       e = new HostEvent{stream.device_index(), false, flag == c10::EventFlag::BACKEND_DEFAULT};
       *event = e;
+      // As CUDA's guard: an event exists from its first record.
+      if (const auto* trace = gpu_trace()) {
+        (*trace)->trace_gpu_event_creation(kSupa, reinterpret_cast<uintptr_t>(e));
+      }
     }
     e->recorded = true;
     e->time_ns = now_ns();
@@ -112,6 +116,9 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return true;
   }
   void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
+    if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
+      (*trace)->trace_gpu_event_deletion(kSupa, reinterpret_cast<uintptr_t>(event));
+    }
     delete static_cast<HostEvent*>(event);
   }
   bool queryStream(const c10::Stream& /*stream*/) const override {

@@ -45,10 +45,13 @@ void register_hooks();  // hooks.cpp
 int stream_priority(c10::StreamId id);
 
 // ---- memory (caching_allocator.cpp) -------------------------------------------------------
+constexpr size_t kMemoryAlignment = 64;  // of device blocks and pinned host memory
 void init_memory(const std::vector<int64_t>& capacities);
 c10::DeviceAllocator* device_allocator();
-c10::Allocator* host_allocator();  // pinned host memory
-bool is_pinned_ptr(const void* ptr);
+// A block of `device`'s pool (counted as allocated) and the deleter that gives it back.
+void* allocate_block(size_t nbytes, c10::DeviceIndex device);
+void free_block(void* ptr);
+void delete_device_ptr(void* ptr);  // free_block, accepting nullptr
 // Device of a pointer handed out by the device allocator, or -1.
 c10::DeviceIndex device_of_ptr(const void* ptr);
 void set_memory_fraction(double fraction, c10::DeviceIndex device);
@@ -64,6 +67,11 @@ void raw_delete(void* ptr);
 // Grow or shrink a supa storage in place (keeps the common prefix of the bytes).
 void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes);
 
+// ---- pinned host memory (pinned_host_allocator.cpp) ------------------------------------------
+c10::Allocator* host_allocator();
+bool is_pinned_ptr(const void* ptr);
+
+// ---- host allocations routed to a device pool (host_routing_allocator.cpp) ------------------
 // While alive on a thread, host (CPU) allocations of that thread come from the given
 // device's pool. The operator fallback uses it so that the outputs CPU kernels allocate
 // already live in device memory and can be handed back without a copy.
