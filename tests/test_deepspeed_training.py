@@ -200,6 +200,31 @@ def test_quick_start_runs_each_rank_on_its_own_card(jobs):
     memory = job.event("summary")
     assert sorted(memory["devices"]) == list(range(WORLD))
     assert all(peak > 0 for peak in memory["peak_bytes"])
+    # Each step reports its time, throughput and what every card holds; the summary adds them up.
+    for step in job.steps:
+        assert step["step_time"] > 0 and step["tokens_per_second"] > 0
+        assert len(step["memory_allocated_bytes"]) == WORLD and all(b > 0 for b in step["memory_allocated_bytes"])
+    assert memory["steps"] == len(job.steps) and memory["time"] > 0 and memory["tokens_per_second"] > 0
+    assert memory["final_loss"] == job.losses[-1]
+    # DeepSpeed's own deprecated torch.distributed calls do not interleave warnings with the losses.
+    assert "FutureWarning" not in job.output, job.output[-3000:]
+
+
+def test_text_log_reads_as_a_table_for_people(capsys):
+    import argparse
+    import train_gpt
+
+    args = argparse.Namespace(log_format="text")
+    train_gpt.log(args, "step", step=3, loss=4.25, applied=True, loss_scale=None, step_time=0.0123,
+                  tokens_per_second=10406.5, memory_allocated_bytes=[3 * 2**20, 3.5 * 2**20])
+    train_gpt.log(args, "summary", steps=3, time=0.05, final_loss=4.25, tokens_per_second=7680.0,
+                  devices=[0, 1], initialize_peak_bytes=[2**20, 2**20], peak_bytes=[4 * 2**20, 5 * 2**20])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "3", "loss", "4.2500", "12.3", "ms", "10,406", "tokens/s", "memory",
+                                "per", "card", "3.00", "|", "3.50", "MiB"]
+    assert lines[1].startswith("3 steps in 0.1 s") and "final loss 4.2500" in lines[1]
+    assert [line.split()[:2] for line in lines[3:]] == [["0", "supa:0"], ["1", "supa:1"]]
+    assert lines[4].split()[2:4] == ["5.00", "MiB"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

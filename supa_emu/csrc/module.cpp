@@ -164,6 +164,31 @@ void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_ent
 
 }  // namespace
 
+supa::PendingPythonErrorKept::PendingPythonErrorKept() {
+  if (!Py_IsInitialized()) {
+    return;
+  }
+  gil_state_ = static_cast<int>(PyGILState_Ensure());
+  held_ = true;
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  error_[0] = type;
+  error_[1] = value;
+  error_[2] = traceback;
+}
+
+supa::PendingPythonErrorKept::~PendingPythonErrorKept() {
+  if (!held_) {
+    return;
+  }
+  PyErr_Clear();  // what a callback left behind was already logged by PyTorch's trace
+  PyErr_Restore(static_cast<PyObject*>(error_[0]), static_cast<PyObject*>(error_[1]),
+                static_cast<PyObject*>(error_[2]));
+  PyGILState_Release(static_cast<PyGILState_STATE>(gil_state_));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native core of the emulated SUPA device";
   m.def("_init", &init, "Create the emulated devices (once per process)");

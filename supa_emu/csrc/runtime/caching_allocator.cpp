@@ -15,7 +15,6 @@
 #include "runtime.h"
 
 #include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/GPUTrace.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -237,10 +236,10 @@ void collect_garbage(DeviceMemory& mem, size_t incoming) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
 }
 
-// Once a tool turns PyTorch's GPU trace on, block hand-outs and returns reach
-// `torch.supa._gpu_trace` as CUDA's allocator reports them; until then this is one load of a flag.
+// Block hand-outs and returns, for the GPU trace (see runtime.h).
 void report_block(void* ptr, bool allocated) {
-  if (const auto* trace = c10::impl::GPUTrace::get_trace()) {
+  if (const auto* trace = gpu_trace()) {
+    PendingPythonErrorKept keep;
     const auto address = reinterpret_cast<uintptr_t>(ptr);
     if (allocated) {
       (*trace)->trace_gpu_memory_allocation(kSupa, address);

@@ -31,12 +31,6 @@ int64_t now_ns() {
 
 std::atomic<c10::StreamId> g_next_stream_index{1};
 
-// Once a tool activates PyTorch's GPU trace (the stream sanitizer does), the orderings made in
-// C++ (autograd's cross-stream waits, torch.Event, torch.Stream) reach `torch.supa._gpu_trace`
-// as CUDA's guard reports them; until then this is one load of a flag.
-const c10::impl::PyInterpreter* gpu_trace() {
-  return c10::impl::GPUTrace::get_trace();
-}
 
 // Priority range (0, -1), as Stream.priority_range() reports: the lowest id bit marks the
 // high-priority streams; the default stream (id 0) has priority 0.
@@ -98,17 +92,20 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
       *event = e;
       // As CUDA's guard: an event exists from its first record.
       if (const auto* trace = gpu_trace()) {
+        PendingPythonErrorKept keep;
         (*trace)->trace_gpu_event_creation(kSupa, reinterpret_cast<uintptr_t>(e));
       }
     }
     e->recorded = true;
     e->time_ns = now_ns();
     if (const auto* trace = gpu_trace()) {
+      PendingPythonErrorKept keep;
       (*trace)->trace_gpu_event_record(kSupa, reinterpret_cast<uintptr_t>(e), static_cast<uintptr_t>(stream.id()));
     }
   }
   void block(void* event, const c10::Stream& stream) const override {
     if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
+      PendingPythonErrorKept keep;
       (*trace)->trace_gpu_event_wait(kSupa, reinterpret_cast<uintptr_t>(event), static_cast<uintptr_t>(stream.id()));
     }
   }
@@ -117,6 +114,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
     if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
+      PendingPythonErrorKept keep;
       (*trace)->trace_gpu_event_deletion(kSupa, reinterpret_cast<uintptr_t>(event));
     }
     delete static_cast<HostEvent*>(event);
@@ -126,17 +124,20 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   void synchronizeStream(const c10::Stream& stream) const override {
     if (const auto* trace = gpu_trace()) {
+      PendingPythonErrorKept keep;
       (*trace)->trace_gpu_stream_synchronization(kSupa, static_cast<uintptr_t>(stream.id()));
     }
   }
   void synchronizeEvent(void* event) const override {
     if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
+      PendingPythonErrorKept keep;
       (*trace)->trace_gpu_event_synchronization(kSupa, reinterpret_cast<uintptr_t>(event));
     }
   }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     check_device_index(device_index);
     if (const auto* trace = gpu_trace()) {
+      PendingPythonErrorKept keep;
       (*trace)->trace_gpu_device_synchronization(kSupa);
     }
   }

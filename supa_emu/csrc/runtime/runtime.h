@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Device.h>
+#include <c10/core/impl/GPUTrace.h>
 
 #include <cstdint>
 #include <functional>
@@ -39,6 +40,29 @@ void check_device_index(c10::DeviceIndex index);
 // and returns -1 (the convention of torch.cuda._exchange_device).
 c10::DeviceIndex exchange_device(c10::DeviceIndex index);
 void register_hooks();  // hooks.cpp
+
+// ---- PyTorch's GPU trace --------------------------------------------------------------------
+// Once a tool turns the trace on (the stream sanitizer, or a callback registered for what only the
+// native runtime sees), the device guard and the allocator report to `torch.supa._gpu_trace`, as
+// CUDA's do; until then this is one load of a flag.
+inline const c10::impl::PyInterpreter* gpu_trace() {
+  return c10::impl::GPUTrace::get_trace();
+}
+// Held around a report: a Python error pending on this thread (an operator's error being raised
+// while its temporaries are freed) survives the callbacks instead of becoming a SystemError.
+// Defined with the bindings (module.cpp), the one file that includes Python.
+class PendingPythonErrorKept {
+ public:
+  PendingPythonErrorKept();
+  ~PendingPythonErrorKept();
+  PendingPythonErrorKept(const PendingPythonErrorKept&) = delete;
+  PendingPythonErrorKept& operator=(const PendingPythonErrorKept&) = delete;
+
+ private:
+  bool held_ = false;
+  int gil_state_ = 0;
+  void* error_[3] = {nullptr, nullptr, nullptr};
+};
 
 // ---- streams (device_guard.cpp) -----------------------------------------------------------
 // A stream's priority is encoded in its id (as CUDA encodes it), so no table is kept.
