@@ -479,6 +479,43 @@ def test_fallback_kernel_scratch_counts_toward_the_device_peak():
     del scratch
 
 
+_KERNELS_WITH_CPU_SIDE_STATE = [  # oneDNN primitive caches, FFT plans, LAPACK workspaces, sort buffers
+    "conv2d", "conv2d backward", "lstm", "ifft", "hfft", "matmul", "svd", "sort"]
+
+
+def _kernel(name: str, device: str):
+    """The kernel `name` as a function of no arguments, with its module already on `device`."""
+    conv = torch.nn.Conv2d(3, 8, 3).to(device)
+    lstm = torch.nn.LSTM(8, 16, 2).to(device)
+    return {
+        "conv2d": lambda: conv(torch.randn(2, 3, 16, 16, device=device)),
+        "conv2d backward": lambda: torch.autograd.grad(
+            conv(torch.randn(2, 3, 16, 16, device=device)).sum(), conv.weight)[0],
+        "lstm": lambda: lstm(torch.randn(5, 3, 8, device=device))[0],
+        "ifft": lambda: torch.fft.ifft(torch.randn(128, device=device, dtype=torch.complex64)),
+        "hfft": lambda: torch.fft.hfft(torch.randn(33, device=device, dtype=torch.complex64)),
+        "matmul": lambda: torch.randn(64, 64, device=device) @ torch.randn(64, 64, device=device),
+        "svd": lambda: torch.linalg.svd(torch.randn(8, 8, device=device))[0],
+        "sort": lambda: torch.sort(torch.randn(10000, device=device))[0],
+    }[name]
+
+
+@pytest.mark.parametrize("name", _KERNELS_WITH_CPU_SIDE_STATE)
+def test_cpu_side_state_of_a_kernel_never_stays_on_the_card(name):
+    """What a CPU kernel keeps for later calls (caches, plans, workspaces) is not left in device
+    memory: once the result is freed, the card holds what it held before, call after call."""
+    dev = last_device()
+    kernel = _kernel(name, f"supa:{dev}")
+    for _ in range(2):  # the first call fills the caches, the second reuses them
+        gc.collect()
+        before = torch.supa.memory_allocated(dev)
+        result = kernel()
+        assert result.device == torch.device("supa", dev)
+        del result
+        gc.collect()
+        assert torch.supa.memory_allocated(dev) == before
+
+
 def test_mem_pool_ids_and_use_count():
     pool = torch.supa.MemPool()
     other = torch.supa.MemPool()

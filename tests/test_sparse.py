@@ -87,3 +87,20 @@ def test_mixing_a_cpu_sparse_operand_is_rejected_as_on_cuda():
     s = _dense().to_sparse()
     with pytest.raises(RuntimeError, match="same device|supa"):
         torch.sparse.mm(s, torch.randn(6, 3, device=DEV))
+
+
+@pytest.mark.parametrize("layout, op", [
+    ("coo", lambda x: x.cumsum(0)), ("csr", lambda x: x.cumsum(0)), ("csr", torch.sort), ("coo", lambda x: x.view(9)),
+], ids=["coo-cumsum", "csr-cumsum", "csr-sort", "coo-view"])
+def test_what_the_cpu_cannot_do_on_a_sparse_layout_fails_as_on_the_cpu(layout, op):
+    """No sparse kernel on the CPU: the same error (naming the sparse backend), never a crash."""
+    errors = []
+    for device in ("cpu", "supa"):
+        dense = torch.eye(3, device=device)
+        x = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+        with pytest.raises((NotImplementedError, RuntimeError)) as caught:
+            op(x)
+        errors.append(caught.value)
+    assert type(errors[1]) is type(errors[0])
+    assert str(errors[1]).splitlines()[0] == str(errors[0]).splitlines()[0]
+    assert "Sparse" in str(errors[1]).splitlines()[0]
