@@ -4,8 +4,9 @@
 
 Each rank runs both sides in the same process (bccl as the default group, a gloo group from
 new_group), alternating them per size so machine noise hits both alike; the best of several
-trials is reported. Bus bandwidth follows the nccl-tests convention, with S the size of the full
-tensor (all_reduce buffer, all_gather output, reduce_scatter input) and n the world size:
+trials is reported, with the machine's load average at start and end. Bus bandwidth follows the
+nccl-tests convention, with S the size of the full tensor (all_reduce buffer, all_gather output,
+reduce_scatter input) and n the world size:
 all_reduce S*2(n-1)/n/t, all_gather_into_tensor and reduce_scatter_tensor S*(n-1)/n/t.
 """
 
@@ -23,6 +24,7 @@ from machine_load import load
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 TRIALS = 3
+ROUNDS = 4
 TRIAL_SECONDS = 0.15
 
 
@@ -83,10 +85,10 @@ def _worker(rank: int, world: int, port: int, sizes, queue) -> None:
             cpu_buffers = _buffers(name, nbytes, world, torch.device("cpu"))
             iterations = _iterations(name, cpu_buffers, gloo, gloo)
             _iterations(name, supa_buffers, None, gloo)  # warm-up
-            gloo_s = _seconds_per_op(name, cpu_buffers, gloo, gloo, iterations)
-            bccl_s = _seconds_per_op(name, supa_buffers, None, gloo, iterations)
-            gloo_s = min(gloo_s, _seconds_per_op(name, cpu_buffers, gloo, gloo, iterations))
-            bccl_s = min(bccl_s, _seconds_per_op(name, supa_buffers, None, gloo, iterations))
+            gloo_s = bccl_s = float("inf")
+            for _ in range(ROUNDS):  # alternating, so a burst of machine noise hits both sides alike
+                gloo_s = min(gloo_s, _seconds_per_op(name, cpu_buffers, gloo, gloo, iterations))
+                bccl_s = min(bccl_s, _seconds_per_op(name, supa_buffers, None, gloo, iterations))
             size = supa_buffers[0].numel() * 4 if name != "reduce_scatter_tensor" else supa_buffers[1].numel() * 4
             rows.append((name, size, _bus_bytes(name, size, world) / bccl_s, _bus_bytes(name, size, world) / gloo_s))
             del supa_buffers, cpu_buffers
@@ -120,7 +122,7 @@ def main() -> None:
     mp.spawn(_worker, args=(args.world, port, sizes, queue), nprocs=args.world)
     rows = queue.get()
     print(f"bus bandwidth, {args.world} ranks, torch {torch.__version__} "
-          f"(bccl: supa tensors; gloo: CPU tensors; best of {2 * TRIALS} trials)")
+          f"(bccl: supa tensors; gloo: CPU tensors; best of {ROUNDS * TRIALS} trials)")
     print(f"{'collective':<24}{'size':>9}{'bccl GB/s':>12}{'gloo GB/s':>12}{'ratio':>8}")
     for name, size, bccl_bw, gloo_bw in rows:
         print(f"{name:<24}{_size_label(size):>9}{bccl_bw / 1e9:>12.3f}{gloo_bw / 1e9:>12.3f}{bccl_bw / gloo_bw:>8.2f}")
