@@ -103,12 +103,13 @@ class SharedMemoryBoard:
         spins = 0
         while not ready():
             spins += 1
-            # Peers normally arrive within microseconds: spin, then yield the core (ranks and gloo's
-            # threads often share few cores); a long wait (a peer still computing) backs off to
-            # 1 ms sleeps so the waiter does not steal the CPU that peer needs.
+            # A peer already at the collective arrives within microseconds: spin briefly. Otherwise
+            # it is still computing, often on the core this rank would spin on (ranks and gloo's
+            # threads share few cores): sleep, 10 us longer each time up to 1 ms, so the waiter
+            # neither steals that peer's CPU nor adds more than a fraction of the wait to it.
             if spins < 64:
                 continue
-            time.sleep(0 if spins < 10_000 else min(1e-3, 50e-6 * (1 + (spins - 10_000) // 200)))
+            time.sleep(min(1e-3, 10e-6 * (spins - 63)))
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_PERIOD
