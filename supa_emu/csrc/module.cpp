@@ -211,6 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return reinterpret_cast<uintptr_t>(supa::raw_alloc(nbytes, static_cast<c10::DeviceIndex>(device)));
   });
   m.def("_raw_delete", [](uintptr_t ptr) { supa::raw_delete(reinterpret_cast<void*>(ptr)); });
+  m.def("_report_blocks_to_gpu_trace", &supa::report_blocks_to_gpu_trace);
   m.def("_host_view", &supa::host_view, "A CPU tensor over a supa tensor's memory (no copy)");
   // The raw pointer, so the call itself adds no reference to what it counts.
   m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },

@@ -7,7 +7,8 @@ from then the native core reports every record, wait and synchronisation, also t
 
 Event creation and deletion and memory allocation and deallocation happen only in the native
 core (the device guard and the caching allocator report them, as CUDA's do), so registering for
-one of those turns the trace on.
+one of those turns the trace on; the allocator reports only once a memory callback is registered,
+so a trace turned on for the stream sanitizer costs allocations nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ def activate_native_reports() -> None:
     if not native_reports:
         torch._C._activate_gpu_trace()
         native_reports = True
+
+
+def _report_memory_blocks() -> None:
+    from . import _native
+
+    activate_native_reports()
+    _native()._report_blocks_to_gpu_trace()
 
 
 EventCreationCallbacks: CallbackRegistry[int] = CallbackRegistry("SUPA event creation")
@@ -61,12 +69,12 @@ def register_callback_for_event_wait(cb: Callable[[int, int], None]) -> None:
 
 def register_callback_for_memory_allocation(cb: Callable[[int], None]) -> None:
     MemoryAllocationCallbacks.add_callback(cb)
-    activate_native_reports()
+    _report_memory_blocks()
 
 
 def register_callback_for_memory_deallocation(cb: Callable[[int], None]) -> None:
     MemoryDeallocationCallbacks.add_callback(cb)
-    activate_native_reports()
+    _report_memory_blocks()
 
 
 def register_callback_for_stream_creation(cb: Callable[[int], None]) -> None:

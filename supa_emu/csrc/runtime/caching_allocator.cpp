@@ -18,6 +18,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -236,8 +237,14 @@ void collect_garbage(DeviceMemory& mem, size_t incoming) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
 }
 
-// Block hand-outs and returns, for the GPU trace (see runtime.h).
+// Block hand-outs and returns, for the GPU trace (see runtime.h), once a callback listens for them:
+// with the trace on for a sanitizer alone, allocations do not call into Python.
+std::atomic<bool> g_report_blocks{false};
+
 void report_block(void* ptr, bool allocated) {
+  if (!g_report_blocks.load(std::memory_order_relaxed)) {
+    return;
+  }
   if (const auto* trace = gpu_trace()) {
     PendingPythonErrorKept keep;
     const auto address = reinterpret_cast<uintptr_t>(ptr);
@@ -345,6 +352,10 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
 }
 
 }  // namespace
+
+void report_blocks_to_gpu_trace() {
+  g_report_blocks.store(true);
+}
 
 void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
   void* ptr = hand_out_block(nbytes, device);

@@ -76,6 +76,8 @@ c10::DeviceAllocator* device_allocator();
 void* allocate_block(size_t nbytes, c10::DeviceIndex device);
 void free_block(void* ptr);
 void delete_device_ptr(void* ptr);  // free_block, accepting nullptr
+// From now on block hand-outs and returns reach the GPU trace (when it is on).
+void report_blocks_to_gpu_trace();
 // Device of a pointer handed out by the device allocator, or -1.
 c10::DeviceIndex device_of_ptr(const void* ptr);
 void set_memory_fraction(double fraction, c10::DeviceIndex device);
