@@ -67,7 +67,7 @@ def _register() -> None:
     beyond_host = config.memory_beyond_host(cfg)
     if beyond_host is not None:
         warnings.warn(beyond_host, RuntimeWarning, stacklevel=2)
-    core = native.load(cfg.cache_dir, config.cache_dir_from_env())
+    core = native.load(cfg.cache_dir, cfg.cache_dir_from_env)
     torch.utils.rename_privateuse1_backend("supa")
     core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion)
 

@@ -32,12 +32,14 @@ class EmulatorConfig:
     device_count: int  # emulated physical cards
     visible_devices: tuple[int, ...]  # physical ids, in the order the process sees them
     memory_bytes: int  # capacity of each card
+    memory_setting: str | None  # SUPA_EMU_MEMORY as written (None: the profile's capacity)
     profile: DeviceProfile
     ext: bool
     dtype_demotion: bool
     transfer: bool  # apply transfer_to_supa at `import torch`, as the real autoload does
     transfer_silence: bool  # BRTB_TRANSFER_SILENCE: no transfer banner
     cache_dir: pathlib.Path
+    cache_dir_from_env: bool  # SUPA_EMU_CACHE_DIR chose it (error texts name the variable then)
     deepspeed_accelerator: str  # 'project' | 'builtin'
     allocator_conf: str  # PYTORCH_SUPA_ALLOC_CONF, validated; applied when the devices are created
     sanitize: str  # 'off' | 'streams' (races raise) | 'streams-report' (races are logged)
@@ -109,11 +111,6 @@ def _visible_devices(count: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def cache_dir_from_env() -> bool:
-    """True when SUPA_EMU_CACHE_DIR chose the native-build cache (error texts name it then)."""
-    return bool(os.environ.get("SUPA_EMU_CACHE_DIR"))
-
-
 def host_memory_bytes() -> int | None:
     """Physical memory of the host, or None where the platform does not say."""
     try:
@@ -129,10 +126,9 @@ def memory_beyond_host(cfg: EmulatorConfig) -> str | None:
     capacity is a ceiling, not a reservation, so a small host can still emulate a big card.
     """
     host = host_memory_bytes()
-    raw = os.environ.get("SUPA_EMU_MEMORY")
-    if raw is None or host is None or cfg.memory_bytes <= host:
+    if cfg.memory_setting is None or host is None or cfg.memory_bytes <= host:
         return None
-    return (f"SUPA_EMU_MEMORY={raw!r} gives each emulated card {cfg.memory_bytes / 2**30:.1f} GiB, more than this "
+    return (f"SUPA_EMU_MEMORY={cfg.memory_setting!r} gives each emulated card {cfg.memory_bytes / 2**30:.1f} GiB, more than this "
             f"host's {host / 2**30:.1f} GiB of memory; allocations the host cannot back fail with a host "
             f"out-of-memory error before the card's capacity is reached")
 
@@ -183,12 +179,14 @@ def load() -> EmulatorConfig:
         device_count=count,
         visible_devices=_visible_devices(count),
         memory_bytes=memory,
+        memory_setting=raw_memory,
         profile=dataclasses.replace(profile, total_memory=memory),
         ext=_flag("SUPA_EMU_EXT"),
         dtype_demotion=_flag("BRTB_ENABLE_DTYPE_DEMOTION"),
         transfer=_flag("SUPA_EMU_TRANSFER", default=True),
         transfer_silence=os.environ.get("BRTB_TRANSFER_SILENCE", "").strip().lower() in _SILENCE_ON,
         cache_dir=pathlib.Path(cache),
+        cache_dir_from_env=bool(os.environ.get("SUPA_EMU_CACHE_DIR")),
         deepspeed_accelerator=deepspeed_accelerator(),
         allocator_conf=_allocator_conf(),
         sanitize=sanitize_mode(),
