@@ -102,6 +102,7 @@ def test_damage_is_detected_before_loading(seeded_cache, how):
     assert native.damage(build_dir) not in (None, "missing")
 
 
+@pytest.mark.slow  # relinks the core and starts fresh interpreters
 @pytest.mark.emulation_only
 @pytest.mark.parametrize("how", ["truncated", "random bytes", "emptied"])
 def test_damaged_library_is_reported_once_and_relinked(seeded_cache, how):
@@ -116,6 +117,7 @@ def test_damaged_library_is_reported_once_and_relinked(seeded_cache, how):
     assert native.damage(_library(seeded_cache).parent) is None
 
 
+@pytest.mark.slow  # relinks the core and starts fresh interpreters
 @pytest.mark.emulation_only
 def test_unfinished_build_without_manifest_is_finished_then_reused(seeded_cache):
     (_library(seeded_cache).parent / native.MANIFEST).unlink()

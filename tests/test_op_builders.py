@@ -271,6 +271,7 @@ def test_extension_builders_with_installed_torch_supa_ext():
 HOST_BUILDERS = ['CPUAdamBuilder', 'CPUAdagradBuilder', 'CPULionBuilder', 'PinMemoryBuilder', 'AsyncIOBuilder']
 
 
+@pytest.mark.slow  # DeepSpeed probes the compiler and CPU for each flag list (about 4 s a builder)
 @pytest.mark.parametrize('cls_name', HOST_BUILDERS)
 def test_host_builders_build_exactly_like_deepspeeds_builtin_ones(cls_name):
     """Both accelerators JIT-build an op under one name into one torch-extensions directory, where

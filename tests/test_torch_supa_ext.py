@@ -194,6 +194,7 @@ print(json.dumps({"imported": imported,
         "imported": False, "spec": False, "adam_op": False, "dc_op": False}
 
 
+@pytest.mark.slow  # a whole pytest run in a fresh interpreter
 @outer_only
 def test_ext_suite_in_subprocess(report_child_run):
     outer = ["test_absent_without_supa_emu_ext", "test_ext_suite_in_subprocess",
