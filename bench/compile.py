@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from machine_load import load
+from harness import load, require_supa
 
 
 def training_step(block: torch.nn.Module, device: str, compiled: bool):
@@ -49,8 +49,7 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=10, help="steps timed per round")
     parser.add_argument("--dim", type=int, default=128)
     args = parser.parse_args()
-    if not (hasattr(torch, "supa") and torch.supa.is_available()):
-        raise SystemExit("no supa device: run with SUPA_EMULATE=1")
+    require_supa()
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; at start: {load()}")
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from machine_load import load
+from harness import load
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORLD = 2

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from machine_load import load
+from harness import load, require_supa
 
 
 def _median_seconds(fn, rounds: int, inner: int) -> float:
@@ -107,8 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    if not (hasattr(torch, "supa") and torch.supa.is_available()):
-        raise SystemExit("no supa device: run with SUPA_EMULATE=1")
+    require_supa()
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} alternating rounds; "
           f"at start: {load()}")

@@ -17,7 +17,7 @@ import time
 import torch
 
 from op_builder.supa.fused_adam import multi_tensor_adam
-from machine_load import load
+from harness import load
 
 LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
 

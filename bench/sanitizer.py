@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from device_overhead import _median_seconds, cnn_step, mlp_step, transformer_step
-from machine_load import load
+from harness import load, require_supa
 
 
 
@@ -61,8 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    if not (hasattr(torch, "supa") and torch.supa.is_available()):
-        raise SystemExit("no supa device: run with SUPA_EMULATE=1")
+    require_supa()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} alternating "
           f"rounds; at start: {load()}")
     print(f"{'workload':<52}{'off':>10}{'on':>10}{'on/off':>9}")
