@@ -109,6 +109,7 @@ def _lazy_init() -> None:
         if native._device_count() <= 0:
             raise RuntimeError("No BIREN GPUs are available")
         default_generators = tuple(native._default_generators())
+        _autograd_threads.register()
         _tls.is_initializing = True
         # The runtime itself is usable from here on; queued calls see an initialised module.
         _init_done = True
@@ -373,7 +374,7 @@ def __getattr__(name: str) -> Any:
 
 
 # Submodules import the helpers above, so they come last (the same order torch.cuda uses).
-from . import _gpu_trace, _supart  # noqa: E402
+from . import _autograd_threads, _gpu_trace, _supart  # noqa: E402
 from ._device_properties import _SupaDeviceProperties, _SUuuid, _device_properties  # noqa: E402,F401
 from .memory import *  # noqa: E402,F401,F403
 from .memory import _record_memory_history, _set_allocator_settings, _snapshot  # noqa: E402,F401

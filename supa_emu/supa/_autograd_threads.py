@@ -1,0 +1,50 @@
+"""At exit, autograd's device threads finish letting go of the last backward before the interpreter shuts down.
+
+A backward on supa tensors runs on autograd's thread for that device (as on CUDA). The caller
+wakes once the gradients are ready, while the device thread still drops what the finished graph
+held. Among that is a Python object: every `backward()` stashes a copy of the caller's
+`contextvars` context in the thread-local state the graph carries (torch.autograd.graph,
+`_engine_run_backward`), and the caller removes its own reference as soon as it wakes, so the
+device thread frees it and takes the GIL to do so. If that happens while the interpreter is
+shutting down, Python ends the thread with `pthread_exit`, whose unwinding through a destructor
+aborts the process ("terminate called without an active exception", seen when a DDP or HF
+Trainer script exits right after its last step).
+
+So an atexit hook (run before the shutdown starts) hands each device thread one tiny graph and
+waits for it: a device thread takes its tasks in order, so by then it has let go of the user's
+last graph. The tiny graph goes to the engine directly, without a stashed context, and every
+tensor of it stays referenced here, so what the thread drops after it needs no GIL.
+"""
+
+import atexit
+import logging
+
+import torch
+from torch.autograd.variable import Variable
+from torch.utils._python_dispatch import _disable_current_modes
+
+_logger = logging.getLogger("supa_emu")
+_kept = []  # the tiny graphs' tensors (leaf, output, incoming gradient), never freed by a device thread
+
+
+def _finish_pending_backwards() -> None:
+    from . import device_count, is_initialized
+
+    if not is_initialized():
+        return
+    try:
+        # No Python dispatch mode (the stream sanitizer's) in the state the tiny graphs carry either.
+        with torch.enable_grad(), _disable_current_modes():
+            for index in range(device_count()):
+                device = torch.device("supa", index)
+                leaf = torch.zeros((), device=device, requires_grad=True)
+                output, gradient = leaf.sum(), torch.ones((), device=device)
+                _kept.extend((leaf, output, gradient))
+                Variable._execution_engine.run_backward(
+                    (output,), (gradient,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    except Exception as error:  # exiting anyway: note it, do not mask the exit status
+        _logger.debug("supa_emu: could not wait for autograd's device threads at exit: %s", error)
+
+
+def register() -> None:
+    atexit.register(_finish_pending_backwards)
