@@ -1,5 +1,6 @@
 """torch.supa device management: enumeration, selection, properties, lazy init, module surface."""
 
+import json
 import re
 
 import pytest
@@ -335,6 +336,6 @@ def test_gpu_trace_reports_event_lifetimes_and_memory_blocks(python_subprocess):
         gc.collect()
         print(json.dumps({"address": address, **seen}))
     """)
-    seen = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["address"] in seen["allocated"] and seen["address"] in seen["freed"]
     assert len(seen["created"]) == 1 and seen["deleted"] == seen["created"]

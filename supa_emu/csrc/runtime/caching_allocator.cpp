@@ -245,15 +245,14 @@ void report_block(void* ptr, bool allocated) {
   if (!g_report_blocks.load(std::memory_order_relaxed)) {
     return;
   }
-  if (const auto* trace = gpu_trace()) {
-    PendingPythonErrorKept keep;
+  report_to_gpu_trace([&](const auto& trace) {
     const auto address = reinterpret_cast<uintptr_t>(ptr);
     if (allocated) {
-      (*trace)->trace_gpu_memory_allocation(kSupa, address);
+      trace->trace_gpu_memory_allocation(kSupa, address);
     } else {
-      (*trace)->trace_gpu_memory_deallocation(kSupa, address);
+      trace->trace_gpu_memory_deallocation(kSupa, address);
     }
-  }
+  });
 }
 
 }  // namespace

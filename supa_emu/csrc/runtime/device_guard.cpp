@@ -31,7 +31,6 @@ int64_t now_ns() {
 
 std::atomic<c10::StreamId> g_next_stream_index{1};
 
-
 // Priority range (0, -1), as Stream.priority_range() reports: the lowest id bit marks the
 // high-priority streams; the default stream (id 0) has priority 0.
 c10::StreamId new_stream_id(int priority) {
@@ -91,31 +90,31 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
       e = new HostEvent{stream.device_index(), false, flag == c10::EventFlag::BACKEND_DEFAULT};
       *event = e;
       // As CUDA's guard: an event exists from its first record.
-      if (const auto* trace = gpu_trace()) {
-        PendingPythonErrorKept keep;
-        (*trace)->trace_gpu_event_creation(kSupa, reinterpret_cast<uintptr_t>(e));
-      }
+      report_to_gpu_trace([&](const auto& trace) {
+        trace->trace_gpu_event_creation(kSupa, reinterpret_cast<uintptr_t>(e));
+      });
     }
     e->recorded = true;
     e->time_ns = now_ns();
-    if (const auto* trace = gpu_trace()) {
-      PendingPythonErrorKept keep;
-      (*trace)->trace_gpu_event_record(kSupa, reinterpret_cast<uintptr_t>(e), static_cast<uintptr_t>(stream.id()));
-    }
+    report_to_gpu_trace([&](const auto& trace) {
+      trace->trace_gpu_event_record(kSupa, reinterpret_cast<uintptr_t>(e), static_cast<uintptr_t>(stream.id()));
+    });
   }
   void block(void* event, const c10::Stream& stream) const override {
-    if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
-      PendingPythonErrorKept keep;
-      (*trace)->trace_gpu_event_wait(kSupa, reinterpret_cast<uintptr_t>(event), static_cast<uintptr_t>(stream.id()));
+    if (event != nullptr) {
+      report_to_gpu_trace([&](const auto& trace) {
+        trace->trace_gpu_event_wait(kSupa, reinterpret_cast<uintptr_t>(event), static_cast<uintptr_t>(stream.id()));
+      });
     }
   }
   bool queryEvent(void* /*event*/) const override {
     return true;
   }
   void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
-    if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
-      PendingPythonErrorKept keep;
-      (*trace)->trace_gpu_event_deletion(kSupa, reinterpret_cast<uintptr_t>(event));
+    if (event != nullptr) {
+      report_to_gpu_trace([&](const auto& trace) {
+        trace->trace_gpu_event_deletion(kSupa, reinterpret_cast<uintptr_t>(event));
+      });
     }
     delete static_cast<HostEvent*>(event);
   }
@@ -123,23 +122,20 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return true;
   }
   void synchronizeStream(const c10::Stream& stream) const override {
-    if (const auto* trace = gpu_trace()) {
-      PendingPythonErrorKept keep;
-      (*trace)->trace_gpu_stream_synchronization(kSupa, static_cast<uintptr_t>(stream.id()));
-    }
+    report_to_gpu_trace([&](const auto& trace) {
+      trace->trace_gpu_stream_synchronization(kSupa, static_cast<uintptr_t>(stream.id()));
+    });
   }
   void synchronizeEvent(void* event) const override {
-    if (const auto* trace = gpu_trace(); trace != nullptr && event != nullptr) {
-      PendingPythonErrorKept keep;
-      (*trace)->trace_gpu_event_synchronization(kSupa, reinterpret_cast<uintptr_t>(event));
+    if (event != nullptr) {
+      report_to_gpu_trace([&](const auto& trace) {
+        trace->trace_gpu_event_synchronization(kSupa, reinterpret_cast<uintptr_t>(event));
+      });
     }
   }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     check_device_index(device_index);
-    if (const auto* trace = gpu_trace()) {
-      PendingPythonErrorKept keep;
-      (*trace)->trace_gpu_device_synchronization(kSupa);
-    }
+    report_to_gpu_trace([](const auto& trace) { trace->trace_gpu_device_synchronization(kSupa); });
   }
   bool isStreamCapturing(const c10::Stream& /*stream*/) const override {
     return is_capturing();

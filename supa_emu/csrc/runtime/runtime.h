@@ -63,6 +63,15 @@ class PendingPythonErrorKept {
   int gil_state_ = 0;
   void* error_[3] = {nullptr, nullptr, nullptr};
 };
+// Runs `report(trace)` when the trace is on, keeping a pending Python error: every report to the
+// GPU trace goes through here.
+template <typename Report>
+void report_to_gpu_trace(Report&& report) {
+  if (const auto* trace = gpu_trace()) {
+    PendingPythonErrorKept keep;
+    report(*trace);
+  }
+}
 
 // ---- streams (device_guard.cpp) -----------------------------------------------------------
 // A stream's priority is encoded in its id (as CUDA encodes it), so no table is kept.
