@@ -45,6 +45,12 @@ def hold(works: Iterable[dist.Work]) -> None:
         _release_finished()
 
 
+def release_finished() -> None:
+    """Release the held works gloo is done with (and with them the device memory they kept)."""
+    with _lock:
+        _release_finished()
+
+
 def _release_finished() -> None:
     # gloo finishes works roughly in order: usually only the oldest need looking at.
     while _held and _use_count(_held[0]) == 1:

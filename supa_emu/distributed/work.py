@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from supa_emu.supa import _sanitizer_switch as _sanitizer
 
+from . import gloo_handoff
+
 
 class BCCLWork(dist.Work):
     def __init__(
@@ -60,6 +62,9 @@ class BCCLWork(dist.Work):
             else:
                 part.wait()
         self._complete()
+        # The parts are done: unless a gloo worker still holds them, their memory goes back now
+        # rather than at the next collective.
+        gloo_handoff.release_finished()
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
             sanitizer.work_waited(self)
