@@ -248,13 +248,12 @@ def _build(root: pathlib.Path, build_dir: pathlib.Path, quiet_relink: bool = Fal
     # Until the new manifest is written, this build is unfinished, not damaged.
     (build_dir / MANIFEST).unlink(missing_ok=True)
     flags = native_compile.compile_flags(MODULE_NAME)
-    headers = _headers()
     units = []
     for name, files in _units().items():
-        key = native_compile.object_key(files, headers, flags)
-        source = files[0] if len(files) == 1 else _unity_source(objects_dir / f"{name}-{key}.cpp", files)
+        obj = object_file(objects_dir, name, files, flags)
+        source = files[0] if len(files) == 1 else _unity_source(obj.with_suffix(".cpp"), files)
         label = f"{name} ({len(files)} files)" if len(files) > 1 else f"{name} ({files[0].relative_to(SOURCE_DIR)})"
-        units.append((label, source, objects_dir / f"{name}-{key}.o"))
+        units.append((label, source, obj))
     missing = [unit for unit in units if not _object_ok(unit[2])]
     progress = native_compile.Progress(len(missing), root / "build.status")
     if missing:
@@ -285,6 +284,18 @@ def _build(root: pathlib.Path, build_dir: pathlib.Path, quiet_relink: bool = Fal
     _write_manifest(build_dir, objects)
     if progress.total:
         progress.say(f"native core ready ({progress.elapsed()}): {library}")
+
+
+def object_file(objects_dir: pathlib.Path, unit: str, files: list[pathlib.Path] | None = None,
+                flags: list[str] | None = None) -> pathlib.Path:
+    """Where the object of `unit` compiled from this checkout's sources lives in the object cache.
+
+    Its key covers the sources' absolute paths (a compiled file records them), so two checkouts
+    of the same sources share a finished library (keyed by content alone) but not objects.
+    """
+    files = _units()[unit] if files is None else files
+    flags = native_compile.compile_flags(MODULE_NAME) if flags is None else flags
+    return objects_dir / f"{unit}-{native_compile.object_key(files, _headers(), flags)}.o"
 
 
 def _object_ok(obj: pathlib.Path) -> bool:

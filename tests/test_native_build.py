@@ -45,21 +45,33 @@ def _current_cache() -> pathlib.Path:
     return config.load().cache_dir / "native"
 
 
+@pytest.fixture(scope="session")
+def good_build(tmp_path_factory):
+    """A cache dir holding a finished build of this checkout and the objects it was linked from."""
+    cache = tmp_path_factory.mktemp("good-build") / "cache"
+    source, key = _current_cache(), native.build_key()
+    objects = [native.object_file(source / "objects", unit) for unit in native._units()]
+    if native.damage(source / key) is None and all(native._object_ok(obj) for obj in objects):
+        shutil.copytree(source / key, cache / "native" / key)
+        # Only this build's objects: the shared object cache also holds those of other source
+        # versions and other checkouts, which a test must not pick up.
+        (cache / "native" / "objects").mkdir()
+        for obj in objects:
+            for companion in obj.parent.glob(f"{obj.stem}.*"):
+                shutil.copy2(companion, cache / "native" / "objects" / companion.name)
+    else:
+        # The library this process loaded was linked in another checkout of the same sources
+        # (a finished library is shared by content; objects are keyed by their source paths),
+        # so this checkout's objects are not cached yet: build them once for the whole run.
+        result = _run(cache)
+        assert result.returncode == 0 and result.stdout.strip() == "2.0", result.stderr
+    return cache
+
+
 @pytest.fixture
-def seeded_cache(tmp_path):
-    """A cache dir holding this process's finished build and its object files, nothing else."""
-    source = _current_cache()
-    key = native.build_key()
-    if native.damage(source / key) is not None:
-        pytest.skip("this process did not load a finished build of the current sources")
-    target = tmp_path / "cache" / "native"
-    shutil.copytree(source / key, target / key)
-    # Only the objects this build was linked from: the shared object cache also holds those of
-    # other source versions, which a test must not pick up.
-    (target / "objects").mkdir()
-    for name in json.loads((source / key / native.MANIFEST).read_text())["objects"]:
-        for companion in (source / "objects").glob(f"{pathlib.Path(name).stem}.*"):
-            shutil.copy2(companion, target / "objects" / companion.name)
+def seeded_cache(good_build, tmp_path):
+    """A private copy of `good_build` that a test may damage."""
+    shutil.copytree(good_build, tmp_path / "cache")
     return tmp_path / "cache"
 
 
