@@ -288,6 +288,33 @@ def test_brtx_ranges_appear_in_torch_profiler():
     assert any(evt.name == "supa-emu-range" for evt in prof.events())
 
 
+def test_brtx_ranges_outside_the_profiler_nest_but_are_not_recorded():
+    depth = torch.supa.brtx.range_push("opened-before-profiling")
+    with torch.profiler.profile() as prof:
+        assert torch.supa.brtx.range_push("opened-while-profiling") == depth + 1
+        assert torch.supa.brtx.range_pop() == depth + 1
+        torch.supa.brtx.mark("marked-while-profiling")
+        assert torch.supa.brtx.range_pop() == depth  # the range opened before the profiler
+    names = {event.name for event in prof.events()}
+    assert {"opened-while-profiling", "marked-while-profiling"} <= names
+    assert "opened-before-profiling" not in names
+
+
+def test_brtx_ranges_in_backward_hooks_are_recorded():
+    """Backward runs on autograd's device thread; DeepSpeed opens its ranges there."""
+    x = torch.ones(2, device="supa", requires_grad=True)
+
+    def hook(grad):
+        torch.supa.brtx.range_push("range-in-backward-hook")
+        torch.supa.brtx.range_pop()
+        return grad
+
+    x.register_hook(hook)
+    with torch.profiler.profile() as prof:
+        (x * 2).sum().backward()
+    assert any(event.name == "range-in-backward-hook" for event in prof.events())
+
+
 def test_bccl_single_process_api_input_checks():
     assert torch.supa.bccl.is_available([torch.ones(2)]) is False  # not a supa tensor
     assert torch.supa.bccl.is_available([torch.ones(4, 4, device="supa").t()]) is False  # non-contiguous

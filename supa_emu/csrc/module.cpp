@@ -11,6 +11,15 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <ctime>
+
 // From torch/csrc/profiler/python/combined_traceback.h, which cannot be included here: it pulls
 // in nlohmann/json.hpp, which the installed torch does not ship. Both are exported by
 // libtorch_python with these exact signatures.
@@ -57,6 +66,25 @@ std::vector<py::object> symbolize(const std::vector<std::shared_ptr<torch::Captu
     out.push_back(stack ? symbolized.at(next++) : py::list());
   }
   return out;
+}
+
+// Cross-process waits on a word of a shared mapping (bccl's signature board). The waiter sleeps
+// in the kernel until the publisher's wake instead of polling, so it resumes within microseconds
+// of a late peer's arrival and costs no CPU meanwhile. The futex covers the word's low 32 bits
+// (little-endian), which change with every value the board stores there.
+bool shared_word_wait(uintptr_t address, int64_t unchanged, double timeout_s) {
+  py::gil_scoped_release no_gil;
+  timespec timeout{};
+  timeout.tv_sec = static_cast<time_t>(timeout_s);
+  timeout.tv_nsec = static_cast<long>((timeout_s - std::floor(timeout_s)) * 1e9);
+  const long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAIT,
+                          static_cast<uint32_t>(unchanged), &timeout, nullptr, 0);
+  // 0: woken; EAGAIN: the word had already changed; EINTR: a signal (the caller re-checks).
+  return rc == 0 || errno == EAGAIN || errno == EINTR;
+}
+
+void shared_word_wake(uintptr_t address) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 py::tuple pool_id(int64_t graph_id, int64_t user_id) {
@@ -216,6 +244,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The raw pointer, so the call itself adds no reference to what it counts.
   m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },
         "How many references a c10d Work has (1: only the caller's Python object)");
+  m.def("_shared_word_wait", &shared_word_wait, py::arg("address"), py::arg("unchanged"), py::arg("timeout_s"),
+        "Sleep until the shared word at `address` is woken or stops holding `unchanged` (False: timed out)");
+  m.def("_shared_word_wake", &shared_word_wake, "Wake every process waiting on the shared word at `address`");
   m.def("_default_generators", &default_generators);
   m.def("_set_cuda_means_supa", &supa::set_cuda_means_supa,
         "Make device strings that start with 'cuda' mean 'supa' (transfer_to_supa)");

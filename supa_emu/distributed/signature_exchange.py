@@ -13,6 +13,7 @@ Two carriers, same contract (`exchange(words) -> one word list per rank`):
 """
 
 import array
+import ctypes
 import datetime
 import mmap
 import os
@@ -88,6 +89,8 @@ class SharedMemoryBoard:
         if store.add("bccl/board_mapped", 1) == size:
             os.unlink(path)
         self._words = memoryview(self._map).cast("q")
+        self._anchor = ctypes.c_char.from_buffer(self._map)  # pins the mapping while its address is used
+        self._address = ctypes.addressof(self._anchor)
         self._base = [r * self._per_rank for r in range(size)]
         self._words[self._base[rank]] = os.getpid()
         self._sequence = 0
@@ -95,56 +98,64 @@ class SharedMemoryBoard:
     def _slot(self, rank: int, sequence: int) -> int:
         return self._base[rank] + self._HEADER + (sequence % _RING) * self._SLOT
 
-    def _wait(self, ready, rank: int, what: str) -> None:
-        if ready():
-            return
+    def _wait(self, index: int, ready, rank: int, what: str) -> None:
+        """Returns once `ready(word)` holds for the board word at `index`, which `rank` writes."""
+        w = self._words
+        for _ in range(64):  # a peer already at the collective arrives within microseconds
+            if ready(w[index]):
+                return
+        # Otherwise it is still computing, often on the core this rank would spin on: sleep in
+        # the kernel until its write wakes this rank (see _publish), checking now and then that
+        # it is still alive and that the timeout has not passed.
+        from supa_emu.supa import _native
+
+        wait, address = _native()._shared_word_wait, self._address + 8 * index
         deadline = time.monotonic() + self._timeout.total_seconds()
-        next_liveness = time.monotonic() + _LIVENESS_PERIOD
-        spins = 0
-        while not ready():
-            spins += 1
-            # A peer already at the collective arrives within microseconds: spin briefly. Otherwise
-            # it is still computing, often on the core this rank would spin on (ranks and gloo's
-            # threads share few cores): sleep, 10 us longer each time up to 1 ms, so the waiter
-            # neither steals that peer's CPU nor adds more than a fraction of the wait to it.
-            if spins < 64:
+        while True:
+            observed = w[index]
+            if ready(observed):
+                return
+            if wait(address, observed, _LIVENESS_PERIOD):
                 continue
-            time.sleep(min(1e-3, 10e-6 * (spins - 63)))
-            now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + _LIVENESS_PERIOD
-                pid = self._words[self._base[rank]]
-                if pid and not _process_alive(pid):
-                    raise RuntimeError(
-                        f"bccl: rank {rank} of group {self._label} (pid {pid}) exited while rank "
-                        f"{self._rank} was waiting for it to {what}"
-                    )
-                if now >= deadline:
-                    raise RuntimeError(
-                        f"bccl: timed out after {self._timeout} on group {self._label}: rank "
-                        f"{self._rank} waited for rank {rank} to {what}"
-                    )
+            pid = self._words[self._base[rank]]
+            if pid and not _process_alive(pid):
+                raise RuntimeError(
+                    f"bccl: rank {rank} of group {self._label} (pid {pid}) exited while rank "
+                    f"{self._rank} was waiting for it to {what}"
+                )
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"bccl: timed out after {self._timeout} on group {self._label}: rank "
+                    f"{self._rank} waited for rank {rank} to {what}"
+                )
+
+    def _publish(self, index: int, value: int) -> None:
+        self._words[index] = value
+        from supa_emu.supa import _native
+
+        _native()._shared_word_wake(self._address + 8 * index)
 
     def exchange(self, words: List[int]) -> List[List[int]]:
         self._sequence += 1
         k, me, w = self._sequence, self._rank, self._words
         for peer in range(self._size):
             if peer != me:
-                consumed = self._base[peer] + 1
-                self._wait(lambda: w[consumed] >= k - _RING, peer, f"finish collective #{k - _RING}")
+                self._wait(self._base[peer] + 1, lambda consumed: consumed >= k - _RING, peer,
+                           f"finish collective #{k - _RING}")
         mine = self._slot(me, k)
         w[mine + 1 : mine + 1 + WORDS] = _pack(words)
-        w[mine] = k
+        self._publish(mine, k)
         result = []
         for peer in range(self._size):
             slot = self._slot(peer, k)
             if peer != me:
-                self._wait(lambda: w[slot] == k, peer, f"reach collective #{k}")
+                self._wait(slot, lambda sequence: sequence == k, peer, f"reach collective #{k}")
             result.append(w[slot + 1 : slot + 1 + WORDS].tolist())
-        w[self._base[me] + 1] = k
+        self._publish(self._base[me] + 1, k)
         return result
 
     def close(self) -> None:
+        self._anchor = None
         try:
             self._words.release()
             self._map.close()

@@ -3,6 +3,10 @@
 Ranges and marks become `torch.profiler.record_function` regions, so they show up as named
 spans in a torch.profiler trace. Push/pop ranges nest per thread; start/end ranges may overlap
 and are identified by the id `range_start` returns.
+
+Like NVTX and BRTX with no tool attached, a range costs next to nothing while torch's profiler
+is not recording (DeepSpeed opens hundreds per training step): it is then only counted, so that
+push/pop depths stay right, and a range opened before the profiler starts is not in its trace.
 """
 
 from __future__ import annotations
@@ -12,17 +16,32 @@ import itertools
 import threading
 from typing import Any, Iterator
 
+from torch._C._autograd import _profiler_enabled
 from torch.autograd.profiler import record_function
 
 __all__ = ["range_push", "range_pop", "range_start", "range_end", "mark", "range"]
 
 _local = threading.local()
-_open_ranges: dict[int, record_function] = {}
+_open_ranges: dict[int, record_function | None] = {}
 _range_ids = itertools.count(1)
 _lock = threading.Lock()
 
 
-def _stack() -> list[record_function]:
+def _enter(msg: str) -> record_function | None:
+    """A profiler region named `msg`, entered; None while the profiler is off."""
+    if not _profiler_enabled():
+        return None
+    region = record_function(msg)
+    region.__enter__()
+    return region
+
+
+def _exit(region: record_function | None) -> None:
+    if region is not None:
+        region.__exit__(None, None, None)
+
+
+def _stack() -> list[record_function | None]:
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
@@ -30,10 +49,8 @@ def _stack() -> list[record_function]:
 
 def range_push(msg: str) -> int:
     """Open a nested range named `msg`; returns its zero-based nesting depth."""
-    region = record_function(msg)
-    region.__enter__()
     stack = _stack()
-    stack.append(region)
+    stack.append(_enter(msg))
     return len(stack) - 1
 
 
@@ -42,14 +59,13 @@ def range_pop() -> int:
     stack = _stack()
     if not stack:
         return -1
-    stack.pop().__exit__(None, None, None)
+    _exit(stack.pop())
     return len(stack)
 
 
 def range_start(msg: str) -> int:
     """Open a range that may overlap others; returns the id to pass to `range_end`."""
-    region = record_function(msg)
-    region.__enter__()
+    region = _enter(msg)
     with _lock:
         range_id = next(_range_ids)
         _open_ranges[range_id] = region
@@ -60,14 +76,12 @@ def range_end(range_id: int) -> None:
     """Close the range `range_start` returned `range_id` for (unknown ids are ignored)."""
     with _lock:
         region = _open_ranges.pop(range_id, None)
-    if region is not None:
-        region.__exit__(None, None, None)
+    _exit(region)
 
 
 def mark(msg: str) -> None:
     """Record an instantaneous event named `msg`."""
-    with record_function(msg):
-        pass
+    _exit(_enter(msg))
 
 
 @contextlib.contextmanager
