@@ -19,6 +19,8 @@ from typing import Deque, Iterable
 
 import torch.distributed as dist
 
+from supa_emu.supa import _native
+
 # Past this many held works, every call scans them all (not just the oldest) for finished ones.
 _FULL_SCAN_AT = 256
 _EXIT_WAIT_S = 30.0
@@ -29,8 +31,6 @@ _exit_hook_installed = False
 
 
 def _use_count(work: dist.Work) -> int:
-    from supa_emu.supa import _native
-
     return _native()._work_use_count(work)
 
 

@@ -11,6 +11,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from supa_emu.supa import _native
+
 DEVICE_TYPE = "supa"
 
 
@@ -20,7 +22,6 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     Writes through the view are visible on `tensor`; the caller keeps `tensor` alive while the
     view is in use, since the view does not own the memory.
     """
-    from supa_emu.supa import _native
 
     return _native()._host_view(tensor)
 

@@ -25,6 +25,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from supa_emu.supa import _native
+
 from . import gloo_handoff
 
 WORDS = 64  # signature payload per rank per collective, in int64 words
@@ -91,6 +93,8 @@ class SharedMemoryBoard:
         self._words = memoryview(self._map).cast("q")
         self._anchor = ctypes.c_char.from_buffer(self._map)  # pins the mapping while its address is used
         self._address = ctypes.addressof(self._anchor)
+        core = _native()
+        self._sleep_on, self._wake = core._shared_word_wait, core._shared_word_wake
         self._base = [r * self._per_rank for r in range(size)]
         self._words[self._base[rank]] = os.getpid()
         self._sequence = 0
@@ -107,9 +111,7 @@ class SharedMemoryBoard:
         # Otherwise it is still computing, often on the core this rank would spin on: sleep in
         # the kernel until its write wakes this rank (see _publish), checking now and then that
         # it is still alive and that the timeout has not passed.
-        from supa_emu.supa import _native
-
-        wait, address = _native()._shared_word_wait, self._address + 8 * index
+        wait, address = self._sleep_on, self._address + 8 * index
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
             observed = w[index]
@@ -131,9 +133,7 @@ class SharedMemoryBoard:
 
     def _publish(self, index: int, value: int) -> None:
         self._words[index] = value
-        from supa_emu.supa import _native
-
-        _native()._shared_word_wake(self._address + 8 * index)
+        self._wake(self._address + 8 * index)
 
     def exchange(self, words: List[int]) -> List[List[int]]:
         self._sequence += 1

@@ -19,6 +19,8 @@ from typing import Any, Callable, Union
 
 import torch
 
+from supa_emu import native as _native_build
+
 _DeviceLike = Union[torch.device, str, int, None]
 
 # ---------------------------------------------------------------------------------------------
@@ -49,12 +51,16 @@ class SupaError(RuntimeError):
 def _native():
     """The native core activation loaded (`supa_emu.native._C`).
 
-    Resolved on each use so the package stays importable (for tooling and docs) without a
-    build; raises RuntimeError when the emulator is not active in this process.
+    Resolved on use so the package stays importable (for tooling and docs) without a build;
+    raises RuntimeError when the emulator is not active in this process. Hot: DeepSpeed reaches
+    it ~90 times per training step through current_device() and bccl.
     """
-    from supa_emu import activation, native
+    core = _native_build._C
+    if core is None:
+        from supa_emu import activation
 
-    return native.load(activation.config().cache_dir)
+        core = _native_build.load(activation.config().cache_dir)
+    return core
 
 
 def _is_compiled() -> bool:
@@ -96,6 +102,8 @@ def _lazy_init() -> None:
     DeferredSupaCallError when a queued call fails.
     """
     global _init_done, default_generators
+    if _init_done and not _is_internal_in_bad_fork:  # the common case, first and cheap
+        return
     if is_initialized() or getattr(_tls, "is_initializing", False):
         return
     with _initialization_lock:

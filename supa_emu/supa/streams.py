@@ -233,9 +233,10 @@ class Event(torch.Event):
 def current_stream(device: Any = None) -> Stream:
     """The stream work is currently queued to on `device` (default: current device)."""
     _lazy_init()
-    idx = _get_device_index(device, optional=True)
-    s = torch.accelerator.current_stream(idx)
-    return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+    s = torch.accelerator.current_stream(None if device is None else _get_device_index(device, optional=True))
+    # torch.Stream's own constructor: the checks of Stream.__new__ are for user-given handles.
+    return torch.Stream.__new__(Stream, stream_id=s.stream_id, device_index=s.device_index,
+                                device_type=s.device_type)
 
 
 def default_stream(device: Any = None) -> Stream:
