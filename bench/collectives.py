@@ -3,8 +3,9 @@
     SUPA_EMULATE=1 python bench/collectives.py [--max-mib 64] [--world 2]
 
 Each rank runs both sides in the same process (bccl as the default group, a gloo group from
-new_group), alternating them per size so machine noise hits both alike; the best of several
-trials is reported, with the machine's load average at start and end. Bus bandwidth follows the
+new_group). The two sides take turns call by call (up to 400 calls each per size), and rank 0's
+median call time per side is reported, so bursts of machine noise hit both alike and single
+outliers do not count; the machine's load average is printed at start and end. Bus bandwidth follows the
 nccl-tests convention, with S the size of the full tensor (all_reduce buffer, all_gather output,
 reduce_scatter input) and n the world size:
 all_reduce S*2(n-1)/n/t, all_gather_into_tensor and reduce_scatter_tensor S*(n-1)/n/t.
@@ -13,6 +14,7 @@ all_reduce S*2(n-1)/n/t, all_gather_into_tensor and reduce_scatter_tensor S*(n-1
 import argparse
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -23,9 +25,8 @@ import torch.multiprocessing as mp
 from harness import load
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-TRIALS = 3
-ROUNDS = 4
-TRIAL_SECONDS = 0.15
+SECONDS_PER_SIZE = 1.2  # per collective and size, both sides together
+MIN_CALLS, MAX_CALLS = 9, 400
 
 
 def _buffers(name: str, nbytes: int, world: int, device: torch.device):
@@ -46,30 +47,33 @@ def _run(name: str, buffers, group) -> None:
         dist.reduce_scatter_tensor(buffers[0], buffers[1], group=group)
 
 
-def _seconds_per_op(name, buffers, group, sync_group, iterations) -> float:
-    best = float("inf")
-    for _ in range(TRIALS):
-        dist.barrier(group=sync_group)
-        start = time.perf_counter()
-        for _ in range(iterations):
-            _run(name, buffers, group)
-        best = min(best, (time.perf_counter() - start) / iterations)
-    return best
-
-
 def _bus_bytes(name: str, nbytes: int, world: int) -> float:
     factor = 2 * (world - 1) / world if name == "all_reduce" else (world - 1) / world
     return nbytes * factor
 
 
-def _iterations(name, buffers, group, sync_group) -> int:
-    """Enough repetitions for a trial to last about TRIAL_SECONDS (agreed across ranks)."""
+def _calls(name, buffers, group, sync_group) -> int:
+    """Enough interleaved call pairs to last about SECONDS_PER_SIZE (agreed across ranks)."""
     _run(name, buffers, group)
     start = time.perf_counter()
     _run(name, buffers, group)
     estimate = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=sync_group)
-    return max(2, min(200, int(TRIAL_SECONDS / max(estimate.item(), 1e-6))))
+    return max(MIN_CALLS, min(MAX_CALLS, int(SECONDS_PER_SIZE / 2 / max(estimate.item(), 1e-6))))
+
+
+def _median_seconds(name, sides, calls: int) -> list:
+    """Median time of one call per side; the sides take turns call by call, first one then the
+    other, so any burst of machine noise lands on both alike."""
+    samples = [[] for _ in sides]
+    for call in range(calls):
+        order = range(len(sides)) if call % 2 == 0 else reversed(range(len(sides)))
+        for index in order:
+            buffers, group = sides[index]
+            start = time.perf_counter()
+            _run(name, buffers, group)
+            samples[index].append(time.perf_counter() - start)
+    return [statistics.median(side) for side in samples]
 
 
 def _worker(rank: int, world: int, port: int, sizes, queue) -> None:
@@ -83,12 +87,10 @@ def _worker(rank: int, world: int, port: int, sizes, queue) -> None:
         for nbytes in sizes:
             supa_buffers = _buffers(name, nbytes, world, device)
             cpu_buffers = _buffers(name, nbytes, world, torch.device("cpu"))
-            iterations = _iterations(name, cpu_buffers, gloo, gloo)
-            _iterations(name, supa_buffers, None, gloo)  # warm-up
-            gloo_s = bccl_s = float("inf")
-            for _ in range(ROUNDS):  # alternating, so a burst of machine noise hits both sides alike
-                gloo_s = min(gloo_s, _seconds_per_op(name, cpu_buffers, gloo, gloo, iterations))
-                bccl_s = min(bccl_s, _seconds_per_op(name, supa_buffers, None, gloo, iterations))
+            calls = _calls(name, cpu_buffers, gloo, gloo)
+            _calls(name, supa_buffers, None, gloo)  # warm-up
+            dist.barrier(group=gloo)
+            gloo_s, bccl_s = _median_seconds(name, [(cpu_buffers, gloo), (supa_buffers, None)], calls)
             size = supa_buffers[0].numel() * 4 if name != "reduce_scatter_tensor" else supa_buffers[1].numel() * 4
             rows.append((name, size, _bus_bytes(name, size, world) / bccl_s, _bus_bytes(name, size, world) / gloo_s))
             del supa_buffers, cpu_buffers
@@ -122,7 +124,7 @@ def main() -> None:
     mp.spawn(_worker, args=(args.world, port, sizes, queue), nprocs=args.world)
     rows = queue.get()
     print(f"bus bandwidth, {args.world} ranks, torch {torch.__version__} "
-          f"(bccl: supa tensors; gloo: CPU tensors; best of {ROUNDS * TRIALS} trials)")
+          f"(bccl: supa tensors; gloo: CPU tensors; median of interleaved calls, rank 0)")
     print(f"{'collective':<24}{'size':>9}{'bccl GB/s':>12}{'gloo GB/s':>12}{'ratio':>8}")
     for name, size, bccl_bw, gloo_bw in rows:
         print(f"{name:<24}{_size_label(size):>9}{bccl_bw / 1e9:>12.3f}{gloo_bw / 1e9:>12.3f}{bccl_bw / gloo_bw:>8.2f}")
