@@ -120,9 +120,16 @@ def _run_job(side: str, args) -> dict[int, float]:
     result = subprocess.run(command, cwd=ROOT, env=_side_env(side), capture_output=True, text=True,
                             timeout=JOB_TIMEOUT_S)
     rows = [json.loads(line[len(MARK):]) for line in result.stdout.splitlines() if line.startswith(MARK)]
-    if result.returncode != 0 or len(rows) != len(args.stages):
+    if len(rows) != len(args.stages):
         sys.stderr.write(result.stdout[-4000:] + result.stderr[-8000:])
         raise SystemExit(f"the {side} job failed (exit code {result.returncode})")
+    if result.returncode != 0:
+        # Every stage was measured; the job died on the way out. Seen on the CPU side without
+        # the emulator (about 1 job in 14): "terminate called without an active exception" when
+        # a gloo thread releases a Python-owned tensor while the interpreter shuts down.
+        last = [line for line in result.stderr.splitlines() if "terminate" in line or "Error" in line][-1:]
+        print(f"note: the {side} job exited with code {result.returncode} after reporting every stage "
+              f"({last[0].strip() if last else 'no error line'}); its timings are kept")
     for row in rows:
         expected = "cpu" if side == "cpu" else "supa"
         if row["accelerator"] != expected:
