@@ -26,8 +26,6 @@ import pathlib
 import sys
 import time
 
-import torch
-
 from supa_emu import native_compile
 from supa_emu.config import ConfigError
 
@@ -75,8 +73,8 @@ def build_key() -> str:
     for path in _sources():
         digest.update(str(path.relative_to(SOURCE_DIR)).encode())
         digest.update(path.read_bytes())
-    digest.update(torch.__version__.encode())
-    digest.update(str(torch.version.git_version).encode())
+    for part in native_compile.torch_build():
+        digest.update(part.encode())
     digest.update(sys.version.encode())
     digest.update(" ".join(native_compile.compile_flags(MODULE_NAME)).encode())
     digest.update(native_compile.compiler().encode())
@@ -120,7 +118,7 @@ def _write_manifest(build_dir: pathlib.Path, objects: list[pathlib.Path]) -> Non
     library = build_dir / f"{MODULE_NAME}.so"
     with open(library, "rb") as f:
         os.fsync(f.fileno())  # the library reaches the disk before the manifest vouches for it
-    record = {"size": library.stat().st_size, "sha256": _sha256(library), "torch": torch.__version__,
+    record = {"size": library.stat().st_size, "sha256": _sha256(library), "torch": native_compile.torch_build()[0],
               "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               # which files of the shared object cache this library was linked from
               "objects": [obj.name for obj in objects]}
@@ -257,14 +255,14 @@ def _build(root: pathlib.Path, build_dir: pathlib.Path, quiet_relink: bool = Fal
     missing = [unit for unit in units if not _object_ok(unit[2])]
     progress = native_compile.Progress(len(missing), root / "build.status")
     if missing:
-        progress.say(f"building the native core for torch {torch.__version__} (once per machine) in {root}: "
+        progress.say(f"building the native core for torch {native_compile.torch_build()[0]} (once per machine) in {root}: "
                      f"compiling {len(missing)} of {len(units)} units, {native_compile.jobs()} at a time: "
                      f"{', '.join(unit[0] for unit in missing)}")
         native_compile.compile_objects(missing, flags, progress)
         for _, _, obj in missing:
             _record_checksum(obj)
     elif not quiet_relink:
-        progress.say(f"building the native core for torch {torch.__version__} from its cached objects (linking only)")
+        progress.say(f"building the native core for torch {native_compile.torch_build()[0]} from its cached objects (linking only)")
     objects = [unit[2] for unit in units]
     library = build_dir / f"{MODULE_NAME}.so"
     try:

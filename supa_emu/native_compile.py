@@ -19,7 +19,6 @@ import sysconfig
 import threading
 import time
 
-import torch
 
 log = logging.getLogger("supa_emu")
 
@@ -45,7 +44,18 @@ def jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# torch is imported where it is used, not at module level: importing it autoloads the emulator
+# (under SUPA_EMULATE=1), which needs this module and native.py complete.
+def torch_build() -> tuple[str, str]:
+    """(version, git commit) of the installed torch."""
+    import torch
+
+    return torch.__version__, str(torch.version.git_version)
+
+
 def _torch_dir() -> pathlib.Path:
+    import torch
+
     return pathlib.Path(torch.__file__).parent
 
 
@@ -67,8 +77,8 @@ def object_key(sources: list[pathlib.Path], headers: list[pathlib.Path], flags: 
     digest = hashlib.sha256()
     digest.update(compiler().encode())
     digest.update(" ".join(flags).encode())
-    digest.update(torch.__version__.encode())
-    digest.update(str(torch.version.git_version).encode())
+    for part in torch_build():
+        digest.update(part.encode())
     for path in [*sources, *headers]:
         digest.update(str(path).encode())
         digest.update(path.read_bytes())

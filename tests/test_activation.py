@@ -32,6 +32,28 @@ def test_import_torch_activates_the_device():
     assert out.strip() == "supa:0 True supa"
 
 
+@pytest.mark.parametrize("emulate", ["1", None])
+def test_explicit_activate_before_importing_torch(emulate):
+    """Under SUPA_EMULATE=1, torch's autoload activates from inside activate() (this deadlocked)."""
+    out = run_python("""
+        import supa_emu
+        print(supa_emu.activate())
+        import torch
+        print(torch.ones(2, device='supa').device)
+    """, env={"SUPA_EMULATE": emulate}, timeout=120).stdout.splitlines()
+    assert out == ["True", "supa:0"]
+
+
+def test_native_module_imported_before_torch():
+    """Importing it no longer imports torch half-way through it (autoload then found it incomplete)."""
+    out = run_python("""
+        from supa_emu import native
+        import torch
+        print(len(native.build_key()), torch.ones(1, device='supa').device)
+    """, env={"SUPA_EMULATE": "1"}, timeout=120).stdout
+    assert out.strip() == "16 supa:0"
+
+
 def test_import_torch_supa_yields_the_emulator():
     out = run_python("""
         import torch, torch_supa
