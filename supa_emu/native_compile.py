@@ -19,7 +19,6 @@ import sysconfig
 import threading
 import time
 
-
 log = logging.getLogger("supa_emu")
 
 # What cpp_extension passes for a CPU extension of this torch (C++20 since torch 2.12), plus -O2.

@@ -22,7 +22,6 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     Writes through the view are visible on `tensor`; the caller keeps `tensor` alive while the
     view is in use, since the view does not own the memory.
     """
-
     return _native()._host_view(tensor)
 
 

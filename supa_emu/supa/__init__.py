@@ -102,9 +102,8 @@ def _lazy_init() -> None:
     DeferredSupaCallError when a queued call fails.
     """
     global _init_done, default_generators
-    if _init_done and not _is_internal_in_bad_fork:  # the common case, first and cheap
-        return
-    if is_initialized() or getattr(_tls, "is_initializing", False):
+    # is_initialized(), spelled out: this runs before nearly every torch.supa call.
+    if (_init_done and not _is_internal_in_bad_fork) or getattr(_tls, "is_initializing", False):
         return
     with _initialization_lock:
         if is_initialized():
