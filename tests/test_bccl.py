@@ -359,6 +359,67 @@ def _scenario_collectives(rank: int, port: int) -> dict:
         raise AssertionError("wrong output size accepted")
     check("wrong_output_size", wrong_output_size)
 
+    # A rank alone at a collective starts it in gloo before its peer has posted a signature; the
+    # peer that then disagrees must let that gloo operation finish and both must raise.
+    def mine_or_theirs(n):
+        return {
+            "all_reduce": lambda: dist.all_reduce(torch.ones(n, device=dev)),
+            "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+                torch.empty(WORLD * n, device=dev), torch.ones(n, device=dev)),
+            "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+                torch.empty(n, device=dev), torch.ones(WORLD * n, device=dev)),
+            "broadcast": lambda: dist.broadcast(torch.ones(n, device=dev), src=0),
+            "barrier": lambda: dist.barrier(),
+            "gather": lambda: dist.gather(
+                torch.ones(n, device=dev), [torch.empty(n, device=dev) for _ in range(WORLD)] if rank == 0 else None),
+        }
+
+    pairs = [("all_reduce", "all_reduce"), ("all_gather_into_tensor", "all_gather_into_tensor"),
+             ("reduce_scatter_tensor", "reduce_scatter_tensor"), ("broadcast", "broadcast"),
+             ("barrier", "all_reduce"), ("all_reduce", "barrier"), ("all_reduce", "gather"),
+             ("all_gather_into_tensor", "reduce_scatter_tensor")]
+
+    def mismatch_after_peer_started():
+        for first in range(WORLD):
+            for first_calls, then_calls in pairs:
+                dist.barrier()
+                if rank != first:
+                    time.sleep(0.2)  # the first rank's signature is alone on the board when it starts
+                calls = mine_or_theirs(4 if rank == first else 8)[first_calls if rank == first else then_calls]
+                try:
+                    calls()
+                except RuntimeError as error:
+                    _expect("mismatch" in str(error), error)
+                else:
+                    raise AssertionError(f"{first_calls} against {then_calls} (rank {first} first) did not fail")
+        # An asynchronous one reports through its work, and the group stays usable.
+        dist.barrier()
+        if rank == 1:
+            time.sleep(0.2)
+        work = dist.all_reduce(torch.ones(4 + 4 * rank, device=dev), async_op=True) if rank == 0 else None
+        if rank == 1:
+            try:
+                dist.all_reduce(torch.ones(8, device=dev))
+            except RuntimeError as error:
+                _expect("mismatch" in str(error), error)
+            else:
+                raise AssertionError("rank 1 accepted a mismatched all_reduce")
+        else:
+            deadline = time.monotonic() + 60
+            while not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            _expect(work.is_completed() and "mismatch" in str(work.exception()), work.exception())
+            try:
+                work.wait()
+            except RuntimeError as error:
+                _expect("numel=4" in str(error) and "numel=8" in str(error), error)
+            else:
+                raise AssertionError("wait() on a mismatched all_reduce returned")
+        z = torch.ones(2, device=dev)
+        dist.all_reduce(z)
+        same(z, torch.full((2,), 2.0))
+    check("mismatch_after_peer_started", mismatch_after_peer_started)
+
     dist.destroy_process_group()
     return check.outcomes
 
@@ -478,7 +539,10 @@ def collectives():
 
 _DTYPES = ("float32", "float16", "bfloat16", "int32", "int64")
 _OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
-_EMULATOR_CHECKS = ["group_type", "default_timeout", "cpu_tensor_rejected", "mismatched_shapes", "wrong_output_size"]
+_EMULATOR_CHECKS = [
+    "group_type", "default_timeout", "cpu_tensor_rejected", "mismatched_shapes", "wrong_output_size",
+    "mismatch_after_peer_started",
+]
 _CHECKS = [
     "all_reduce/non_contiguous", "async/all_reduce", "broadcast", "reduce",
     "all_gather", "all_gather/unequal_sizes", "all_gather_into_tensor", "reduce_scatter",

@@ -83,7 +83,12 @@ bool shared_word_wait(uintptr_t address, int64_t unchanged, double timeout_s) {
   return rc == 0 || errno == EAGAIN || errno == EINTR;
 }
 
-void shared_word_wake(uintptr_t address) {
+// Stores `value` with a full fence, then wakes the word's waiters. The fence orders this store
+// before the publisher's next reads of its peers' words: of two ranks that publish and then look
+// at each other's slot, at least one sees the other's write (what the bccl board relies on to
+// let a rank start its collective before every peer has posted).
+void shared_word_publish(uintptr_t address, int64_t value) {
+  __atomic_store_n(reinterpret_cast<int64_t*>(address), value, __ATOMIC_SEQ_CST);
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
@@ -246,7 +251,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "How many references a c10d Work has (1: only the caller's Python object)");
   m.def("_shared_word_wait", &shared_word_wait, py::arg("address"), py::arg("unchanged"), py::arg("timeout_s"),
         "Sleep until the shared word at `address` is woken or stops holding `unchanged` (False: timed out)");
-  m.def("_shared_word_wake", &shared_word_wake, "Wake every process waiting on the shared word at `address`");
+  m.def("_shared_word_publish", &shared_word_publish, py::arg("address"), py::arg("value"),
+        "Store `value` in the shared word at `address` (sequentially consistent) and wake its waiters");
   m.def("_default_generators", &default_generators);
   m.def("_set_cuda_means_supa", &supa::set_cuda_means_supa,
         "Make device strings that start with 'cuda' mean 'supa' (transfer_to_supa)");

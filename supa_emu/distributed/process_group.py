@@ -41,6 +41,14 @@ _PER_OPERATION_OPTIONS = {
 }
 
 
+def _check_reduce_op(kind: _RedOp, dtype: torch.dtype) -> None:
+    # Checked before the agreement step: a collective that may start early must not fail after it.
+    if kind == _RedOp.PREMUL_SUM:
+        raise ValueError("bccl: ReduceOp.PREMUL_SUM is not supported")
+    if kind == _RedOp.AVG and dtype == torch.bool:
+        raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
+
+
 def _reduce_kind(op) -> _RedOp:
     if isinstance(op, _RedOp):
         return op
@@ -64,7 +72,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         timeout = options._timeout
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("bccl/gloo", store), rank, size, timeout)
         self._agreement = signatures.Agreement(
-            signature_exchange.create(store, rank, size, timeout, self._label), rank, size, self._label)
+            signature_exchange.create(store, rank, size, timeout, self._label), rank, size, self._label,
+            self._stand_in)
         self._coalesced: Optional[List[BCCLWork]] = None
 
     # ---- identity ----------------------------------------------------------------------------
@@ -106,9 +115,9 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         self._gloo.abort()
 
     # ---- shared steps --------------------------------------------------------------------------
-    def _finish(self, parts, call: HostCall, outputs: Sequence[torch.Tensor] = ()) -> BCCLWork:
+    def _finish(self, parts, call: HostCall, outputs: Sequence[torch.Tensor] = (), ticket=None) -> BCCLWork:
         gloo_handoff.hold(parts)
-        work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors)
+        work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors, self._agreement, ticket)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
             accesses = [(t, r, w) for t, (r, w) in zip(call.device_tensors, call.access_modes)]
@@ -117,13 +126,40 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             self._coalesced.append(work)
         return work
 
+    def _stand_in(self, signature: List[int]) -> None:
+        """Run, on scratch buffers, the collective that peers started and this rank refused.
+
+        Their gloo operation then finishes (they raise the mismatch afterwards) and every rank's
+        gloo stays at the same collective, so the group remains usable. Only collectives that may
+        start early (see signatures.Agreement) ever need this; their signatures name all it takes.
+        """
+        operation, dtype, kind, root, numel_in, numel_out = signatures.decode(signature)
+        scratch = torch.zeros(numel_in, dtype=dtype)
+        if operation == "all_reduce":
+            options = dist.AllreduceOptions()
+            options.reduceOp = self._gloo_reduce_op(_RedOp(kind), dtype, HostCall(), lambda: [])
+            work = self._gloo.allreduce([scratch], options)
+        elif operation == "broadcast":
+            options = dist.BroadcastOptions()
+            options.rootRank = root
+            work = self._gloo.broadcast([scratch], options)
+        elif operation == "all_gather_into_tensor":
+            work = self._gloo._allgather_base(torch.empty(numel_out, dtype=dtype), scratch)
+        elif operation == "reduce_scatter_tensor":
+            options = dist.ReduceScatterOptions()
+            options.reduceOp = self._gloo_reduce_op(_RedOp(kind), dtype, HostCall(), lambda: [])
+            work = self._gloo._reduce_scatter_base(torch.empty(numel_out, dtype=dtype), scratch, options)
+        elif operation == "barrier":
+            work = self._gloo.barrier()
+        else:
+            raise AssertionError(f"bccl: {operation} never starts before all ranks agree")
+        gloo_handoff.hold([work])
+        work.wait()
+
     def _gloo_reduce_op(self, kind: _RedOp, dtype: torch.dtype, call: HostCall, result: Callable):
         """The op gloo runs for `kind`, registering the fix-up that completes a composed AVG."""
-        if kind == _RedOp.PREMUL_SUM:
-            raise ValueError("bccl: ReduceOp.PREMUL_SUM is not supported")
+        _check_reduce_op(kind, dtype)
         if kind == _RedOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
-            if dtype == torch.bool:
-                raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
             size = self.size()
             # Integer average as the device libraries define it: the sum, truncated toward zero.
             call.after(lambda: [t.div_(size, rounding_mode="trunc") for t in result()])
@@ -149,12 +185,14 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             tensors = [tensors]
         tensor = single(tensors, "input")
         kind = _reduce_kind(opts.reduceOp)
-        self._agreement.agree(signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()))
+        _check_reduce_op(kind, tensor.dtype)
+        ticket = self._agreement.agree(
+            signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         call = HostCall()
         view = call.view(tensor)
         gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda: [view])
         part = self._gloo.allreduce([view], self._options("allreduce", opts, gloo_op))
-        return self._finish([part], call, [tensor])
+        return self._finish([part], call, [tensor], ticket)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -228,12 +266,15 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             check_sizes(input.numel(), output.numel() * self.size(), self.size(), operation, input, output)
             check_dtypes(output, input, operation)
         kind = _reduce_kind(opts.reduceOp)
-        self._agreement.agree(
+        if outputs:
+            _check_reduce_op(kind, outputs[0].dtype)
+        ticket = self._agreement.agree(
             signatures.make(
                 operation, outputs[0].dtype if outputs else None, int(kind),
                 numel_in=sum(_numel(inputs)), numel_out=sum(_numel(outputs)),
                 shape_digest=signatures.digest(_numel(outputs)),
-            )
+            ),
+            early=operation == "reduce_scatter_tensor",
         )
         call, parts = HostCall(), []
         for output, input in zip(outputs, inputs):
@@ -242,7 +283,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             in_view = call.view(input, write=False).view(-1)
             gloo_op = self._gloo_reduce_op(kind, output.dtype, call, lambda v=out_view: [v])
             parts.append(self._gloo._reduce_scatter_base(out_view, in_view, self._options("reduce_scatter", opts, gloo_op)))
-        return self._finish(parts, call, outputs)
+        return self._finish(parts, call, outputs, ticket)
 
     # ---- data movement --------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -252,10 +293,11 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         tensor = single(tensors, "tensor")
-        self._agreement.agree(signatures.make("broadcast", tensor.dtype, root=opts.rootRank, numel_in=tensor.numel()))
+        ticket = self._agreement.agree(
+            signatures.make("broadcast", tensor.dtype, root=opts.rootRank, numel_in=tensor.numel()), early=True)
         call = HostCall()
         view = call.view(tensor, read=self.rank() == opts.rootRank)
-        return self._finish([self._gloo.broadcast([view], opts)], call, [tensor])
+        return self._finish([self._gloo.broadcast([view], opts)], call, [tensor], ticket)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
@@ -297,11 +339,12 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         for output, input in zip(outputs, inputs):
             check_sizes(output.numel(), input.numel() * self.size(), self.size(), operation, input, output)
             check_dtypes(output, input, operation)
-        self._agreement.agree(
+        ticket = self._agreement.agree(
             signatures.make(
                 operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),
                 numel_out=sum(_numel(outputs)), shape_digest=signatures.digest(_numel(inputs)),
-            )
+            ),
+            early=operation == "all_gather_into_tensor",
         )
         call = HostCall()
         parts = [
@@ -310,7 +353,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             )
             for output, input in zip(outputs, inputs)
         ]
-        return self._finish(parts, call, outputs)
+        return self._finish(parts, call, outputs, ticket)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         # torch's layout: output_lists[r][i] receives rank r's inputs[i].
@@ -393,10 +436,10 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     # ---- synchronisation and point-to-point -------------------------------------------------
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
-        self._agreement.agree(signatures.make("barrier"))
+        ticket = self._agreement.agree(signatures.make("barrier"), early=True)
         options = dist.BarrierOptions()
         options.timeout = opts.timeout
-        return self._finish([self._gloo.barrier(options)], HostCall())
+        return self._finish([self._gloo.barrier(options)], HostCall(), (), ticket)
 
     def send(self, tensors, dst_rank, tag=0):
         tensor = single(tensors, "tensor")

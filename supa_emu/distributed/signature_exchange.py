@@ -1,15 +1,18 @@
-"""Cross-rank agreement check run before every bccl collective, so a mismatch raises instead of crashing.
+"""Carriers of bccl's cross-rank agreement check, which keeps a mismatch from crashing a rank.
 
 Gloo trusts every rank to pass the same sizes: when a peer sends more bytes than a rank expects,
 gloo aborts the process from its I/O thread, and fewer bytes leave garbage or a hang. bccl therefore
-has each rank publish a short signature of the collective it is about to run (operation, dtype,
-element counts, root, reduction) and compare all signatures before any gloo traffic starts.
+has each rank post a short signature of the collective it is about to run (operation, dtype,
+element counts, root, reduction) and compares signatures before gloo traffic can reach a rank
+that disagrees (signatures.Agreement decides when a rank may start).
 
-Two carriers, same contract (`exchange(words) -> one word list per rank`):
+Two carriers:
 - `SharedMemoryBoard` when all ranks of the group share a host (the emulator's normal case): a
-  small /dev/shm ring per group, costing microseconds, so checks do not slow collectives down.
+  small /dev/shm ring per group. Posting and reading cost microseconds and need no round trip,
+  so a rank can start its collective as soon as the signatures already posted match its own.
   It watches peer process ids so a dead rank fails the wait at once rather than at the timeout.
-- `GlooExchange` otherwise: one small all-gather on a separate gloo group.
+- `GlooExchange` otherwise: one small all-gather on a separate gloo group (`exchange(words)`),
+  so every collective waits for all signatures.
 """
 
 import array
@@ -20,7 +23,7 @@ import os
 import socket
 import tempfile
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,7 @@ from supa_emu.supa import _native
 from . import gloo_handoff
 
 WORDS = 64  # signature payload per rank per collective, in int64 words
-_RING = 256  # collectives a rank may run ahead of its slowest peer before it waits
+RING = 256  # collectives a rank may run ahead of its slowest peer before it waits
 _LIVENESS_PERIOD = 0.05  # seconds between checks that waited-for peers still exist
 
 
@@ -65,18 +68,20 @@ def _process_alive(pid: int) -> bool:
 class SharedMemoryBoard:
     """Per-group ring of signature slots in shared memory.
 
-    Layout (int64 words): for each rank, a header [pid, consumed] followed by _RING slots of
-    [sequence, payload...]. Rank r publishes collective k in slot k % _RING, waits for every peer's
-    slot to carry k, reads them, then advances its `consumed` to k. It reuses a slot only once all
-    peers have consumed the collective that last used it.
+    Layout (int64 words): for each rank, a header [pid, settled] followed by RING slots of
+    [sequence, verdict, payload...]. Rank r posts collective k in slot k % RING (payload, then
+    sequence = k), later its verdict 2k+1 if it started the collective in gloo or 2k if it
+    refused it, and advances `settled` to k once it has read its peers' slots for k. It reuses a
+    slot only once all peers have settled the collective that last used it.
     """
 
+    launches_early = True  # every rank sees the board at once: a rank may start before all posted
     _HEADER = 2
-    _SLOT = 1 + WORDS
+    _SLOT = 2 + WORDS
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, label: str):
         self._rank, self._size, self._timeout, self._label = rank, size, timeout, label
-        self._per_rank = self._HEADER + _RING * self._SLOT
+        self._per_rank = self._HEADER + RING * self._SLOT
         nbytes = 8 * size * self._per_rank
         if rank == 0:
             fd, path = tempfile.mkstemp(prefix="bccl-", dir="/dev/shm")
@@ -94,20 +99,22 @@ class SharedMemoryBoard:
         self._anchor = ctypes.c_char.from_buffer(self._map)  # pins the mapping while its address is used
         self._address = ctypes.addressof(self._anchor)
         core = _native()
-        self._sleep_on, self._wake = core._shared_word_wait, core._shared_word_wake
+        self._sleep_on, self._store = core._shared_word_wait, core._shared_word_publish
         self._base = [r * self._per_rank for r in range(size)]
+        self._peers = [r for r in range(size) if r != rank]
         self._words[self._base[rank]] = os.getpid()
-        self._sequence = 0
+        self.sequence = 0  # the last collective this rank posted
 
     def _slot(self, rank: int, sequence: int) -> int:
-        return self._base[rank] + self._HEADER + (sequence % _RING) * self._SLOT
+        return self._base[rank] + self._HEADER + (sequence % RING) * self._SLOT
 
-    def _wait(self, index: int, ready, rank: int, what: str) -> None:
-        """Returns once `ready(word)` holds for the board word at `index`, which `rank` writes."""
+    def _wait(self, index: int, ready, rank: int, what: str) -> int:
+        """Returns the board word at `index` (which `rank` writes) once `ready(word)` holds."""
         w = self._words
         for _ in range(64):  # a peer already at the collective arrives within microseconds
-            if ready(w[index]):
-                return
+            observed = w[index]
+            if ready(observed):
+                return observed
         # Otherwise it is still computing, often on the core this rank would spin on: sleep in
         # the kernel until its write wakes this rank (see _publish), checking now and then that
         # it is still alive and that the timeout has not passed.
@@ -116,7 +123,7 @@ class SharedMemoryBoard:
         while True:
             observed = w[index]
             if ready(observed):
-                return
+                return observed
             if wait(address, observed, _LIVENESS_PERIOD):
                 continue
             pid = self._words[self._base[rank]]
@@ -132,27 +139,45 @@ class SharedMemoryBoard:
                 )
 
     def _publish(self, index: int, value: int) -> None:
-        self._words[index] = value
-        self._wake(self._address + 8 * index)
+        self._store(self._address + 8 * index, value)
 
-    def exchange(self, words: List[int]) -> List[List[int]]:
-        self._sequence += 1
-        k, me, w = self._sequence, self._rank, self._words
-        for peer in range(self._size):
-            if peer != me:
-                self._wait(self._base[peer] + 1, lambda consumed: consumed >= k - _RING, peer,
-                           f"finish collective #{k - _RING}")
-        mine = self._slot(me, k)
-        w[mine + 1 : mine + 1 + WORDS] = _pack(words)
+    def post(self, words: List[int]) -> int:
+        """Post this rank's signature of its next collective; returns the collective's number."""
+        k = self.sequence + 1
+        for peer in self._peers:
+            self._wait(self._base[peer] + 1, lambda settled: settled >= k - RING, peer,
+                       f"finish collective #{k - RING}")
+        mine = self._slot(self._rank, k)
+        self._words[mine + 2 : mine + 2 + WORDS] = _pack(words)
         self._publish(mine, k)
-        result = []
-        for peer in range(self._size):
-            slot = self._slot(peer, k)
-            if peer != me:
-                self._wait(slot, lambda sequence: sequence == k, peer, f"reach collective #{k}")
-            result.append(w[slot + 1 : slot + 1 + WORDS].tolist())
-        self._publish(self._base[me] + 1, k)
-        return result
+        self.sequence = k
+        return k
+
+    def posted(self, peer: int, k: int) -> Optional[List[int]]:
+        """`peer`'s signature of collective k if it has posted it, else None (does not wait)."""
+        slot = self._slot(peer, k)
+        if self._words[slot] != k:
+            return None
+        return self._words[slot + 2 : slot + 2 + WORDS].tolist()
+
+    def signature(self, peer: int, k: int) -> List[int]:
+        """`peer`'s signature of collective k, waiting for it to be posted."""
+        slot = self._slot(peer, k)
+        self._wait(slot, lambda sequence: sequence == k, peer, f"reach collective #{k}")
+        return self._words[slot + 2 : slot + 2 + WORDS].tolist()
+
+    def post_verdict(self, k: int, started: bool) -> None:
+        self._publish(self._slot(self._rank, k) + 1, 2 * k + int(started))
+
+    def verdict(self, peer: int, k: int) -> bool:
+        """Whether `peer` started collective k in gloo, waiting for it to decide."""
+        word = self._wait(self._slot(peer, k) + 1, lambda verdict: verdict >> 1 == k, peer,
+                          f"decide on collective #{k}")
+        return bool(word & 1)
+
+    def settle(self, k: int) -> None:
+        """This rank has read its peers' slots for every collective up to k."""
+        self._publish(self._base[self._rank] + 1, k)
 
     def close(self) -> None:
         self._anchor = None
@@ -171,6 +196,8 @@ def _pack(words: List[int]) -> memoryview:
 
 class GlooExchange:
     """Signature all-gather on its own gloo group, for groups that span hosts."""
+
+    launches_early = False  # every collective waits for all signatures before it starts
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
         self._size = size

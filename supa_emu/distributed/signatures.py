@@ -9,12 +9,14 @@ puts the list of all sizes in the digest). `extra` carries per-rank facts that a
 for all-to-all, each rank's send counts, which must equal what each peer expects to receive.
 """
 
+import collections
+import threading
 import zlib
-from typing import List, Optional, Sequence
+from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 
-from .signature_exchange import WORDS, CollectiveMismatchError
+from .signature_exchange import RING, WORDS, CollectiveMismatchError
 
 OPERATIONS = (
     "all_reduce",
@@ -69,6 +71,13 @@ def make(
     return [_OPCODE[operation], dtype_code(dtype), reduce_op, root, numel_in, numel_out, shape_digest, 0, *extra]
 
 
+def decode(words: Sequence[int]):
+    """(operation, dtype, reduce op, root, input elements, output elements) of a signature."""
+    code = words[1]
+    dtype = _DTYPES[code] if 0 <= code < len(_DTYPES) else None
+    return OPERATIONS[words[0]], dtype, words[2], words[3], words[4], words[5]
+
+
 def _describe(words: Sequence[int]) -> str:
     operation = OPERATIONS[words[0]] if 0 <= words[0] < len(OPERATIONS) else f"operation #{words[0]}"
     fields = []
@@ -109,27 +118,137 @@ def check(everyone: List[List[int]], rank: int, group: str, receive_counts: Sequ
             )
 
 
+def _mismatch(everyone: List[List[int]], rank: int, group: str, receive_counts: Sequence[int]):
+    try:
+        check(everyone, rank, group, receive_counts)
+    except CollectiveMismatchError as error:
+        return error
+    return None
+
+
+class Ticket:
+    """One collective this rank has posted: whether it started it, and what settling it found."""
+
+    __slots__ = ("sequence", "signature", "receive_counts", "started", "settled", "error")
+
+    def __init__(self, sequence: int, signature: List[int], receive_counts: Sequence[int], started: bool):
+        self.sequence, self.signature, self.receive_counts = sequence, signature, receive_counts
+        self.started, self.settled = started, False
+        self.error: Optional[CollectiveMismatchError] = None
+
+
 class Agreement:
-    """Runs the agreement step of one group: exchanges this rank's signature and checks everyone's."""
+    """Runs the agreement step of one group: posts this rank's signatures and checks everyone's.
 
-    def __init__(self, exchange, rank: int, size: int, label: str):
+    Over a carrier that waits for all signatures (GlooExchange), a collective starts only once all
+    ranks have agreed. Over the shared-memory board, a collective whose signature alone says what
+    gloo will run (`early=True`: the single-tensor all_reduce, broadcast, all_gather_into_tensor,
+    reduce_scatter_tensor and barrier) starts as soon as its signature matches every signature
+    already posted, so the check costs no round trip. Of two ranks, one always sees the other's
+    signature (the board publishes with a full fence), so no two ranks that both started disagree.
+    A rank that refuses a collective some peers started runs a stand-in with the started signature
+    (`stand_in`), which lets their gloo operation finish; they then raise the mismatch from their
+    work's wait(), it raises at once, and the group stays usable.
+    """
+
+    def __init__(self, exchange, rank: int, size: int, label: str, stand_in: Callable[[List[int]], None]):
         self._exchange, self._rank, self._size, self._label = exchange, rank, size, label
+        self._stand_in = stand_in
+        self._early = getattr(exchange, "launches_early", False)
+        self._unsettled: Deque[Ticket] = collections.deque()
+        self._lock = threading.RLock()
 
-    def agree(self, signature: List[int], receive_counts: Sequence[int] = ()) -> None:
-        """Raise CollectiveMismatchError unless every rank is about to run the same collective."""
+    def agree(self, signature: List[int], receive_counts: Sequence[int] = (), early: bool = False) -> Optional[Ticket]:
+        """Post `signature`; returns once this rank may start the collective, raising
+        CollectiveMismatchError when it must not. A returned ticket is settled by the work's wait().
+        """
         if self._size == 1:
-            return
-        check(self._exchange.exchange(signature), self._rank, self._label, receive_counts)
+            return None
+        if not self._early:
+            check(self._exchange.exchange(signature), self._rank, self._label, receive_counts)
+            return None
+        board = self._exchange
+        with self._lock:
+            self._settle_posted()
+            while self._unsettled and self._unsettled[0].sequence <= board.sequence + 1 - RING:
+                self._settle(self._unsettled[0])  # frees the ring slot this collective will use
+            k = board.post(signature)
+            peers = range(self._size)
+            if early and not receive_counts:
+                head = signature[:_HEAD]
+                started = True
+                for peer in peers:
+                    if peer != self._rank:
+                        theirs = board.posted(peer, k)
+                        if theirs is not None and theirs[:_HEAD] != head:
+                            started = False
+            else:
+                everyone = [signature if r == self._rank else board.signature(r, k) for r in peers]
+                started = _mismatch(everyone, self._rank, self._label, receive_counts) is None
+            board.post_verdict(k, started)
+            ticket = Ticket(k, signature, receive_counts, started)
+            self._unsettled.append(ticket)
+            if not started:
+                self.settle(ticket)
+                raise ticket.error
+            if not early:
+                self.settle(ticket)  # every signature is in already: nothing left to check later
+                return None
+            return ticket
 
-    def agree_all_to_all(self, operation: str, dtype, send: List[int], receive: List[int]) -> None:
+    def settle(self, ticket: Optional[Ticket]) -> Optional[CollectiveMismatchError]:
+        """Check `ticket` (and every earlier one) against all peers' signatures, waiting for them;
+        returns the mismatch its collective ran into, if any."""
+        if ticket is None:
+            return None
+        with self._lock:
+            while not ticket.settled:
+                self._settle(self._unsettled[0])
+        return ticket.error
+
+    def settled_error(self, ticket: Optional[Ticket]):
+        """`ticket`'s mismatch if all its signatures are already posted; never waits. Returns
+        (known, error)."""
+        if ticket is None or ticket.settled:
+            return True, ticket.error if ticket else None
+        if not self._lock.acquire(blocking=False):
+            return False, None
+        try:
+            self._settle_posted()
+            return ticket.settled, ticket.error
+        finally:
+            self._lock.release()
+
+    def _settle_posted(self) -> None:
+        board = self._exchange
+        while self._unsettled:
+            ticket = self._unsettled[0]
+            if not ticket.started or any(
+                board.posted(peer, ticket.sequence) is None for peer in range(self._size) if peer != self._rank
+            ):
+                return
+            self._settle(ticket)
+
+    def _settle(self, ticket: Ticket) -> None:
+        board, k = self._exchange, ticket.sequence
+        everyone = [ticket.signature if r == self._rank else board.signature(r, k) for r in range(self._size)]
+        ticket.error = _mismatch(everyone, self._rank, self._label, ticket.receive_counts)
+        if ticket.error is not None and not ticket.started:
+            starters = [r for r in range(self._size) if r != self._rank and board.verdict(r, k)]
+            if starters:
+                self._stand_in(everyone[starters[0]])
+        board.settle(k)
+        ticket.settled = True
+        self._unsettled.popleft()
+
+    def agree_all_to_all(self, operation: str, dtype, send: List[int], receive: List[int]) -> Optional[Ticket]:
         """Like `agree`, and each rank's send count to every peer must be what that peer receives."""
         if self._size == 1:
-            return
+            return None
         if self._size > MAX_CROSS_CHECKED_RANKS:
             # Too many ranks to post every send count: check only what all ranks share.
-            self.agree(make(operation, dtype))
-            return
-        self.agree(make(operation, dtype, extra=send), receive)
+            return self.agree(make(operation, dtype))
+        return self.agree(make(operation, dtype, extra=send), receive)
 
     def close(self) -> None:
         self._exchange.close()

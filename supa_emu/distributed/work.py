@@ -27,8 +27,13 @@ class BCCLWork(dist.Work):
         epilogue: Optional[Callable[[], None]] = None,
         outputs: Sequence[torch.Tensor] = (),
         keep_alive: Sequence[object] = (),
+        agreement=None,
+        ticket=None,
     ):
         super().__init__()
+        # A collective that started before every peer had posted its signature (see
+        # signatures.Agreement) is checked against them here, before and after waiting for gloo.
+        self._agreement, self._ticket = agreement, ticket
         self._parts = list(parts)
         self._epilogue = epilogue
         self._outputs = list(outputs)
@@ -56,11 +61,15 @@ class BCCLWork(dist.Work):
         return self._outputs
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        # The peers' signatures first: a dead or stalled peer is reported as such, not as gloo's hang.
+        mismatch = self._agreement.settle(self._ticket) if self._ticket is not None else None
         for part in self._parts:
             if timeout and timeout > datetime.timedelta(0):
                 part.wait(timeout)
             else:
                 part.wait()
+        if mismatch is not None:
+            self._fail(mismatch)  # the outputs hold what a stand-in sent: not a result
         self._complete()
         # The parts are done: unless a gloo worker still holds them, their memory goes back now
         # rather than at the next collective.
@@ -70,10 +79,24 @@ class BCCLWork(dist.Work):
             sanitizer.work_waited(self)
         return True
 
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if not self._done:
+                self._error, self._done, self._epilogue, self._keep_alive = error, True, None, ()
+
+    def _mismatch_known(self) -> bool:
+        """Whether the agreement check is settled (never waits); records a mismatch it found."""
+        if self._ticket is None:
+            return True
+        known, mismatch = self._agreement.settled_error(self._ticket)
+        if mismatch is not None:
+            self._fail(mismatch)
+        return known
+
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if all(part.is_completed() for part in self._parts):
+        if all(part.is_completed() for part in self._parts) and self._mismatch_known():
             if self.exception() is None:
                 try:
                     self._complete()
@@ -119,6 +142,9 @@ class BCCLWork(dist.Work):
     def _after_parts(self, gathered) -> List[torch.Tensor]:
         for part_future in gathered.value():
             part_future.value()  # re-raises the gloo error of a failed part
+        # Runs on a gloo thread, which must not wait for the board. Once gloo finished, every peer
+        # has posted (it posts before it sends), except under a broadcast root: then wait() checks.
+        self._mismatch_known()
         return self._complete()
 
     def result(self) -> List[torch.Tensor]:
