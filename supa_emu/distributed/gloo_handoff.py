@@ -41,8 +41,8 @@ def hold(works: Iterable[dist.Work]) -> None:
         if not _exit_hook_installed:
             atexit.register(_release_all_at_exit)
             _exit_hook_installed = True
-        _held.extend(work for work in works if work is not None)
         _release_finished()
+        _held.extend(works)
 
 
 def release_finished() -> None:
@@ -53,7 +53,8 @@ def release_finished() -> None:
 
 def _release_finished() -> None:
     # gloo finishes works roughly in order: usually only the oldest need looking at.
-    while _held and _use_count(_held[0]) == 1:
+    use_count = _native()._work_use_count
+    while _held and use_count(_held[0]) == 1:
         _held.popleft()
     if len(_held) >= _FULL_SCAN_AT:
         still_used = [work for work in _held if _use_count(work) > 1]

@@ -49,6 +49,11 @@ def _check_reduce_op(kind: _RedOp, dtype: torch.dtype) -> None:
         raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
 
 
+def _flat(view: torch.Tensor) -> torch.Tensor:
+    # gloo wants flat buffers; views of contiguous buffers reshape without copying.
+    return view if view.dim() == 1 else view.view(-1)
+
+
 def _reduce_kind(op) -> _RedOp:
     if isinstance(op, _RedOp):
         return op
@@ -278,9 +283,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         )
         call, parts = HostCall(), []
         for output, input in zip(outputs, inputs):
-            # gloo wants flat buffers; views of contiguous buffers reshape without copying.
-            out_view = call.view(output, read=False).view(-1)
-            in_view = call.view(input, write=False).view(-1)
+            out_view = _flat(call.view(output, read=False))
+            in_view = _flat(call.view(input, write=False))
             gloo_op = self._gloo_reduce_op(kind, output.dtype, call, lambda v=out_view: [v])
             parts.append(self._gloo._reduce_scatter_base(out_view, in_view, self._options("reduce_scatter", opts, gloo_op)))
         return self._finish(parts, call, outputs, ticket)
@@ -348,9 +352,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         )
         call = HostCall()
         parts = [
-            self._gloo._allgather_base(
-                call.view(output, read=False).view(-1), call.view(input, write=False).view(-1), opts
-            )
+            self._gloo._allgather_base(_flat(call.view(output, read=False)), _flat(call.view(input, write=False)), opts)
             for output, input in zip(outputs, inputs)
         ]
         return self._finish(parts, call, outputs, ticket)

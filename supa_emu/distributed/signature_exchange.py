@@ -153,18 +153,20 @@ class SharedMemoryBoard:
         self.sequence = k
         return k
 
-    def posted(self, peer: int, k: int) -> Optional[List[int]]:
-        """`peer`'s signature of collective k if it has posted it, else None (does not wait)."""
+    def posted(self, peer: int, k: int, words: int = WORDS) -> Optional[List[int]]:
+        """The first `words` words of `peer`'s signature of collective k if it has posted it, else
+        None (does not wait)."""
         slot = self._slot(peer, k)
         if self._words[slot] != k:
             return None
-        return self._words[slot + 2 : slot + 2 + WORDS].tolist()
+        return self._words[slot + 2 : slot + 2 + words].tolist()
 
-    def signature(self, peer: int, k: int) -> List[int]:
-        """`peer`'s signature of collective k, waiting for it to be posted."""
+    def signature(self, peer: int, k: int, words: int = WORDS) -> List[int]:
+        """The first `words` words of `peer`'s signature of collective k, waiting for it to be posted."""
         slot = self._slot(peer, k)
-        self._wait(slot, lambda sequence: sequence == k, peer, f"reach collective #{k}")
-        return self._words[slot + 2 : slot + 2 + WORDS].tolist()
+        if self._words[slot] != k:
+            self._wait(slot, lambda sequence: sequence == k, peer, f"reach collective #{k}")
+        return self._words[slot + 2 : slot + 2 + words].tolist()
 
     def post_verdict(self, k: int, started: bool) -> None:
         self._publish(self._slot(self._rank, k) + 1, 2 * k + int(started))

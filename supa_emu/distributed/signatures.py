@@ -48,14 +48,22 @@ MAX_CROSS_CHECKED_RANKS = WORDS - _HEAD
 
 
 def digest(numbers: Sequence[int]) -> int:
-    """Process-independent checksum of a list of sizes (Python's hash() is salted for str)."""
+    """Process-independent checksum of a list of sizes (Python's hash() is salted for str).
+
+    One size is its own digest: the common single-tensor call then costs no checksum.
+    """
+    if len(numbers) == 1:
+        return numbers[0]
     return zlib.crc32(",".join(map(str, numbers)).encode())
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
     if dtype is None:
         return -1
-    return _DTYPE_CODE.get(dtype, 1000 + digest([ord(c) for c in str(dtype)]) % 100000)
+    code = _DTYPE_CODE.get(dtype)
+    if code is None:
+        code = 1000 + zlib.crc32(str(dtype).encode()) % 100000
+    return code
 
 
 def make(
@@ -179,8 +187,8 @@ class Agreement:
                 started = True
                 for peer in peers:
                     if peer != self._rank:
-                        theirs = board.posted(peer, k)
-                        if theirs is not None and theirs[:_HEAD] != head:
+                        theirs = board.posted(peer, k, _HEAD)
+                        if theirs is not None and theirs != head:
                             started = False
             else:
                 everyone = [signature if r == self._rank else board.signature(r, k) for r in peers]
@@ -224,14 +232,15 @@ class Agreement:
         while self._unsettled:
             ticket = self._unsettled[0]
             if not ticket.started or any(
-                board.posted(peer, ticket.sequence) is None for peer in range(self._size) if peer != self._rank
+                board.posted(peer, ticket.sequence, 0) is None for peer in range(self._size) if peer != self._rank
             ):
                 return
             self._settle(ticket)
 
     def _settle(self, ticket: Ticket) -> None:
         board, k = self._exchange, ticket.sequence
-        everyone = [ticket.signature if r == self._rank else board.signature(r, k) for r in range(self._size)]
+        words = WORDS if ticket.receive_counts else _HEAD  # the rest only carries cross-checked counts
+        everyone = [ticket.signature if r == self._rank else board.signature(r, k, words) for r in range(self._size)]
         ticket.error = _mismatch(everyone, self._rank, self._label, ticket.receive_counts)
         if ticket.error is not None and not ticket.started:
             starters = [r for r in range(self._size) if r != self._rank and board.verdict(r, k)]
