@@ -71,25 +71,33 @@ std::vector<py::object> symbolize(const std::vector<std::shared_ptr<torch::Captu
 // Cross-process waits on a word of a shared mapping (bccl's signature board). The waiter sleeps
 // in the kernel until the publisher's wake instead of polling, so it resumes within microseconds
 // of a late peer's arrival and costs no CPU meanwhile. The futex covers the word's low 32 bits
-// (little-endian), which change with every value the board stores there.
-bool shared_word_wait(uintptr_t address, int64_t unchanged, double timeout_s) {
+// (little-endian), which change with every value the board stores there. A waiter counts itself
+// in `waiters` (a word of the same mapping) while it sleeps, so a publisher makes the wake system
+// call only when someone may be asleep: most publishes find nobody waiting.
+bool shared_word_wait(uintptr_t address, int64_t unchanged, double timeout_s, uintptr_t waiters) {
   py::gil_scoped_release no_gil;
   timespec timeout{};
   timeout.tv_sec = static_cast<time_t>(timeout_s);
   timeout.tv_nsec = static_cast<long>((timeout_s - std::floor(timeout_s)) * 1e9);
+  auto* count = reinterpret_cast<int64_t*>(waiters);
+  __atomic_add_fetch(count, 1, __ATOMIC_SEQ_CST);
   const long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAIT,
                           static_cast<uint32_t>(unchanged), &timeout, nullptr, 0);
+  const int error = errno;
+  __atomic_sub_fetch(count, 1, __ATOMIC_SEQ_CST);
   // 0: woken; EAGAIN: the word had already changed; EINTR: a signal (the caller re-checks).
-  return rc == 0 || errno == EAGAIN || errno == EINTR;
+  return rc == 0 || error == EAGAIN || error == EINTR;
 }
 
-// Stores `value` with a full fence, then wakes the word's waiters. The fence orders this store
-// before the publisher's next reads of its peers' words: of two ranks that publish and then look
-// at each other's slot, at least one sees the other's write (what the bccl board relies on to
-// let a rank start its collective before every peer has posted).
-void shared_word_publish(uintptr_t address, int64_t value) {
+// Stores `value` sequentially consistently, then wakes the word's waiters if any are counted.
+// Of two ranks that publish and then look at each other's slot, at least one sees the other's
+// write (what the bccl board relies on to let a rank start before every peer has posted); and
+// a waiter that counted itself before this store is always woken or sees the new value.
+void shared_word_publish(uintptr_t address, int64_t value, uintptr_t waiters) {
   __atomic_store_n(reinterpret_cast<int64_t*>(address), value, __ATOMIC_SEQ_CST);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  if (__atomic_load_n(reinterpret_cast<int64_t*>(waiters), __ATOMIC_SEQ_CST) != 0) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  }
 }
 
 py::tuple pool_id(int64_t graph_id, int64_t user_id) {
@@ -250,9 +258,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },
         "How many references a c10d Work has (1: only the caller's Python object)");
   m.def("_shared_word_wait", &shared_word_wait, py::arg("address"), py::arg("unchanged"), py::arg("timeout_s"),
-        "Sleep until the shared word at `address` is woken or stops holding `unchanged` (False: timed out)");
-  m.def("_shared_word_publish", &shared_word_publish, py::arg("address"), py::arg("value"),
-        "Store `value` in the shared word at `address` (sequentially consistent) and wake its waiters");
+        py::arg("waiters"),
+        "Sleep until the shared word at `address` is woken or stops holding `unchanged` (False: timed out), "
+        "counted in the word at `waiters` meanwhile");
+  m.def("_shared_word_publish", &shared_word_publish, py::arg("address"), py::arg("value"), py::arg("waiters"),
+        "Store `value` in the shared word at `address` (sequentially consistent) and wake its waiters "
+        "if the word at `waiters` counts any");
   m.def("_default_generators", &default_generators);
   m.def("_set_cuda_means_supa", &supa::set_cuda_means_supa,
         "Make device strings that start with 'cuda' mean 'supa' (transfer_to_supa)");

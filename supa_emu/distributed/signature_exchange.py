@@ -68,15 +68,16 @@ def _process_alive(pid: int) -> bool:
 class SharedMemoryBoard:
     """Per-group ring of signature slots in shared memory.
 
-    Layout (int64 words): for each rank, a header [pid, settled] followed by RING slots of
+    Layout (int64 words): for each rank, a header [pid, settled, waiters] followed by RING slots of
     [sequence, verdict, payload...]. Rank r posts collective k in slot k % RING (payload, then
     sequence = k), later its verdict 2k+1 if it started the collective in gloo or 2k if it
     refused it, and advances `settled` to k once it has read its peers' slots for k. It reuses a
-    slot only once all peers have settled the collective that last used it.
+    slot only once all peers have settled the collective that last used it. `waiters` counts the
+    peers asleep on one of the rank's words, so that its stores wake them only when needed.
     """
 
     launches_early = True  # every rank sees the board at once: a rank may start before all posted
-    _HEADER = 2
+    _HEADER = 3
     _SLOT = 2 + WORDS
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, label: str):
@@ -103,6 +104,7 @@ class SharedMemoryBoard:
         self._base = [r * self._per_rank for r in range(size)]
         self._peers = [r for r in range(size) if r != rank]
         self._words[self._base[rank]] = os.getpid()
+        self._my_waiters = self._address + 8 * (self._base[rank] + 2)
         self.sequence = 0  # the last collective this rank posted
 
     def _slot(self, rank: int, sequence: int) -> int:
@@ -119,12 +121,13 @@ class SharedMemoryBoard:
         # the kernel until its write wakes this rank (see _publish), checking now and then that
         # it is still alive and that the timeout has not passed.
         wait, address = self._sleep_on, self._address + 8 * index
+        waiters = self._address + 8 * (self._base[rank] + 2)
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
             observed = w[index]
             if ready(observed):
                 return observed
-            if wait(address, observed, _LIVENESS_PERIOD):
+            if wait(address, observed, _LIVENESS_PERIOD, waiters):
                 continue
             pid = self._words[self._base[rank]]
             if pid and not _process_alive(pid):
@@ -139,7 +142,7 @@ class SharedMemoryBoard:
                 )
 
     def _publish(self, index: int, value: int) -> None:
-        self._store(self._address + 8 * index, value)
+        self._store(self._address + 8 * index, value, self._my_waiters)
 
     def post(self, words: List[int]) -> int:
         """Post this rank's signature of its next collective; returns the collective's number."""
