@@ -88,6 +88,18 @@ def _scenario_collectives(rank: int, port: int) -> dict:
                 same(x, expected.to(dtype))
             check(f"all_reduce/{str(dtype)[6:]}/{op}", all_reduce)
 
+            def reduce_scatter_tensor_op(dtype=dtype, op=op):
+                # bccl reduces this one itself after an all-to-all: each rank gets 2 of the 4 elements.
+                out = torch.empty(2, 1, dtype=dtype, device=dev).t()  # non-contiguous: staged and written back
+                dist.reduce_scatter_tensor(out, base[rank][:4].to(dtype).to(dev), op=getattr(R, op))
+                if op == "AVG":
+                    total = (base[0] + base[1]).to(dtype)
+                    expected = total / 2 if dtype.is_floating_point else torch.div(total, 2, rounding_mode="trunc")
+                else:
+                    expected = reference[op].to(dtype)
+                same(out, expected[2 * rank:2 * rank + 2].to(dtype).view(1, 2))
+            check(f"reduce_scatter_tensor/{str(dtype)[6:]}/{op}", reduce_scatter_tensor_op)
+
     def all_reduce_non_contiguous():
         full = (torch.arange(24.).reshape(4, 6) + rank).to(dev)
         x = full.t()[1:5]
@@ -563,6 +575,12 @@ def test_all_reduce_dtypes_and_ops(collectives, dtype, op):
     _assert_ok(collectives, f"all_reduce/{dtype}/{op}")
 
 
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("op", _OPS)
+def test_reduce_scatter_tensor_dtypes_and_ops(collectives, dtype, op):
+    _assert_ok(collectives, f"reduce_scatter_tensor/{dtype}/{op}")
+
+
 @pytest.mark.parametrize("name", _CHECKS)
 def test_collective(collectives, name):
     _assert_ok(collectives, name)
@@ -575,7 +593,8 @@ def test_emulator_behaviour(collectives, name):
 
 
 def test_every_check_ran(collectives):
-    expected = {f"all_reduce/{d}/{o}" for d in _DTYPES for o in _OPS} | set(_CHECKS) | set(_EMULATOR_CHECKS)
+    expected = {f"{c}/{d}/{o}" for c in ("all_reduce", "reduce_scatter_tensor") for d in _DTYPES for o in _OPS}
+    expected |= set(_CHECKS) | set(_EMULATOR_CHECKS)
     assert set(collectives[0]) == expected
 
 

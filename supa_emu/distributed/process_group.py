@@ -49,6 +49,22 @@ def _check_reduce_op(kind: _RedOp, dtype: torch.dtype) -> None:
         raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
 
 
+# Reductions bccl's reduce_scatter computes itself (see _reduce_scatter_by_exchange); AVG sums, then divides.
+_LOCAL_REDUCTIONS = {
+    _RedOp.SUM: torch.Tensor.add_,
+    _RedOp.AVG: torch.Tensor.add_,
+    _RedOp.PRODUCT: torch.Tensor.mul_,
+    _RedOp.MIN: lambda into, other: torch.minimum(into, other, out=into),
+    _RedOp.MAX: lambda into, other: torch.maximum(into, other, out=into),
+}
+
+
+def _reduces_locally(kind: _RedOp, dtype: torch.dtype) -> bool:
+    if dtype == torch.bool or (dtype.is_complex and kind in (_RedOp.MIN, _RedOp.MAX)):
+        return False
+    return kind in _LOCAL_REDUCTIONS
+
+
 def _flat(view: torch.Tensor) -> torch.Tensor:
     # gloo wants flat buffers; views of contiguous buffers reshape without copying.
     return view if view.dim() == 1 else view.view(-1)
@@ -150,6 +166,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             work = self._gloo.broadcast([scratch], options)
         elif operation == "all_gather_into_tensor":
             work = self._gloo._allgather_base(torch.empty(numel_out, dtype=dtype), scratch)
+        elif operation == "reduce_scatter_tensor" and _reduces_locally(_RedOp(kind), dtype):
+            work = self._gloo.alltoall_base(torch.empty_like(scratch), scratch, [], [], dist.AllToAllOptions())
         elif operation == "reduce_scatter_tensor":
             options = dist.ReduceScatterOptions()
             options.reduceOp = self._gloo_reduce_op(_RedOp(kind), dtype, HostCall(), lambda: [])
@@ -285,9 +303,34 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         for output, input in zip(outputs, inputs):
             out_view = _flat(call.view(output, read=False))
             in_view = _flat(call.view(input, write=False))
+            if _reduces_locally(kind, output.dtype):
+                parts.append(self._reduce_scatter_by_exchange(out_view, in_view, kind, call, opts.timeout))
+                continue
             gloo_op = self._gloo_reduce_op(kind, output.dtype, call, lambda v=out_view: [v])
             parts.append(self._gloo._reduce_scatter_base(out_view, in_view, self._options("reduce_scatter", opts, gloo_op)))
         return self._finish(parts, call, outputs, ticket)
+
+    def _reduce_scatter_by_exchange(self, output, input, kind: _RedOp, call: HostCall, timeout) -> dist.Work:
+        """reduce_scatter as one all-to-all (each rank receives every rank's chunk of its share) and a
+        local reduction in rank order, with PyTorch's vectorised kernels. gloo's own reduce_scatter
+        all-reduces the whole input with scalar loops: about twice as slow for float32 and up to
+        five times for bfloat16 on this machine (see README, "bccl")."""
+        size = self.size()
+        received = torch.empty_like(input)
+
+        def reduce():
+            chunks = received.view(size, -1)
+            output.copy_(chunks[0])
+            for chunk in chunks[1:]:
+                _LOCAL_REDUCTIONS[kind](output, chunk)
+            if kind == _RedOp.AVG:
+                floating = output.dtype.is_floating_point or output.dtype.is_complex
+                output.div_(size, rounding_mode=None if floating else "trunc")
+
+        call.after(reduce)
+        options = dist.AllToAllOptions()
+        options.timeout = timeout
+        return self._gloo.alltoall_base(received, input, [], [], options)
 
     # ---- data movement --------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
