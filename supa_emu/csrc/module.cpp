@@ -254,6 +254,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_raw_delete", [](uintptr_t ptr) { supa::raw_delete(reinterpret_cast<void*>(ptr)); });
   m.def("_report_blocks_to_gpu_trace", &supa::report_blocks_to_gpu_trace);
   m.def("_host_view", &supa::host_view, "A CPU tensor over a supa tensor's memory (no copy)");
+  m.def("_all_reduce_operand", &supa::all_reduce_operand,
+        "bccl: the flat host view of a dense contiguous supa tensor, else None");
+  m.def("_all_gather_operands", &supa::all_gather_operands,
+        "bccl: (flat host view of the output, send buffer holding group_size copies of the input), else None");
+  m.def("_reduce_scatter_operands", &supa::reduce_scatter_operands,
+        "bccl: (flat host views of output and input) when input numel == output numel x group_size, else None");
   // The raw pointer, so the call itself adds no reference to what it counts.
   m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },
         "How many references a c10d Work has (1: only the caller's Python object)");

@@ -9,6 +9,7 @@ address in place (non-contiguous tensors) through contiguous host buffers.
 
 from typing import Callable, List, Optional
 
+import numpy
 import torch
 
 from supa_emu.supa import _native
@@ -23,6 +24,24 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     view is in use, since the view does not own the memory.
     """
     return _native()._host_view(tensor)
+
+
+def plain_gather_operands(output: torch.Tensor, input: torch.Tensor, group_size: int):
+    """For dense contiguous device tensors of one dtype with output numel == input numel x
+    group_size: (flat CPU view of `output`, CPU buffer holding `group_size` copies of `input`),
+    checked and built natively in one call. None for anything else (the caller checks and stages)."""
+    return _native()._all_gather_operands(output, input, group_size)
+
+
+def replicate(source: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copy contiguous `source` into each row of contiguous `rows` with plain memcpy.
+
+    A single-threaded copy on purpose: at some sizes PyTorch's copy goes parallel, and with every
+    rank's threads on a 2-core machine that costs milliseconds instead of microseconds.
+    """
+    flat = source.reshape(-1).view(torch.uint8).numpy()
+    for row in rows.view(torch.uint8).numpy():
+        numpy.copyto(row, flat)
 
 
 def is_device_tensor(tensor: torch.Tensor) -> bool:
@@ -42,9 +61,13 @@ class HostCall:
         self._fixups: List[Callable[[], None]] = []
         self._writebacks = []
 
-    def view(self, tensor: torch.Tensor, read: bool = True, write: bool = True) -> torch.Tensor:
+    def track(self, tensor: torch.Tensor, read: bool = True, write: bool = True) -> None:
+        """Count `tensor` as an operand of this call (kept alive, its accesses reported)."""
         self.device_tensors.append(tensor)
         self.access_modes.append((read, write))
+
+    def view(self, tensor: torch.Tensor, read: bool = True, write: bool = True) -> torch.Tensor:
+        self.track(tensor, read, write)
         view = host_view(tensor)
         if view.is_contiguous():
             return view

@@ -165,7 +165,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             options.rootRank = root
             work = self._gloo.broadcast([scratch], options)
         elif operation == "all_gather_into_tensor":
-            work = self._gloo._allgather_base(torch.empty(numel_out, dtype=dtype), scratch)
+            work = self._gloo.alltoall_base(torch.empty(numel_out, dtype=dtype), torch.zeros(numel_out, dtype=dtype),
+                                            [], [], dist.AllToAllOptions())
         elif operation == "reduce_scatter_tensor" and _reduces_locally(_RedOp(kind), dtype):
             work = self._gloo.alltoall_base(torch.empty_like(scratch), scratch, [], [], dist.AllToAllOptions())
         elif operation == "reduce_scatter_tensor":
@@ -380,12 +381,12 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def _all_gather_tensors(self, outputs, inputs, opts, operation):
+        # All-gather as one all-to-all that sends every peer a copy of the input: gloo's pairwise
+        # all-to-all moves the same bytes as its ring all_gather, 15-30% faster on this machine
+        # from 64 KiB to 4 MiB (see README, "bccl"). Bit-exact: no arithmetic, only placement.
         opts = opts if opts is not None else AllgatherOptions()
-        require_device(outputs, "output")
-        require_device(inputs, "input")
-        for output, input in zip(outputs, inputs):
-            check_sizes(output.numel(), input.numel() * self.size(), self.size(), operation, input, output)
-            check_dtypes(output, input, operation)
+        call = HostCall()
+        operands = [self._gather_operands(output, input, operation, call) for output, input in zip(outputs, inputs)]
         ticket = self._agreement.agree(
             signatures.make(
                 operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),
@@ -393,12 +394,29 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             ),
             early=operation == "all_gather_into_tensor",
         )
-        call = HostCall()
-        parts = [
-            self._gloo._allgather_base(_flat(call.view(output, read=False)), _flat(call.view(input, write=False)), opts)
-            for output, input in zip(outputs, inputs)
-        ]
+        options = dist.AllToAllOptions()
+        options.timeout = opts.timeout
+        parts = [self._gloo.alltoall_base(received, send, [], [], options) for received, send in operands]
         return self._finish(parts, call, outputs, ticket)
+
+    def _gather_operands(self, output, input, operation, call: HostCall):
+        """(where gloo writes the gathered result, the all-to-all's send buffer) for one pair."""
+        size = self.size()
+        if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
+            operands = host_memory.plain_gather_operands(output, input, size)
+            if operands is not None:
+                call.track(output, read=False)
+                call.track(input, write=False)
+                return operands
+        # Not the plain case: the checks say what is wrong; other layouts are staged.
+        require_device([output], "output")
+        require_device([input], "input")
+        check_sizes(output.numel(), input.numel() * size, size, operation, input, output)
+        check_dtypes(output, input, operation)
+        received, source = _flat(call.view(output, read=False)), _flat(call.view(input, write=False))
+        send = torch.empty(size * source.numel(), dtype=source.dtype)
+        host_memory.replicate(source, send.view(size, -1))
+        return received, send
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         # torch's layout: output_lists[r][i] receives rank r's inputs[i].

@@ -12,7 +12,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <utility>
 #include <vector>
 #include <vector>
@@ -200,6 +202,15 @@ std::shared_ptr<torch::CapturedTraceback> block_stack(const void* ptr);
 // ---- tensors living on both sides (host_alias.cpp) ----------------------------------------
 // A CPU tensor over a supa tensor's memory: same sizes, strides and offset, no copy.
 at::Tensor host_view(const at::Tensor& device_tensor);
+// ---- bccl's hot collectives (collective_operands.cpp) --------------------------------------
+// Flat CPU views (and, for all_gather, the send buffer of an all-to-all) when the operands are
+// dense contiguous supa tensors that fit the collective; nothing otherwise.
+std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor);
+std::optional<std::pair<at::Tensor, at::Tensor>> all_gather_operands(const at::Tensor& output, const at::Tensor& input,
+                                                                     int64_t group_size);
+std::optional<std::pair<at::Tensor, at::Tensor>> reduce_scatter_operands(const at::Tensor& output,
+                                                                         const at::Tensor& input, int64_t group_size);
+
 // A supa tensor over `device_storage` with the geometry of `like`.
 at::Tensor device_tensor_on(const c10::Storage& device_storage, const at::Tensor& like);
 // Turns a CPU result into a supa tensor: takes over its memory when it came from the
