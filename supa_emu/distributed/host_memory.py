@@ -26,11 +26,17 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     return _native()._host_view(tensor)
 
 
-def plain_gather_operands(output: torch.Tensor, input: torch.Tensor, group_size: int):
-    """For dense contiguous device tensors of one dtype with output numel == input numel x
-    group_size: (flat CPU view of `output`, CPU buffer holding `group_size` copies of `input`),
-    checked and built natively in one call. None for anything else (the caller checks and stages)."""
-    return _native()._all_gather_operands(output, input, group_size)
+def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool):
+    """For dense contiguous device tensors of one dtype whose element counts fit the collective,
+    checked and built natively in one call (Python checks cost tens of microseconds a call):
+    - gather: output numel == input numel x group_size; (flat CPU view of `output`, a CPU
+      buffer holding `group_size` copies of `input`), the operands of an all-to-all;
+    - otherwise input numel == output numel x group_size; flat CPU views of both.
+    None for anything else: the caller checks (and raises) and stages.
+    """
+    if gather:
+        return _native()._all_gather_operands(output, input, group_size)
+    return _native()._reduce_scatter_operands(output, input, group_size)
 
 
 def replicate(source: torch.Tensor, rows: torch.Tensor) -> None:
@@ -65,6 +71,15 @@ class HostCall:
         """Count `tensor` as an operand of this call (kept alive, its accesses reported)."""
         self.device_tensors.append(tensor)
         self.access_modes.append((read, write))
+
+    def elementwise_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Like `view` (read and written) for operations that ignore shape (gloo's all_reduce): a
+        dense contiguous tensor gets a flat view, built natively in one call."""
+        flat = _native()._all_reduce_operand(tensor)
+        if flat is None:
+            return self.view(tensor)
+        self.track(tensor)
+        return flat
 
     def view(self, tensor: torch.Tensor, read: bool = True, write: bool = True) -> torch.Tensor:
         self.track(tensor, read, write)

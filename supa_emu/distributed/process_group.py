@@ -200,6 +200,31 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         fresh.reduceOp = reduce_op
         return fresh
 
+    def _pair_operands(self, output, input, operation: str, call: HostCall, gather: bool):
+        """What gloo gets for one output/input pair of an all_gather (gather=True: where the result
+        lands, the all-to-all's send buffer) or of a reduce_scatter (flat output and input)."""
+        size = self.size()
+        if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
+            plain = host_memory.plain_pair_operands(output, input, size, gather)
+            if plain is not None:
+                call.track(output, read=False)
+                call.track(input, write=False)
+                return plain
+        # Not the plain case: the checks say what is wrong; other layouts are staged.
+        require_device([output], "output")
+        require_device([input], "input")
+        if gather:
+            check_sizes(output.numel(), input.numel() * size, size, operation, input, output)
+        else:
+            check_sizes(input.numel(), output.numel() * size, size, operation, input, output)
+        check_dtypes(output, input, operation)
+        received, source = _flat(call.view(output, read=False)), _flat(call.view(input, write=False))
+        if not gather:
+            return received, source
+        send = torch.empty(size * source.numel(), dtype=source.dtype)
+        host_memory.replicate(source, send.view(size, -1))
+        return received, send
+
     # ---- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         if not isinstance(opts, dist.AllreduceOptions):
@@ -213,7 +238,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         ticket = self._agreement.agree(
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         call = HostCall()
-        view = call.view(tensor)
+        view = call.elementwise_view(tensor)
         gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda: [view])
         part = self._gloo.allreduce([view], self._options("allreduce", opts, gloo_op))
         return self._finish([part], call, [tensor], ticket)
@@ -284,11 +309,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        require_device(outputs, "output")
-        require_device(inputs, "input")
-        for output, input in zip(outputs, inputs):
-            check_sizes(input.numel(), output.numel() * self.size(), self.size(), operation, input, output)
-            check_dtypes(output, input, operation)
+        call = HostCall()
+        operands = [self._pair_operands(output, input, operation, call, False) for output, input in zip(outputs, inputs)]
         kind = _reduce_kind(opts.reduceOp)
         if outputs:
             _check_reduce_op(kind, outputs[0].dtype)
@@ -300,10 +322,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             ),
             early=operation == "reduce_scatter_tensor",
         )
-        call, parts = HostCall(), []
-        for output, input in zip(outputs, inputs):
-            out_view = _flat(call.view(output, read=False))
-            in_view = _flat(call.view(input, write=False))
+        parts = []
+        for output, (out_view, in_view) in zip(outputs, operands):
             if _reduces_locally(kind, output.dtype):
                 parts.append(self._reduce_scatter_by_exchange(out_view, in_view, kind, call, opts.timeout))
                 continue
@@ -386,7 +406,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         # from 64 KiB to 4 MiB (see README, "bccl"). Bit-exact: no arithmetic, only placement.
         opts = opts if opts is not None else AllgatherOptions()
         call = HostCall()
-        operands = [self._gather_operands(output, input, operation, call) for output, input in zip(outputs, inputs)]
+        operands = [self._pair_operands(output, input, operation, call, True) for output, input in zip(outputs, inputs)]
         ticket = self._agreement.agree(
             signatures.make(
                 operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),
@@ -398,25 +418,6 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         options.timeout = opts.timeout
         parts = [self._gloo.alltoall_base(received, send, [], [], options) for received, send in operands]
         return self._finish(parts, call, outputs, ticket)
-
-    def _gather_operands(self, output, input, operation, call: HostCall):
-        """(where gloo writes the gathered result, the all-to-all's send buffer) for one pair."""
-        size = self.size()
-        if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
-            operands = host_memory.plain_gather_operands(output, input, size)
-            if operands is not None:
-                call.track(output, read=False)
-                call.track(input, write=False)
-                return operands
-        # Not the plain case: the checks say what is wrong; other layouts are staged.
-        require_device([output], "output")
-        require_device([input], "input")
-        check_sizes(output.numel(), input.numel() * size, size, operation, input, output)
-        check_dtypes(output, input, operation)
-        received, source = _flat(call.view(output, read=False)), _flat(call.view(input, write=False))
-        send = torch.empty(size * source.numel(), dtype=source.dtype)
-        host_memory.replicate(source, send.view(size, -1))
-        return received, send
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         # torch's layout: output_lists[r][i] receives rank r's inputs[i].
