@@ -4,8 +4,11 @@ Each call checks that its tensors live on the device, agrees with its peers on w
 (see signatures.py), then hands gloo CPU views that alias the device tensors' memory, so data moves
 between ranks without a copy. Copies happen only where gloo cannot address the data in place:
 a non-contiguous tensor is staged through a contiguous host buffer and written back afterwards.
-Where gloo lacks an operation it is composed from gloo operations that exist:
+Where gloo lacks an operation, or has a slow one, it is composed from gloo operations that exist:
   - AVG on integer dtypes: SUM, then truncating division by the group size.
+  - reduce_scatter_tensor (and its coalesced form) with SUM, AVG, PRODUCT, MIN or MAX: one
+    all-to-all, then a local reduction in rank order (gloo's own is an all-reduce run with scalar
+    loops); all_gather_into_tensor: one all-to-all of the input replicated per rank.
   - all_gather with unequal sizes: one broadcast per rank, straight into the outputs.
   - all_reduce_coalesced of mixed dtypes and the *_coalesced tensor variants (absent on gloo's
     backend): one gloo operation per tensor, in flight together, completing as one work.
@@ -335,7 +338,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         """reduce_scatter as one all-to-all (each rank receives every rank's chunk of its share) and a
         local reduction in rank order, with PyTorch's vectorised kernels. gloo's own reduce_scatter
         all-reduces the whole input with scalar loops: about twice as slow for float32 and up to
-        five times for bfloat16 on this machine (see README, "bccl")."""
+        five times for bfloat16 on a 2-core machine (bench/collectives.py)."""
         size = self.size()
         received = torch.empty_like(input)
 
@@ -402,8 +405,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def _all_gather_tensors(self, outputs, inputs, opts, operation):
         # All-gather as one all-to-all that sends every peer a copy of the input: gloo's pairwise
-        # all-to-all moves the same bytes as its ring all_gather, 15-30% faster on this machine
-        # from 64 KiB to 4 MiB (see README, "bccl"). Bit-exact: no arithmetic, only placement.
+        # all-to-all moves the same bytes as its ring all_gather, 15-30% faster on a 2-core
+        # machine from 64 KiB to 4 MiB (bench/collectives.py). Bit-exact: only placement.
         opts = opts if opts is not None else AllgatherOptions()
         call = HostCall()
         operands = [self._pair_operands(output, input, operation, call, True) for output, input in zip(outputs, inputs)]
