@@ -6,16 +6,16 @@ between ranks without a copy. Copies happen only where gloo cannot address the d
 a non-contiguous tensor is staged through a contiguous host buffer and written back afterwards.
 Where gloo lacks an operation, or has a slow one, it is composed from gloo operations that exist:
   - AVG on integer dtypes: SUM, then truncating division by the group size.
-  - reduce_scatter_tensor (and its coalesced form) with SUM, AVG, PRODUCT, MIN or MAX: one
-    all-to-all, then a local reduction in rank order (gloo's own is an all-reduce run with scalar
-    loops); all_gather_into_tensor: one all-to-all of the input replicated per rank.
+  - reduce_scatter_tensor (and its coalesced form) with SUM, AVG, PRODUCT, MIN or MAX, and
+    all_gather_into_tensor: one all-to-all each (see composed.py).
   - all_gather with unequal sizes: one broadcast per rank, straight into the outputs.
   - all_reduce_coalesced of mixed dtypes and the *_coalesced tensor variants (absent on gloo's
     backend): one gloo operation per tensor, in flight together, completing as one work.
 Point-to-point operations are not signature-checked (peers are not in lockstep).
-Argument checks live in arguments.py, the agreement step in signatures.py; this module is the
-dispatch to gloo, one method per c10d collective entry point, which is why it stays one class of
-a little over 400 lines.
+Argument checks live in arguments.py, the agreement step in signatures.py, the all-to-all based
+compositions and the stand-in for refused collectives in composed.py; this module is the dispatch
+to gloo, one method per c10d collective entry point, which is why it stays one class of a little
+over 400 lines.
 """
 
 import datetime
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import gloo_handoff, host_memory, signature_exchange, signatures
+from . import composed, gloo_handoff, host_memory, signature_exchange, signatures
 from .arguments import (
     check_chunk, check_dtypes, check_sizes, numel as _numel, per_rank_list, require_device, root_list, single, split_counts)
 from .host_memory import HostCall
@@ -50,22 +50,6 @@ def _check_reduce_op(kind: _RedOp, dtype: torch.dtype) -> None:
         raise ValueError("bccl: ReduceOp.PREMUL_SUM is not supported")
     if kind == _RedOp.AVG and dtype == torch.bool:
         raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
-
-
-# Reductions bccl's reduce_scatter computes itself (see _reduce_scatter_by_exchange); AVG sums, then divides.
-_LOCAL_REDUCTIONS = {
-    _RedOp.SUM: torch.Tensor.add_,
-    _RedOp.AVG: torch.Tensor.add_,
-    _RedOp.PRODUCT: torch.Tensor.mul_,
-    _RedOp.MIN: lambda into, other: torch.minimum(into, other, out=into),
-    _RedOp.MAX: lambda into, other: torch.maximum(into, other, out=into),
-}
-
-
-def _reduces_locally(kind: _RedOp, dtype: torch.dtype) -> bool:
-    if dtype == torch.bool or (dtype.is_complex and kind in (_RedOp.MIN, _RedOp.MAX)):
-        return False
-    return kind in _LOCAL_REDUCTIONS
 
 
 def _flat(view: torch.Tensor) -> torch.Tensor:
@@ -151,37 +135,11 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         return work
 
     def _stand_in(self, signature: List[int]) -> None:
-        """Run, on scratch buffers, the collective that peers started and this rank refused.
+        composed.stand_in(self._gloo, signature, self._gloo_op_for)
 
-        Their gloo operation then finishes (they raise the mismatch afterwards) and every rank's
-        gloo stays at the same collective, so the group remains usable. Only collectives that may
-        start early (see signatures.Agreement) ever need this; their signatures name all it takes.
-        """
-        operation, dtype, kind, root, numel_in, numel_out = signatures.decode(signature)
-        scratch = torch.zeros(numel_in, dtype=dtype)
-        if operation == "all_reduce":
-            options = dist.AllreduceOptions()
-            options.reduceOp = self._gloo_reduce_op(_RedOp(kind), dtype, HostCall(), lambda: [])
-            work = self._gloo.allreduce([scratch], options)
-        elif operation == "broadcast":
-            options = dist.BroadcastOptions()
-            options.rootRank = root
-            work = self._gloo.broadcast([scratch], options)
-        elif operation == "all_gather_into_tensor":
-            work = self._gloo.alltoall_base(torch.empty(numel_out, dtype=dtype), torch.zeros(numel_out, dtype=dtype),
-                                            [], [], dist.AllToAllOptions())
-        elif operation == "reduce_scatter_tensor" and _reduces_locally(_RedOp(kind), dtype):
-            work = self._gloo.alltoall_base(torch.empty_like(scratch), scratch, [], [], dist.AllToAllOptions())
-        elif operation == "reduce_scatter_tensor":
-            options = dist.ReduceScatterOptions()
-            options.reduceOp = self._gloo_reduce_op(_RedOp(kind), dtype, HostCall(), lambda: [])
-            work = self._gloo._reduce_scatter_base(torch.empty(numel_out, dtype=dtype), scratch, options)
-        elif operation == "barrier":
-            work = self._gloo.barrier()
-        else:
-            raise AssertionError(f"bccl: {operation} never starts before all ranks agree")
-        gloo_handoff.hold([work])
-        work.wait()
+    def _gloo_op_for(self, kind: _RedOp, dtype: torch.dtype):
+        """The op gloo runs for `kind` (a composed AVG's fix-up is not needed on scratch buffers)."""
+        return self._gloo_reduce_op(kind, dtype, HostCall(), lambda: [])
 
     def _gloo_reduce_op(self, kind: _RedOp, dtype: torch.dtype, call: HostCall, result: Callable):
         """The op gloo runs for `kind`, registering the fix-up that completes a composed AVG."""
@@ -327,34 +285,12 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         )
         parts = []
         for output, (out_view, in_view) in zip(outputs, operands):
-            if _reduces_locally(kind, output.dtype):
-                parts.append(self._reduce_scatter_by_exchange(out_view, in_view, kind, call, opts.timeout))
+            if composed.reduces_locally(kind, output.dtype):
+                parts.append(composed.reduce_scatter(self._gloo, self.size(), out_view, in_view, kind, call, opts.timeout))
                 continue
             gloo_op = self._gloo_reduce_op(kind, output.dtype, call, lambda v=out_view: [v])
             parts.append(self._gloo._reduce_scatter_base(out_view, in_view, self._options("reduce_scatter", opts, gloo_op)))
         return self._finish(parts, call, outputs, ticket)
-
-    def _reduce_scatter_by_exchange(self, output, input, kind: _RedOp, call: HostCall, timeout) -> dist.Work:
-        """reduce_scatter as one all-to-all (each rank receives every rank's chunk of its share) and a
-        local reduction in rank order, with PyTorch's vectorised kernels. gloo's own reduce_scatter
-        all-reduces the whole input with scalar loops: about twice as slow for float32 and up to
-        five times for bfloat16 on a 2-core machine (bench/collectives.py)."""
-        size = self.size()
-        received = torch.empty_like(input)
-
-        def reduce():
-            chunks = received.view(size, -1)
-            output.copy_(chunks[0])
-            for chunk in chunks[1:]:
-                _LOCAL_REDUCTIONS[kind](output, chunk)
-            if kind == _RedOp.AVG:
-                floating = output.dtype.is_floating_point or output.dtype.is_complex
-                output.div_(size, rounding_mode=None if floating else "trunc")
-
-        call.after(reduce)
-        options = dist.AllToAllOptions()
-        options.timeout = timeout
-        return self._gloo.alltoall_base(received, input, [], [], options)
 
     # ---- data movement --------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -404,9 +340,6 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def _all_gather_tensors(self, outputs, inputs, opts, operation):
-        # All-gather as one all-to-all that sends every peer a copy of the input: gloo's pairwise
-        # all-to-all moves the same bytes as its ring all_gather, 15-30% faster on a 2-core
-        # machine from 64 KiB to 4 MiB (bench/collectives.py). Bit-exact: only placement.
         opts = opts if opts is not None else AllgatherOptions()
         call = HostCall()
         operands = [self._pair_operands(output, input, operation, call, True) for output, input in zip(outputs, inputs)]
@@ -417,9 +350,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             ),
             early=operation == "all_gather_into_tensor",
         )
-        options = dist.AllToAllOptions()
-        options.timeout = opts.timeout
-        parts = [self._gloo.alltoall_base(received, send, [], [], options) for received, send in operands]
+        parts = [composed.all_gather(self._gloo, received, send, opts.timeout) for received, send in operands]
         return self._finish(parts, call, outputs, ticket)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
