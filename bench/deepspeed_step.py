@@ -1,6 +1,6 @@
 """One DeepSpeed training script on DeepSpeed's CPU accelerator and on emulated SUPA cards, step time side by side.
 
-    python bench/deepspeed_step.py [--stages 0 1 2 3] [--rounds 2] [--steps 10] [--warmup 4]
+    python bench/deepspeed_step.py [--stages 0 1 2 3] [--rounds 3] [--steps 40] [--warmup 8]
 
 The same script runs as 2 ranks (torchrun) twice per round: once with DS_ACCELERATOR=cpu (gloo,
 no emulator) and once with SUPA_EMULATE=1 (DeepSpeed picks SUPA, bccl). Rounds alternate the two
@@ -9,6 +9,8 @@ same model (an MLP of --layers Linear+GELU blocks --width wide, bf16, DeepSpeed'
 config) at every requested ZeRO stage and reports rank 0's median step time over the steps after
 the warm-up ones. The table gives the median over rounds and the supa/cpu ratio per stage.
 Machines are noisy: read the ratios; the load average at start and end is printed with them.
+Single steps vary 2-3x on a 2-core machine (gloo's all_reduce time does, on both sides), hence
+40 measured steps per stage and job by default: with 10, the same code gave stage ratios 0.1 apart.
 """
 
 from __future__ import annotations
@@ -140,9 +142,9 @@ def _run_job(side: str, args) -> dict[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
-    parser.add_argument("--rounds", type=int, default=2, help="jobs per side (alternating)")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per stage and job")
-    parser.add_argument("--warmup", type=int, default=4, help="steps run before measuring")
+    parser.add_argument("--rounds", type=int, default=3, help="jobs per side (alternating)")
+    parser.add_argument("--steps", type=int, default=40, help="measured steps per stage and job")
+    parser.add_argument("--warmup", type=int, default=8, help="steps run before measuring")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=16, help="micro batch per rank")
