@@ -342,24 +342,26 @@ def _scenario_collectives(rank: int, port: int) -> dict:
         raise AssertionError("a CPU tensor was accepted")
     check("cpu_tensor_rejected", cpu_tensor_rejected)
 
-    def mismatched_shapes():
+    def must_raise_mismatch(call, what, *details):
         try:
-            dist.all_reduce(torch.ones(4 if rank == 0 else 8, device=dev))
+            call()
         except RuntimeError as error:
-            _expect("mismatch" in str(error) and "numel=4" in str(error) and "numel=8" in str(error), error)
+            _expect("mismatch" in str(error) and all(d in str(error) for d in details), error)
         else:
-            raise AssertionError("mismatched all_reduce did not fail")
-        try:
-            out = torch.empty(WORLD * (2 + rank), device=dev)
-            dist.all_gather_into_tensor(out, torch.ones(2 + rank, device=dev))
-        except RuntimeError as error:
-            _expect("mismatch" in str(error), error)
-        else:
-            raise AssertionError("mismatched all_gather_into_tensor did not fail")
-        # The group stays usable after a rejected call.
+            raise AssertionError(f"{what} did not fail")
+
+    def group_still_works():
         z = torch.ones(2, device=dev)
         dist.all_reduce(z)
         same(z, torch.full((2,), 2.0))
+
+    def mismatched_shapes():
+        must_raise_mismatch(lambda: dist.all_reduce(torch.ones(4 if rank == 0 else 8, device=dev)),
+                            "mismatched all_reduce", "numel=4", "numel=8")
+        must_raise_mismatch(lambda: dist.all_gather_into_tensor(torch.empty(WORLD * (2 + rank), device=dev),
+                                                                torch.ones(2 + rank, device=dev)),
+                            "mismatched all_gather_into_tensor")
+        group_still_works()  # after a rejected call
     check("mismatched_shapes", mismatched_shapes)
 
     def wrong_output_size():
@@ -398,38 +400,20 @@ def _scenario_collectives(rank: int, port: int) -> dict:
                 if rank != first:
                     time.sleep(0.2)  # the first rank's signature is alone on the board when it starts
                 calls = mine_or_theirs(4 if rank == first else 8)[first_calls if rank == first else then_calls]
-                try:
-                    calls()
-                except RuntimeError as error:
-                    _expect("mismatch" in str(error), error)
-                else:
-                    raise AssertionError(f"{first_calls} against {then_calls} (rank {first} first) did not fail")
+                must_raise_mismatch(calls, f"{first_calls} against {then_calls} (rank {first} first)")
         # An asynchronous one reports through its work, and the group stays usable.
         dist.barrier()
         if rank == 1:
             time.sleep(0.2)
-        work = dist.all_reduce(torch.ones(4 + 4 * rank, device=dev), async_op=True) if rank == 0 else None
-        if rank == 1:
-            try:
-                dist.all_reduce(torch.ones(8, device=dev))
-            except RuntimeError as error:
-                _expect("mismatch" in str(error), error)
-            else:
-                raise AssertionError("rank 1 accepted a mismatched all_reduce")
+            must_raise_mismatch(lambda: dist.all_reduce(torch.ones(8, device=dev)), "rank 1's all_reduce")
         else:
+            work = dist.all_reduce(torch.ones(4, device=dev), async_op=True)
             deadline = time.monotonic() + 60
             while not work.is_completed() and time.monotonic() < deadline:
                 time.sleep(0.01)
             _expect(work.is_completed() and "mismatch" in str(work.exception()), work.exception())
-            try:
-                work.wait()
-            except RuntimeError as error:
-                _expect("numel=4" in str(error) and "numel=8" in str(error), error)
-            else:
-                raise AssertionError("wait() on a mismatched all_reduce returned")
-        z = torch.ones(2, device=dev)
-        dist.all_reduce(z)
-        same(z, torch.full((2,), 2.0))
+            must_raise_mismatch(work.wait, "wait() on a mismatched all_reduce", "numel=4", "numel=8")
+        group_still_works()
     check("mismatch_after_peer_started", mismatch_after_peer_started)
 
     dist.destroy_process_group()
