@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstring>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -98,6 +99,81 @@ void shared_word_publish(uintptr_t address, int64_t value, uintptr_t waiters) {
   if (__atomic_load_n(reinterpret_cast<int64_t*>(waiters), __ATOMIC_SEQ_CST) != 0) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
   }
+}
+
+// The common steps of bccl's signature board (supa_emu/distributed/signature_exchange.py) in one
+// call each; Python keeps the waiting, the liveness checks and the error messages.
+// Layout, in int64 words from `base`: per rank `per_rank` words, a header [pid, settled,
+// waiters] and `ring` slots of [sequence, verdict, payload (`payload` words)].
+struct Board {
+  int64_t* words;
+  int64_t rank, size, per_rank, ring, payload;
+
+  int64_t* block(int64_t r) const { return words + r * per_rank; }
+  int64_t* slot(int64_t r, int64_t k) const { return block(r) + 3 + (k % ring) * (2 + payload); }
+  void publish(int64_t* word, int64_t value) const {
+    shared_word_publish(reinterpret_cast<uintptr_t>(word), value, reinterpret_cast<uintptr_t>(block(rank) + 2));
+  }
+};
+
+// Posts this rank's signature of collective k. Returns -1 if a peer has not settled collective
+// k - ring (its slot is still in use: the caller waits and retries); otherwise, with `head` > 0,
+// decides at once whether this rank may start, from the peers that have posted k: 1 if their
+// first `head` words all equal this rank's, 0 if one differs, and posts that verdict; with
+// `head` == 0 it returns 2 and the caller decides.
+int board_post(uintptr_t base, int64_t rank, int64_t size, int64_t per_rank, int64_t ring, int64_t payload, int64_t k,
+               const std::vector<int64_t>& signature, int64_t head) {
+  const Board board{reinterpret_cast<int64_t*>(base), rank, size, per_rank, ring, payload};
+  for (int64_t r = 0; r < size; ++r) {
+    if (r != rank && __atomic_load_n(board.block(r) + 1, __ATOMIC_ACQUIRE) < k - ring) {
+      return -1;
+    }
+  }
+  TORCH_CHECK(static_cast<int64_t>(signature.size()) <= payload, "bccl: a signature holds at most ", payload,
+              " words, got ", signature.size());
+  int64_t* mine = board.slot(rank, k);
+  std::memcpy(mine + 2, signature.data(), signature.size() * sizeof(int64_t));
+  std::memset(mine + 2 + signature.size(), 0, (payload - signature.size()) * sizeof(int64_t));
+  board.publish(mine, k);
+  if (head == 0) {
+    return 2;
+  }
+  int started = 1;
+  for (int64_t r = 0; r < size && started; ++r) {
+    const int64_t* theirs = board.slot(r, k);
+    if (r != rank && __atomic_load_n(theirs, __ATOMIC_SEQ_CST) == k &&
+        std::memcmp(theirs + 2, mine + 2, head * sizeof(int64_t)) != 0) {
+      started = 0;
+    }
+  }
+  board.publish(mine + 1, 2 * k + started);
+  return started;
+}
+
+// For collective k, which this rank started: 1 if every peer has posted it with the same first
+// `head` words (then this rank marks k settled), 0 if all posted and one differs, -1 if one has
+// not posted yet. Never waits.
+int board_settle_agreed(uintptr_t base, int64_t rank, int64_t size, int64_t per_rank, int64_t ring, int64_t payload,
+                        int64_t k, int64_t head) {
+  const Board board{reinterpret_cast<int64_t*>(base), rank, size, per_rank, ring, payload};
+  const int64_t* mine = board.slot(rank, k);
+  int result = 1;
+  for (int64_t r = 0; r < size; ++r) {
+    const int64_t* theirs = board.slot(r, k);
+    if (r == rank) {
+      continue;
+    }
+    if (__atomic_load_n(theirs, __ATOMIC_ACQUIRE) != k) {
+      return -1;
+    }
+    if (std::memcmp(theirs + 2, mine + 2, head * sizeof(int64_t)) != 0) {
+      result = 0;
+    }
+  }
+  if (result == 1) {
+    board.publish(board.block(rank) + 1, k);
+  }
+  return result;
 }
 
 py::tuple pool_id(int64_t graph_id, int64_t user_id) {
@@ -267,6 +343,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("waiters"),
         "Sleep until the shared word at `address` is woken or stops holding `unchanged` (False: timed out), "
         "counted in the word at `waiters` meanwhile");
+  m.def("_board_post", &board_post, "bccl: post a signature on the board and decide whether to start (see board_post)");
+  m.def("_board_settle_agreed", &board_settle_agreed,
+        "bccl: 1 if every peer posted collective k in agreement (then settled), 0 on a mismatch, -1 if one has not posted");
   m.def("_shared_word_publish", &shared_word_publish, py::arg("address"), py::arg("value"), py::arg("waiters"),
         "Store `value` in the shared word at `address` (sequentially consistent) and wake its waiters "
         "if the word at `waiters` counts any");

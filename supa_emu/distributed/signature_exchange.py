@@ -15,7 +15,6 @@ Two carriers:
   so every collective waits for all signatures.
 """
 
-import array
 import ctypes
 import datetime
 import mmap
@@ -23,7 +22,7 @@ import os
 import socket
 import tempfile
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +100,7 @@ class SharedMemoryBoard:
         self._address = ctypes.addressof(self._anchor)
         core = _native()
         self._sleep_on, self._store = core._shared_word_wait, core._shared_word_publish
+        self._post, self._settle_agreed = core._board_post, core._board_settle_agreed
         self._base = [r * self._per_rank for r in range(size)]
         self._peers = [r for r in range(size) if r != rank]
         self._words[self._base[rank]] = os.getpid()
@@ -144,25 +144,28 @@ class SharedMemoryBoard:
     def _publish(self, index: int, value: int) -> None:
         self._store(self._address + 8 * index, value, self._my_waiters)
 
-    def post(self, words: List[int]) -> int:
-        """Post this rank's signature of its next collective; returns the collective's number."""
-        k = self.sequence + 1
-        for peer in self._peers:
-            self._wait(self._base[peer] + 1, lambda settled: settled >= k - RING, peer,
-                       f"finish collective #{k - RING}")
-        mine = self._slot(self._rank, k)
-        self._words[mine + 2 : mine + 2 + WORDS] = _pack(words)
-        self._publish(mine, k)
-        self.sequence = k
-        return k
+    def post(self, words: List[int], head: int) -> Tuple[int, int]:
+        """Post this rank's signature of its next collective; returns (its number, status).
 
-    def posted(self, peer: int, k: int, words: int = WORDS) -> Optional[List[int]]:
-        """The first `words` words of `peer`'s signature of collective k if it has posted it, else
-        None (does not wait)."""
-        slot = self._slot(peer, k)
-        if self._words[slot] != k:
-            return None
-        return self._words[slot + 2 : slot + 2 + words].tolist()
+        With `head` > 0 the board also decides whether this rank may start at once (status 1 if
+        every peer that has posted agrees on the first `head` words, else 0) and posts that
+        verdict; with 0 the status is 2 and the caller decides (post_verdict).
+        """
+        k = self.sequence + 1
+        while True:
+            status = self._post(self._address, self._rank, self._size, self._per_rank, RING, WORDS, k, words, head)
+            if status != -1:
+                break
+            for peer in self._peers:  # a peer is RING collectives behind: its slot is still in use
+                self._wait(self._base[peer] + 1, lambda settled: settled >= k - RING, peer,
+                           f"finish collective #{k - RING}")
+        self.sequence = k
+        return k, status
+
+    def settle_agreed(self, k: int, head: int) -> int:
+        """1 if every peer has posted collective k with the same first `head` words as this rank
+        (then k is settled), 0 if all posted and one differs, -1 if one has not posted. No waiting."""
+        return self._settle_agreed(self._address, self._rank, self._size, self._per_rank, RING, WORDS, k, head)
 
     def signature(self, peer: int, k: int, words: int = WORDS) -> List[int]:
         """The first `words` words of `peer`'s signature of collective k, waiting for it to be posted."""
@@ -191,12 +194,6 @@ class SharedMemoryBoard:
             self._map.close()
         except (BufferError, ValueError):
             pass
-
-
-def _pack(words: List[int]) -> memoryview:
-    if len(words) > WORDS:
-        raise ValueError(f"bccl: a signature holds at most {WORDS} words, got {len(words)}")
-    return memoryview(array.array("q", words + [0] * (WORDS - len(words))))
 
 
 class GlooExchange:

@@ -180,20 +180,13 @@ class Agreement:
             self._settle_posted()
             while self._unsettled and self._unsettled[0].sequence <= board.sequence + 1 - RING:
                 self._settle(self._unsettled[0])  # frees the ring slot this collective will use
-            k = board.post(signature)
-            peers = range(self._size)
-            if early and not receive_counts:
-                head = signature[:_HEAD]
-                started = True
-                for peer in peers:
-                    if peer != self._rank:
-                        theirs = board.posted(peer, k, _HEAD)
-                        if theirs is not None and theirs != head:
-                            started = False
-            else:
-                everyone = [signature if r == self._rank else board.signature(r, k) for r in peers]
+            k, status = board.post(signature, _HEAD if early and not receive_counts else 0)
+            if status == 2:  # wait for every signature, then decide
+                everyone = [signature if r == self._rank else board.signature(r, k) for r in range(self._size)]
                 started = _mismatch(everyone, self._rank, self._label, receive_counts) is None
-            board.post_verdict(k, started)
+                board.post_verdict(k, started)
+            else:
+                started = status == 1
             ticket = Ticket(k, signature, receive_counts, started)
             self._unsettled.append(ticket)
             if not started:
@@ -228,16 +221,28 @@ class Agreement:
             self._lock.release()
 
     def _settle_posted(self) -> None:
-        board = self._exchange
-        while self._unsettled:
-            ticket = self._unsettled[0]
-            if not ticket.started or any(
-                board.posted(peer, ticket.sequence, 0) is None for peer in range(self._size) if peer != self._rank
-            ):
-                return
-            self._settle(ticket)
+        while self._unsettled and self._settle_if_posted(self._unsettled[0]):
+            pass
+
+    def _settle_if_posted(self, ticket: Ticket) -> bool:
+        """Settle `ticket` (the oldest) if all peers have posted it; never waits."""
+        if not ticket.started or ticket.receive_counts:
+            return False
+        agreed = self._exchange.settle_agreed(ticket.sequence, _HEAD)
+        if agreed == 1:  # the common case, all in one native call
+            ticket.settled = True
+            self._unsettled.popleft()
+            return True
+        if agreed == 0:
+            self._settle_waiting(ticket)  # names the mismatch
+            return True
+        return False
 
     def _settle(self, ticket: Ticket) -> None:
+        if not self._settle_if_posted(ticket):
+            self._settle_waiting(ticket)
+
+    def _settle_waiting(self, ticket: Ticket) -> None:
         board, k = self._exchange, ticket.sequence
         words = WORDS if ticket.receive_counts else _HEAD  # the rest only carries cross-checked counts
         everyone = [ticket.signature if r == self._rank else board.signature(r, k, words) for r in range(self._size)]
