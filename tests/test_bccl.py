@@ -366,6 +366,13 @@ def _scenario_collectives(rank: int, port: int) -> dict:
 
     def wrong_output_size():
         try:
+            group = dist.group.WORLD
+            group.reduce_scatter_tensor_coalesced([torch.empty(2, device=dev)] * 2, [torch.ones(4, device=dev)])
+        except ValueError as error:
+            _expect("as many output as input tensors, got 2 and 1" in str(error), error)
+        else:
+            raise AssertionError("a coalesced call with more outputs than inputs was accepted")
+        try:
             dist.all_gather_into_tensor(torch.empty(3, device=dev), torch.ones(2, device=dev))
         except ValueError as error:
             _expect("all_gather_into_tensor" in str(error), error)

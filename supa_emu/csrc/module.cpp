@@ -114,6 +114,28 @@ struct Board {
   void publish(int64_t* word, int64_t value) const {
     shared_word_publish(reinterpret_cast<uintptr_t>(word), value, reinterpret_cast<uintptr_t>(block(rank) + 2));
   }
+  // Compares the first `head` words of the peers' posts of collective k with this rank's:
+  // 0 if a posted one differs, else 1; with `all_posted`, -1 if a peer has not posted k yet.
+  int posted_agree(int64_t k, int64_t head, bool all_posted) const {
+    const int64_t* mine = slot(rank, k);
+    int result = 1;
+    for (int64_t r = 0; r < size; ++r) {
+      const int64_t* theirs = slot(r, k);
+      if (r == rank) {
+        continue;
+      }
+      if (__atomic_load_n(theirs, __ATOMIC_SEQ_CST) != k) {
+        if (all_posted) {
+          return -1;
+        }
+        continue;
+      }
+      if (std::memcmp(theirs + 2, mine + 2, head * sizeof(int64_t)) != 0) {
+        result = 0;
+      }
+    }
+    return result;
+  }
 };
 
 // Posts this rank's signature of collective k. Returns -1 if a peer has not settled collective
@@ -138,14 +160,7 @@ int board_post(uintptr_t base, int64_t rank, int64_t size, int64_t per_rank, int
   if (head == 0) {
     return 2;
   }
-  int started = 1;
-  for (int64_t r = 0; r < size && started; ++r) {
-    const int64_t* theirs = board.slot(r, k);
-    if (r != rank && __atomic_load_n(theirs, __ATOMIC_SEQ_CST) == k &&
-        std::memcmp(theirs + 2, mine + 2, head * sizeof(int64_t)) != 0) {
-      started = 0;
-    }
-  }
+  const int started = board.posted_agree(k, head, /*all_posted=*/false) == 1 ? 1 : 0;
   board.publish(mine + 1, 2 * k + started);
   return started;
 }
@@ -156,20 +171,7 @@ int board_post(uintptr_t base, int64_t rank, int64_t size, int64_t per_rank, int
 int board_settle_agreed(uintptr_t base, int64_t rank, int64_t size, int64_t per_rank, int64_t ring, int64_t payload,
                         int64_t k, int64_t head) {
   const Board board{reinterpret_cast<int64_t*>(base), rank, size, per_rank, ring, payload};
-  const int64_t* mine = board.slot(rank, k);
-  int result = 1;
-  for (int64_t r = 0; r < size; ++r) {
-    const int64_t* theirs = board.slot(r, k);
-    if (r == rank) {
-      continue;
-    }
-    if (__atomic_load_n(theirs, __ATOMIC_ACQUIRE) != k) {
-      return -1;
-    }
-    if (std::memcmp(theirs + 2, mine + 2, head * sizeof(int64_t)) != 0) {
-      result = 0;
-    }
-  }
+  const int result = board.posted_agree(k, head, /*all_posted=*/true);
   if (result == 1) {
     board.publish(board.block(rank) + 1, k);
   }
@@ -332,6 +334,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_host_view", &supa::host_view, "A CPU tensor over a supa tensor's memory (no copy)");
   m.def("_all_reduce_operand", &supa::all_reduce_operand,
         "bccl: the flat host view of a dense contiguous supa tensor, else None");
+  m.def("_replicated", &supa::replicated,
+        "bccl: a CPU buffer holding group_size memcpy copies of a contiguous CPU tensor, one per row");
   m.def("_all_gather_operands", &supa::all_gather_operands,
         "bccl: (flat host view of the output, send buffer holding group_size copies of the input), else None");
   m.def("_reduce_scatter_operands", &supa::reduce_scatter_operands,

@@ -56,6 +56,13 @@ def check_chunk(mine: torch.Tensor, entry: torch.Tensor, operation: str, mine_ro
     check_dtypes(mine, entry, operation)
 
 
+def pairs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], operation: str):
+    """The (output, input) pairs of a tensor-list collective, which takes as many of each."""
+    if len(outputs) != len(inputs):
+        raise ValueError(f"bccl: {operation} needs as many output as input tensors, got {len(outputs)} and {len(inputs)}")
+    return zip(outputs, inputs)
+
+
 def per_rank_list(lists, group_size: int, operation: str, role: str) -> List[torch.Tensor]:
     """The one list of `group_size` device tensors that all_gather / reduce_scatter / gather / scatter take."""
     if len(lists) != 1 or len(lists[0]) != group_size:

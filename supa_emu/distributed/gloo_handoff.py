@@ -30,10 +30,6 @@ _lock = threading.Lock()
 _exit_hook_installed = False
 
 
-def _use_count(work: dist.Work) -> int:
-    return _native()._work_use_count(work)
-
-
 def hold(works: Iterable[dist.Work]) -> None:
     """Keep `works` (gloo's) until gloo has released them; release those it is done with."""
     global _exit_hook_installed
@@ -57,7 +53,7 @@ def _release_finished() -> None:
     while _held and use_count(_held[0]) == 1:
         _held.popleft()
     if len(_held) >= _FULL_SCAN_AT:
-        still_used = [work for work in _held if _use_count(work) > 1]
+        still_used = [work for work in _held if use_count(work) > 1]
         _held.clear()
         _held.extend(still_used)
 

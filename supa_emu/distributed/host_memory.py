@@ -9,7 +9,6 @@ address in place (non-contiguous tensors) through contiguous host buffers.
 
 from typing import Callable, List, Optional
 
-import numpy
 import torch
 
 from supa_emu.supa import _native
@@ -39,15 +38,9 @@ def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: i
     return _native()._reduce_scatter_operands(output, input, group_size)
 
 
-def replicate(source: torch.Tensor, rows: torch.Tensor) -> None:
-    """Copy contiguous `source` into each row of contiguous `rows` with plain memcpy.
-
-    A single-threaded copy on purpose: at some sizes PyTorch's copy goes parallel, and with every
-    rank's threads on a 2-core machine that costs milliseconds instead of microseconds.
-    """
-    flat = source.reshape(-1).view(torch.uint8).numpy()
-    for row in rows.view(torch.uint8).numpy():
-        numpy.copyto(row, flat)
+def replicated(source: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A flat CPU buffer holding `group_size` copies of contiguous CPU `source` (plain memcpy)."""
+    return _native()._replicated(source, group_size)
 
 
 def is_device_tensor(tensor: torch.Tensor) -> bool:

@@ -28,7 +28,8 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from . import composed, gloo_handoff, host_memory, signature_exchange, signatures
 from .arguments import (
-    check_chunk, check_dtypes, check_sizes, numel as _numel, per_rank_list, require_device, root_list, single, split_counts)
+    check_chunk, check_dtypes, check_sizes, numel as _numel, pairs, per_rank_list, require_device, root_list, single,
+    split_counts)
 from .host_memory import HostCall
 from supa_emu.supa import _sanitizer_switch as _sanitizer
 from .work import BCCLWork, combine
@@ -182,9 +183,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         received, source = _flat(call.view(output, read=False)), _flat(call.view(input, write=False))
         if not gather:
             return received, source
-        send = torch.empty(size * source.numel(), dtype=source.dtype)
-        host_memory.replicate(source, send.view(size, -1))
-        return received, send
+        return received, host_memory.replicated(source, size)
 
     # ---- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -271,7 +270,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         call = HostCall()
-        operands = [self._pair_operands(output, input, operation, call, False) for output, input in zip(outputs, inputs)]
+        operands = [self._pair_operands(output, input, operation, call, False)
+                    for output, input in pairs(outputs, inputs, operation)]
         kind = _reduce_kind(opts.reduceOp)
         if outputs:
             _check_reduce_op(kind, outputs[0].dtype)
@@ -342,7 +342,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     def _all_gather_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else AllgatherOptions()
         call = HostCall()
-        operands = [self._pair_operands(output, input, operation, call, True) for output, input in zip(outputs, inputs)]
+        operands = [self._pair_operands(output, input, operation, call, True)
+                    for output, input in pairs(outputs, inputs, operation)]
         ticket = self._agreement.agree(
             signatures.make(
                 operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),

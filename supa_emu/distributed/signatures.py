@@ -162,7 +162,7 @@ class Agreement:
     def __init__(self, exchange, rank: int, size: int, label: str, stand_in: Callable[[List[int]], None]):
         self._exchange, self._rank, self._size, self._label = exchange, rank, size, label
         self._stand_in = stand_in
-        self._early = getattr(exchange, "launches_early", False)
+        self._early = exchange.launches_early
         self._unsettled: Deque[Ticket] = collections.deque()
         self._lock = threading.RLock()
 
@@ -180,7 +180,9 @@ class Agreement:
             self._settle_posted()
             while self._unsettled and self._unsettled[0].sequence <= board.sequence + 1 - RING:
                 self._settle(self._unsettled[0])  # frees the ring slot this collective will use
-            k, status = board.post(signature, _HEAD if early and not receive_counts else 0)
+            # A stand-in can be run only for a signature whose dtype it can name.
+            early = early and not receive_counts and signature[1] < len(_DTYPES)
+            k, status = board.post(signature, _HEAD if early else 0)
             if status == 2:  # wait for every signature, then decide
                 everyone = [signature if r == self._rank else board.signature(r, k) for r in range(self._size)]
                 started = _mismatch(everyone, self._rank, self._label, receive_counts) is None

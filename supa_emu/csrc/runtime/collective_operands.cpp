@@ -24,6 +24,19 @@ at::Tensor flat_host_view(const at::Tensor& t) {
 
 }  // namespace
 
+at::Tensor replicated(const at::Tensor& source, int64_t group_size) {
+  TORCH_CHECK(source.device().is_cpu() && source.is_contiguous(), "replicated expects a contiguous CPU tensor");
+  // A plain memcpy per row: PyTorch's copy may go parallel, which costs milliseconds when every
+  // rank's threads share two cores.
+  at::Tensor rows = at::empty({group_size * source.numel()}, source.options());
+  const size_t nbytes = static_cast<size_t>(source.numel()) * source.element_size();
+  auto* row = static_cast<char*>(rows.data_ptr());
+  for (int64_t r = 0; r < group_size; ++r, row += nbytes) {
+    std::memcpy(row, source.data_ptr(), nbytes);
+  }
+  return rows;
+}
+
 std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor) {
   if (!plain_device_tensor(tensor)) {
     return std::nullopt;
@@ -37,17 +50,8 @@ std::optional<std::pair<at::Tensor, at::Tensor>> all_gather_operands(const at::T
       output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * group_size) {
     return std::nullopt;
   }
-  // What every peer receives: one copy of the input per rank, sent as one all-to-all. A plain
-  // memcpy per row (PyTorch's copy may go parallel, which costs milliseconds when every rank's
-  // threads share two cores).
-  at::Tensor send = at::empty({output.numel()}, input.options().device(c10::kCPU));
-  const at::Tensor source = host_view(input);
-  const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
-  auto* row = static_cast<char*>(send.data_ptr());
-  for (int64_t r = 0; r < group_size; ++r, row += nbytes) {
-    std::memcpy(row, source.data_ptr(), nbytes);
-  }
-  return std::make_pair(flat_host_view(output), send);
+  // What every peer receives: one copy of the input per rank, sent as one all-to-all.
+  return std::make_pair(flat_host_view(output), replicated(host_view(input), group_size));
 }
 
 std::optional<std::pair<at::Tensor, at::Tensor>> reduce_scatter_operands(const at::Tensor& output,

@@ -206,6 +206,8 @@ at::Tensor host_view(const at::Tensor& device_tensor);
 // Flat CPU views (and, for all_gather, the send buffer of an all-to-all) when the operands are
 // dense contiguous supa tensors that fit the collective; nothing otherwise.
 std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor);
+// A flat CPU tensor holding `group_size` copies of contiguous CPU `source`, one after another.
+at::Tensor replicated(const at::Tensor& source, int64_t group_size);
 std::optional<std::pair<at::Tensor, at::Tensor>> all_gather_operands(const at::Tensor& output, const at::Tensor& input,
                                                                      int64_t group_size);
 std::optional<std::pair<at::Tensor, at::Tensor>> reduce_scatter_operands(const at::Tensor& output,
