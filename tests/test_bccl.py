@@ -30,13 +30,13 @@ _RESULT = "BCCL-RESULT "
 # ------------------------------------------------------------------------------------------------
 # Worker side (runs in the spawned ranks)
 # ------------------------------------------------------------------------------------------------
-def _init(rank: int, port: int, timeout_s: float = 0):
+def _init(rank: int, port: int, timeout_s: float = 0, world: int = WORLD):
     import torch
     import torch.distributed as dist
 
     torch.accelerator.set_device_index(rank)  # bccl was registered when torch activated supa
     kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
-    dist.init_process_group("bccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, **kwargs)
+    dist.init_process_group("bccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs)
     return torch.device("supa", rank)
 
 
@@ -99,6 +99,29 @@ def _scenario_collectives(rank: int, port: int) -> dict:
                     expected = reference[op].to(dtype)
                 same(out, expected[2 * rank:2 * rank + 2].to(dtype).view(1, 2))
             check(f"reduce_scatter_tensor/{str(dtype)[6:]}/{op}", reduce_scatter_tensor_op)
+
+    def all_reduce_matches_gloo():
+        # bccl reduces all_reduce itself after an exchange; with 2 ranks its bits must be gloo's.
+        gloo = dist.new_group(backend="gloo")
+        generator = torch.Generator().manual_seed(1234 + rank)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for op in ("SUM", "PRODUCT", "MIN", "MAX"):
+                for numel in (1000, 40_000):  # 40,000 float32 elements: 160 KB
+                    data = torch.randn(numel, generator=generator).to(dtype)
+                    on_device, on_host = data.to(dev), data.clone()
+                    dist.all_reduce(on_device, op=getattr(R, op))
+                    dist.all_reduce(on_host, op=getattr(R, op), group=gloo)
+                    assert torch.equal(on_device.cpu().view(torch.int8), on_host.view(torch.int8)), (dtype, op, numel)
+        dist.destroy_process_group(gloo)
+        # MIN/MAX of -0.0 and 0.0 depend on operand order (gloo's pick varies with the element's
+        # position in its ring chunks); bccl's must at least be the same on every rank.
+        for op in (R.MIN, R.MAX):
+            zeros = torch.full((1000,), -0.0 if rank == 0 else 0.0, device=dev)
+            dist.all_reduce(zeros, op=op)
+            signs = [torch.empty(1000, dtype=torch.bool, device=dev) for _ in range(WORLD)]
+            dist.all_gather(signs, torch.signbit(zeros))
+            assert torch.equal(signs[0], signs[1]), f"{op}: ranks hold different zeros"
+    check("all_reduce/matches_gloo", all_reduce_matches_gloo)
 
     def all_reduce_non_contiguous():
         full = (torch.arange(24.).reshape(4, 6) + rank).to(dev)
@@ -427,6 +450,52 @@ def _scenario_collectives(rank: int, port: int) -> dict:
     return check.outcomes
 
 
+def _scenario_three_ranks(rank: int, port: int) -> dict:
+    """all_reduce with 3 ranks: small buffers are exchanged and reduced in rank order by bccl,
+    large ones go to gloo's ring; every rank must hold the rank-order result."""
+    import torch
+    import torch.distributed as dist
+
+    world = 3
+    dev = _init(rank, port, world=world)
+    check = _Checks()
+    folds = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}
+
+    def contribution(source, dtype, numel):
+        values = torch.randn(numel, generator=torch.Generator().manual_seed(100 + source)) * 4
+        return values.to(dtype) if dtype.is_floating_point else values.round().to(dtype)
+
+    def expected(dtype, op, numel):
+        contributions = [contribution(source, dtype, numel) for source in range(world)]
+        result = contributions[0]
+        for other in contributions[1:]:
+            result = folds[op](result, other)
+        if op == "AVG":
+            result = result / world if dtype.is_floating_point else torch.div(result, world, rounding_mode="trunc")
+        return result
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for op in folds:
+            def exchanged(dtype=dtype, op=op):
+                x = contribution(rank, dtype, 3000).to(dev)
+                dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+                assert torch.equal(x.cpu(), expected(dtype, op, 3000)), f"{x.cpu()} != {expected(dtype, op, 3000)}"
+            check(f"three_ranks/{str(dtype)[6:]}/{op}", exchanged)
+
+    def ring():
+        # 200,000 float32 elements (800 KB, sent to 2 peers) are past bccl's exchange limit.
+        x = contribution(rank, torch.float32, 200_000).to(dev)
+        dist.all_reduce(x)
+        torch.testing.assert_close(x.cpu(), expected(torch.float32, "SUM", 200_000))
+        gathered = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(gathered, x)
+        assert all(torch.equal(other, x) for other in gathered), "ranks disagree"
+    check("three_ranks/ring", ring)
+
+    dist.destroy_process_group()
+    return check.outcomes
+
+
 def _scenario_peer_exits(rank: int, port: int) -> dict:
     """Rank 1 dies (no clean shutdown) while rank 0 waits in a collective."""
     import torch
@@ -503,8 +572,8 @@ def _worker_main(scenario: str, rank: int, port: int) -> None:
 # Parent side
 # ------------------------------------------------------------------------------------------------
 
-def _run_job(scenario: str, limit_s: float = 240) -> list:
-    """Start WORLD ranks of `scenario`; return each rank's (returncode, outcome dict or None, stderr)."""
+def _run_job(scenario: str, limit_s: float = 240, world: int = WORLD) -> list:
+    """Start `world` ranks of `scenario`; return each rank's (returncode, outcome dict or None, stderr)."""
     port = free_port()
     env = dict(os.environ, SUPA_EMULATE="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -514,7 +583,7 @@ def _run_job(scenario: str, limit_s: float = 240) -> list:
             [sys.executable, os.path.abspath(__file__), scenario, str(rank), str(port)],
             env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     results = []
     deadline = time.monotonic() + limit_s
@@ -547,7 +616,7 @@ _EMULATOR_CHECKS = [
     "mismatch_after_peer_started",
 ]
 _CHECKS = [
-    "all_reduce/non_contiguous", "async/all_reduce", "broadcast", "reduce",
+    "all_reduce/non_contiguous", "all_reduce/matches_gloo", "async/all_reduce", "broadcast", "reduce",
     "all_gather", "all_gather/unequal_sizes", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single/equal", "all_to_all_single/unequal", "gather",
     "scatter", "barrier", "send_recv", "isend_irecv", "batch_isend_irecv", "all_reduce_coalesced",
@@ -587,6 +656,15 @@ def test_every_check_ran(collectives):
     expected = {f"{c}/{d}/{o}" for c in ("all_reduce", "reduce_scatter_tensor") for d in _DTYPES for o in _OPS}
     expected |= set(_CHECKS) | set(_EMULATOR_CHECKS)
     assert set(collectives[0]) == expected
+
+
+def test_three_ranks():
+    results = _run_job("three_ranks", world=3)
+    for rank, (code, outcome, err) in enumerate(results):
+        assert code == 0 and outcome is not None, f"rank {rank} failed ({code}):\n{err[-4000:]}"
+        failed = {name: result for name, result in outcome.items() if result != "ok"}
+        assert not failed, f"rank {rank}: {failed}"
+        assert len(outcome) == 16, outcome
 
 
 @pytest.mark.emulation_only

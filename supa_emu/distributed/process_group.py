@@ -6,8 +6,8 @@ between ranks without a copy. Copies happen only where gloo cannot address the d
 a non-contiguous tensor is staged through a contiguous host buffer and written back afterwards.
 Where gloo lacks an operation, or has a slow one, it is composed from gloo operations that exist:
   - AVG on integer dtypes: SUM, then truncating division by the group size.
-  - reduce_scatter_tensor (and its coalesced form) with SUM, AVG, PRODUCT, MIN or MAX, and
-    all_gather_into_tensor: one all-to-all each (see composed.py).
+  - all_reduce and reduce_scatter_tensor (and its coalesced form) with SUM, AVG, PRODUCT, MIN or
+    MAX, and all_gather_into_tensor: one all-to-all each (see composed.py).
   - all_gather with unequal sizes: one broadcast per rank, straight into the outputs.
   - all_reduce_coalesced of mixed dtypes and the *_coalesced tensor variants (absent on gloo's
     backend): one gloo operation per tensor, in flight together, completing as one work.
@@ -199,8 +199,11 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         call = HostCall()
         view = call.elementwise_view(tensor)
-        gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda: [view])
-        part = self._gloo.allreduce([view], self._options("allreduce", opts, gloo_op))
+        if composed.all_reduce_exchanges(kind, tensor.dtype, tensor.numel(), self.size()):
+            part = composed.all_reduce(self._gloo, _flat(view), kind, call, opts.timeout)
+        else:
+            gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda: [view])
+            part = self._gloo.allreduce([view], self._options("allreduce", opts, gloo_op))
         return self._finish([part], call, [tensor], ticket)
 
     def allreduce_coalesced(self, tensors, opts=None):
