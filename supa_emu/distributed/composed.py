@@ -1,12 +1,11 @@
 """Collectives bccl builds from gloo's all-to-all, and the stand-in for a collective a rank refused.
 
-- all_reduce (SUM/AVG/PRODUCT/MIN/MAX): one pairwise exchange (an all-to-all in which every rank
-  sends its whole buffer to every peer and nothing to itself), then a local reduction in rank
-  order. With 2 ranks this moves the bytes of gloo's ring all_reduce in one round instead of
-  several, and PyTorch's vectorised kernels reduce where gloo runs scalar loops: 1.0-2.7x gloo's
-  time for float32 and bfloat16 from 64 KiB to 16 MiB on a 2-core machine. With more ranks each
-  rank sends its buffer once per peer, several times the ring's bytes, so the exchange is used
-  only while that stays small (EXCHANGE_LIMIT_BYTES).
+- all_reduce (SUM/AVG/PRODUCT/MIN/MAX) of buffers up to a few MiB: one pairwise exchange (an
+  all-to-all in which every rank sends its whole buffer to every peer and nothing to itself), then
+  a local reduction in rank order. With 2 ranks this moves the bytes of gloo's ring all_reduce in
+  one round instead of several, and PyTorch's vectorised kernels reduce where gloo runs scalar
+  loops. Larger buffers stay with gloo's ring, which overlaps reducing with sending and needs no
+  receive buffer (see _EXCHANGE_LIMIT_TWO_RANKS).
 - reduce_scatter: one all-to-all (each rank receives every rank's chunk of its own share), then a
   local reduction in rank order. gloo's own reduce_scatter all-reduces the whole input with
   scalar loops: about twice as slow for float32 and up to five times for bfloat16 there.
@@ -44,10 +43,12 @@ _LOCAL_REDUCTIONS = {
     _RedOp.MAX: torch.maximum,
 }
 
-# With more than 2 ranks, all_reduce exchanges buffers only while each rank sends at most this much.
-# Measured with 3 and 4 ranks on 2 cores: the exchange took 0.3-0.85x gloo's time up to 1 MiB sent
-# per rank and 1.2-2x from 2 MiB up.
-EXCHANGE_LIMIT_BYTES = 1 << 20
+# The most a rank sends in one all_reduce exchange, by group size. Measured on 2 cores against
+# gloo's all_reduce (float32 and bfloat16): with 2 ranks the exchange took 0.4-0.9x gloo's time
+# from 64 KiB to 8 MiB and 1.35-1.5x from 16 MiB (a fresh receive buffer of that size costs its
+# page faults); with 3 and 4 ranks, 0.3-0.85x up to 1 MiB sent per rank and 1.2-2x from 2 MiB up.
+_EXCHANGE_LIMIT_TWO_RANKS = 8 << 20
+_EXCHANGE_LIMIT_MORE_RANKS = 1 << 20
 
 
 def reduces_locally(kind: _RedOp, dtype: torch.dtype) -> bool:
@@ -61,8 +62,8 @@ def all_reduce_exchanges(kind: _RedOp, dtype: torch.dtype, numel: int, size: int
     stand-in from a peer's signature)."""
     if size < 2 or not reduces_locally(kind, dtype):
         return False
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return size == 2 or (size - 1) * numel * itemsize <= EXCHANGE_LIMIT_BYTES
+    sent = (size - 1) * numel * dtype.itemsize
+    return sent <= (_EXCHANGE_LIMIT_TWO_RANKS if size == 2 else _EXCHANGE_LIMIT_MORE_RANKS)
 
 
 def _fold_in_rank_order(out: torch.Tensor, contributions: List[torch.Tensor], kind: _RedOp) -> None:
