@@ -492,6 +492,18 @@ def _scenario_three_ranks(rank: int, port: int) -> dict:
         assert all(torch.equal(other, x) for other in gathered), "ranks disagree"
     check("three_ranks/ring", ring)
 
+    def all_gather_into_tensor():
+        out = torch.empty(world * 5, device=dev)
+        dist.all_gather_into_tensor(out, torch.arange(5.0, device=dev) + 10 * rank)
+        assert torch.equal(out.cpu(), torch.cat([torch.arange(5.0) + 10 * r for r in range(world)])), out.cpu()
+    check("three_ranks/all_gather_into_tensor", all_gather_into_tensor)
+
+    def reduce_scatter_tensor():
+        out = torch.empty(4, dtype=torch.bfloat16, device=dev)
+        dist.reduce_scatter_tensor(out, contribution(rank, torch.bfloat16, world * 4).to(dev))
+        assert torch.equal(out.cpu(), expected(torch.bfloat16, "SUM", world * 4)[4 * rank:4 * rank + 4]), out.cpu()
+    check("three_ranks/reduce_scatter_tensor", reduce_scatter_tensor)
+
     dist.destroy_process_group()
     return check.outcomes
 
@@ -664,7 +676,7 @@ def test_three_ranks():
         assert code == 0 and outcome is not None, f"rank {rank} failed ({code}):\n{err[-4000:]}"
         failed = {name: result for name, result in outcome.items() if result != "ok"}
         assert not failed, f"rank {rank}: {failed}"
-        assert len(outcome) == 16, outcome
+        assert len(outcome) == 18, outcome
 
 
 @pytest.mark.emulation_only

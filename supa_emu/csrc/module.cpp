@@ -334,12 +334,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_host_view", &supa::host_view, "A CPU tensor over a supa tensor's memory (no copy)");
   m.def("_all_reduce_operand", &supa::all_reduce_operand,
         "bccl: the flat host view of a dense contiguous supa tensor, else None");
-  m.def("_replicated", &supa::replicated,
-        "bccl: a CPU buffer holding group_size memcpy copies of a contiguous CPU tensor, one per row");
-  m.def("_all_gather_operands", &supa::all_gather_operands,
-        "bccl: (flat host view of the output, send buffer holding group_size copies of the input), else None");
-  m.def("_reduce_scatter_operands", &supa::reduce_scatter_operands,
-        "bccl: (flat host views of output and input) when input numel == output numel x group_size, else None");
+  m.def("_copy_rows", &supa::copy_rows,
+        "bccl: fill a contiguous CPU tensor with memcpy copies of another (a whole number of them)");
+  m.def("_pair_operands", &supa::pair_operands,
+        "bccl: flat host views of an all_gather's (gather=True) or reduce_scatter's output and input "
+        "when they are dense, contiguous, of one dtype and of fitting sizes, else None");
   // The raw pointer, so the call itself adds no reference to what it counts.
   m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },
         "How many references a c10d Work has (1: only the caller's Python object)");

@@ -26,21 +26,26 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool):
-    """For dense contiguous device tensors of one dtype whose element counts fit the collective,
-    checked and built natively in one call (Python checks cost tens of microseconds a call):
-    - gather: output numel == input numel x group_size; (flat CPU view of `output`, a CPU
-      buffer holding `group_size` copies of `input`), the operands of an all-to-all;
-    - otherwise input numel == output numel x group_size; flat CPU views of both.
+    """Flat CPU views of `output` and `input`, checked and built natively in one call (Python
+    checks cost tens of microseconds a call), when both are dense contiguous device tensors of one
+    dtype whose element counts fit the collective: output numel == input numel x group_size for
+    an all_gather (gather=True), input numel == output numel x group_size for a reduce_scatter.
     None for anything else: the caller checks (and raises) and stages.
     """
-    if gather:
-        return _native()._all_gather_operands(output, input, group_size)
-    return _native()._reduce_scatter_operands(output, input, group_size)
+    return _native()._pair_operands(output, input, group_size, gather)
 
 
-def replicated(source: torch.Tensor, group_size: int) -> torch.Tensor:
-    """A flat CPU buffer holding `group_size` copies of contiguous CPU `source` (plain memcpy)."""
-    return _native()._replicated(source, group_size)
+def copy_into(into: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy contiguous CPU `source` into contiguous CPU `into` of the same size (plain memcpy:
+    PyTorch's copy may go parallel, which costs milliseconds when ranks share few cores)."""
+    _native()._copy_rows(into, source)
+
+
+def replicated(source: torch.Tensor, copies: int) -> torch.Tensor:
+    """A flat CPU buffer holding `copies` copies of contiguous CPU `source` (plain memcpy)."""
+    rows = torch.empty(copies * source.numel(), dtype=source.dtype)
+    _native()._copy_rows(rows, source)
+    return rows
 
 
 def is_device_tensor(tensor: torch.Tensor) -> bool:

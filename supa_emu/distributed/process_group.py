@@ -163,8 +163,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         return fresh
 
     def _pair_operands(self, output, input, operation: str, call: HostCall, gather: bool):
-        """What gloo gets for one output/input pair of an all_gather (gather=True: where the result
-        lands, the all-to-all's send buffer) or of a reduce_scatter (flat output and input)."""
+        """Flat host views of one output/input pair of an all_gather (gather=True) or of a
+        reduce_scatter, for gloo."""
         size = self.size()
         if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
             plain = host_memory.plain_pair_operands(output, input, size, gather)
@@ -180,10 +180,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         else:
             check_sizes(input.numel(), output.numel() * size, size, operation, input, output)
         check_dtypes(output, input, operation)
-        received, source = _flat(call.view(output, read=False)), _flat(call.view(input, write=False))
-        if not gather:
-            return received, source
-        return received, host_memory.replicated(source, size)
+        return _flat(call.view(output, read=False)), _flat(call.view(input, write=False))
 
     # ---- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -354,7 +351,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             ),
             early=operation == "all_gather_into_tensor",
         )
-        parts = [composed.all_gather(self._gloo, received, send, opts.timeout) for received, send in operands]
+        parts = [composed.all_gather(self._gloo, output, input, opts.timeout) for output, input in operands]
         return self._finish(parts, call, outputs, ticket)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):

@@ -7,8 +7,6 @@
 // precise error or stages layouts gloo cannot address.
 #include "runtime.h"
 
-#include <ATen/ops/empty.h>
-
 #include <cstring>
 
 namespace supa {
@@ -24,17 +22,21 @@ at::Tensor flat_host_view(const at::Tensor& t) {
 
 }  // namespace
 
-at::Tensor replicated(const at::Tensor& source, int64_t group_size) {
-  TORCH_CHECK(source.device().is_cpu() && source.is_contiguous(), "replicated expects a contiguous CPU tensor");
+void copy_rows(at::Tensor& into, const at::Tensor& source) {
+  TORCH_CHECK(into.device().is_cpu() && into.is_contiguous() && source.device().is_cpu() && source.is_contiguous() &&
+                  into.scalar_type() == source.scalar_type() &&
+                  (source.numel() == 0 ? into.numel() == 0 : into.numel() % source.numel() == 0),
+              "copy_rows expects contiguous CPU tensors of one dtype, the first a whole number of copies of the second");
+  if (source.numel() == 0) {
+    return;
+  }
   // A plain memcpy per row: PyTorch's copy may go parallel, which costs milliseconds when every
   // rank's threads share two cores.
-  at::Tensor rows = at::empty({group_size * source.numel()}, source.options());
   const size_t nbytes = static_cast<size_t>(source.numel()) * source.element_size();
-  auto* row = static_cast<char*>(rows.data_ptr());
-  for (int64_t r = 0; r < group_size; ++r, row += nbytes) {
+  auto* row = static_cast<char*>(into.data_ptr());
+  for (int64_t r = 0; r < into.numel() / source.numel(); ++r, row += nbytes) {
     std::memcpy(row, source.data_ptr(), nbytes);
   }
-  return rows;
 }
 
 std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor) {
@@ -44,20 +46,15 @@ std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor) {
   return flat_host_view(tensor);
 }
 
-std::optional<std::pair<at::Tensor, at::Tensor>> all_gather_operands(const at::Tensor& output, const at::Tensor& input,
-                                                                     int64_t group_size) {
+std::optional<std::pair<at::Tensor, at::Tensor>> pair_operands(const at::Tensor& output, const at::Tensor& input,
+                                                               int64_t group_size, bool gather) {
   if (!plain_device_tensor(output) || !plain_device_tensor(input) || output.device() != input.device() ||
-      output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * group_size) {
+      output.scalar_type() != input.scalar_type()) {
     return std::nullopt;
   }
-  // What every peer receives: one copy of the input per rank, sent as one all-to-all.
-  return std::make_pair(flat_host_view(output), replicated(host_view(input), group_size));
-}
-
-std::optional<std::pair<at::Tensor, at::Tensor>> reduce_scatter_operands(const at::Tensor& output,
-                                                                         const at::Tensor& input, int64_t group_size) {
-  if (!plain_device_tensor(output) || !plain_device_tensor(input) || output.device() != input.device() ||
-      output.scalar_type() != input.scalar_type() || input.numel() != output.numel() * group_size) {
+  const bool sizes_fit = gather ? output.numel() == input.numel() * group_size
+                                : input.numel() == output.numel() * group_size;
+  if (!sizes_fit) {
     return std::nullopt;
   }
   return std::make_pair(flat_host_view(output), flat_host_view(input));

@@ -203,15 +203,13 @@ std::shared_ptr<torch::CapturedTraceback> block_stack(const void* ptr);
 // A CPU tensor over a supa tensor's memory: same sizes, strides and offset, no copy.
 at::Tensor host_view(const at::Tensor& device_tensor);
 // ---- bccl's hot collectives (collective_operands.cpp) --------------------------------------
-// Flat CPU views (and, for all_gather, the send buffer of an all-to-all) when the operands are
-// dense contiguous supa tensors that fit the collective; nothing otherwise.
+// Flat CPU views when the operands are dense contiguous supa tensors that fit the collective;
+// nothing otherwise.
 std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor);
-// A flat CPU tensor holding `group_size` copies of contiguous CPU `source`, one after another.
-at::Tensor replicated(const at::Tensor& source, int64_t group_size);
-std::optional<std::pair<at::Tensor, at::Tensor>> all_gather_operands(const at::Tensor& output, const at::Tensor& input,
-                                                                     int64_t group_size);
-std::optional<std::pair<at::Tensor, at::Tensor>> reduce_scatter_operands(const at::Tensor& output,
-                                                                         const at::Tensor& input, int64_t group_size);
+// Fills contiguous CPU `into` with copies of contiguous CPU `source`, one after another (memcpy).
+void copy_rows(at::Tensor& into, const at::Tensor& source);
+std::optional<std::pair<at::Tensor, at::Tensor>> pair_operands(const at::Tensor& output, const at::Tensor& input,
+                                                               int64_t group_size, bool gather);
 
 // A supa tensor over `device_storage` with the geometry of `like`.
 at::Tensor device_tensor_on(const c10::Storage& device_storage, const at::Tensor& like);
