@@ -185,6 +185,11 @@ def _scenario_collectives(rank: int, port: int) -> dict:
         strided = torch.zeros(3, WORLD * 2, device=dev).t()[:, 1]  # a non-contiguous output
         dist.all_gather_into_tensor(strided, torch.full((2,), float(rank + 1), device=dev))
         same(strided, torch.tensor([1.0, 1.0, 2.0, 2.0]))
+        # In place, as ZeRO-3 and FSDP gather: the input is this rank's slot of the output.
+        gathered = torch.zeros(WORLD * 4, device=dev)
+        gathered[4 * rank:4 * rank + 4] = torch.arange(4.0) + 10 * rank
+        dist.all_gather_into_tensor(gathered, gathered[4 * rank:4 * rank + 4])
+        same(gathered, torch.cat([torch.arange(4.0) + 10 * r for r in range(WORLD)]))
     check("all_gather_into_tensor", all_gather_into_tensor)
 
     def reduce_scatter():
@@ -495,6 +500,9 @@ def _scenario_three_ranks(rank: int, port: int) -> dict:
     def all_gather_into_tensor():
         out = torch.empty(world * 5, device=dev)
         dist.all_gather_into_tensor(out, torch.arange(5.0, device=dev) + 10 * rank)
+        assert torch.equal(out.cpu(), torch.cat([torch.arange(5.0) + 10 * r for r in range(world)])), out.cpu()
+        out.zero_()[5 * rank:5 * rank + 5] = torch.arange(5.0) + 10 * rank
+        dist.all_gather_into_tensor(out, out[5 * rank:5 * rank + 5])  # in place
         assert torch.equal(out.cpu(), torch.cat([torch.arange(5.0) + 10 * r for r in range(world)])), out.cpu()
     check("three_ranks/all_gather_into_tensor", all_gather_into_tensor)
 

@@ -27,8 +27,8 @@ void copy_rows(at::Tensor& into, const at::Tensor& source) {
                   into.scalar_type() == source.scalar_type() &&
                   (source.numel() == 0 ? into.numel() == 0 : into.numel() % source.numel() == 0),
               "copy_rows expects contiguous CPU tensors of one dtype, the first a whole number of copies of the second");
-  if (source.numel() == 0) {
-    return;
+  if (source.numel() == 0 || (into.numel() == source.numel() && into.data_ptr() == source.data_ptr())) {
+    return;  // nothing to copy; or an in-place all_gather, whose input already is its own slot
   }
   // A plain memcpy per row: PyTorch's copy may go parallel, which costs milliseconds when every
   // rank's threads share two cores.
