@@ -104,15 +104,22 @@ void shared_word_publish(uintptr_t address, int64_t value, uintptr_t waiters) {
 // The common steps of bccl's signature board (supa_emu/distributed/signature_exchange.py) in one
 // call each; Python keeps the waiting, the liveness checks and the error messages.
 // Layout, in int64 words from `base`: per rank `per_rank` words, a header [pid, settled,
-// waiters] and `ring` slots of [sequence, verdict, payload (`payload` words)].
+// waiters] and `ring` slots of [sequence, verdict, payload (`payload` words)]. These offsets are
+// the layout's one definition: Python reads them through _board_layout().
+constexpr int64_t kPidWord = 0, kSettledWord = 1, kWaitersWord = 2, kRankHeaderWords = 3;
+constexpr int64_t kSequenceWord = 0, kVerdictWord = 1, kSlotHeaderWords = 2;
+
 struct Board {
   int64_t* words;
   int64_t rank, size, per_rank, ring, payload;
 
   int64_t* block(int64_t r) const { return words + r * per_rank; }
-  int64_t* slot(int64_t r, int64_t k) const { return block(r) + 3 + (k % ring) * (2 + payload); }
+  int64_t* slot(int64_t r, int64_t k) const {
+    return block(r) + kRankHeaderWords + (k % ring) * (kSlotHeaderWords + payload);
+  }
   void publish(int64_t* word, int64_t value) const {
-    shared_word_publish(reinterpret_cast<uintptr_t>(word), value, reinterpret_cast<uintptr_t>(block(rank) + 2));
+    shared_word_publish(reinterpret_cast<uintptr_t>(word), value,
+                        reinterpret_cast<uintptr_t>(block(rank) + kWaitersWord));
   }
   // Compares the first `head` words of the peers' posts of collective k with this rank's:
   // 0 if a posted one differs, else 1; with `all_posted`, -1 if a peer has not posted k yet.
@@ -124,13 +131,13 @@ struct Board {
       if (r == rank) {
         continue;
       }
-      if (__atomic_load_n(theirs, __ATOMIC_SEQ_CST) != k) {
+      if (__atomic_load_n(theirs + kSequenceWord, __ATOMIC_SEQ_CST) != k) {
         if (all_posted) {
           return -1;
         }
         continue;
       }
-      if (std::memcmp(theirs + 2, mine + 2, head * sizeof(int64_t)) != 0) {
+      if (std::memcmp(theirs + kSlotHeaderWords, mine + kSlotHeaderWords, head * sizeof(int64_t)) != 0) {
         result = 0;
       }
     }
@@ -147,21 +154,21 @@ int board_post(uintptr_t base, int64_t rank, int64_t size, int64_t per_rank, int
                const std::vector<int64_t>& signature, int64_t head) {
   const Board board{reinterpret_cast<int64_t*>(base), rank, size, per_rank, ring, payload};
   for (int64_t r = 0; r < size; ++r) {
-    if (r != rank && __atomic_load_n(board.block(r) + 1, __ATOMIC_ACQUIRE) < k - ring) {
+    if (r != rank && __atomic_load_n(board.block(r) + kSettledWord, __ATOMIC_ACQUIRE) < k - ring) {
       return -1;
     }
   }
   TORCH_CHECK(static_cast<int64_t>(signature.size()) <= payload, "bccl: a signature holds at most ", payload,
               " words, got ", signature.size());
   int64_t* mine = board.slot(rank, k);
-  std::memcpy(mine + 2, signature.data(), signature.size() * sizeof(int64_t));
-  std::memset(mine + 2 + signature.size(), 0, (payload - signature.size()) * sizeof(int64_t));
-  board.publish(mine, k);
+  std::memcpy(mine + kSlotHeaderWords, signature.data(), signature.size() * sizeof(int64_t));
+  std::memset(mine + kSlotHeaderWords + signature.size(), 0, (payload - signature.size()) * sizeof(int64_t));
+  board.publish(mine + kSequenceWord, k);
   if (head == 0) {
     return 2;
   }
   const int started = board.posted_agree(k, head, /*all_posted=*/false) == 1 ? 1 : 0;
-  board.publish(mine + 1, 2 * k + started);
+  board.publish(mine + kVerdictWord, 2 * k + started);
   return started;
 }
 
@@ -173,7 +180,7 @@ int board_settle_agreed(uintptr_t base, int64_t rank, int64_t size, int64_t per_
   const Board board{reinterpret_cast<int64_t*>(base), rank, size, per_rank, ring, payload};
   const int result = board.posted_agree(k, head, /*all_posted=*/true);
   if (result == 1) {
-    board.publish(board.block(rank) + 1, k);
+    board.publish(board.block(rank) + kSettledWord, k);
   }
   return result;
 }
@@ -349,6 +356,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_board_post", &board_post, "bccl: post a signature on the board and decide whether to start (see board_post)");
   m.def("_board_settle_agreed", &board_settle_agreed,
         "bccl: 1 if every peer posted collective k in agreement (then settled), 0 on a mismatch, -1 if one has not posted");
+  m.def("_board_layout", [] {
+    py::dict layout;
+    layout["pid"] = kPidWord;
+    layout["settled"] = kSettledWord;
+    layout["waiters"] = kWaitersWord;
+    layout["rank_header"] = kRankHeaderWords;
+    layout["sequence"] = kSequenceWord;
+    layout["verdict"] = kVerdictWord;
+    layout["slot_header"] = kSlotHeaderWords;
+    return layout;
+  }, "bccl: word offsets of the signature board (per-rank header, then per-collective slots)");
   m.def("_shared_word_publish", &shared_word_publish, py::arg("address"), py::arg("value"), py::arg("waiters"),
         "Store `value` in the shared word at `address` (sequentially consistent) and wake its waiters "
         "if the word at `waiters` counts any");

@@ -76,12 +76,14 @@ class SharedMemoryBoard:
     """
 
     launches_early = True  # every rank sees the board at once: a rank may start before all posted
-    _HEADER = 3
-    _SLOT = 2 + WORDS
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, label: str):
         self._rank, self._size, self._timeout, self._label = rank, size, timeout, label
-        self._per_rank = self._HEADER + RING * self._SLOT
+        core = _native()
+        # The word offsets are the native core's, which reads and writes the same words.
+        self._at = core._board_layout()
+        self._slot_words = self._at["slot_header"] + WORDS
+        self._per_rank = self._at["rank_header"] + RING * self._slot_words
         nbytes = 8 * size * self._per_rank
         if rank == 0:
             fd, path = tempfile.mkstemp(prefix="bccl-", dir="/dev/shm")
@@ -98,17 +100,20 @@ class SharedMemoryBoard:
         self._words = memoryview(self._map).cast("q")
         self._anchor = ctypes.c_char.from_buffer(self._map)  # pins the mapping while its address is used
         self._address = ctypes.addressof(self._anchor)
-        core = _native()
         self._sleep_on, self._store = core._shared_word_wait, core._shared_word_publish
         self._post, self._settle_agreed = core._board_post, core._board_settle_agreed
         self._base = [r * self._per_rank for r in range(size)]
         self._peers = [r for r in range(size) if r != rank]
-        self._words[self._base[rank]] = os.getpid()
-        self._my_waiters = self._address + 8 * (self._base[rank] + 2)
+        self._words[self._base[rank] + self._at["pid"]] = os.getpid()
+        self._my_waiters = self._waiters_of(rank)
         self.sequence = 0  # the last collective this rank posted
 
     def _slot(self, rank: int, sequence: int) -> int:
-        return self._base[rank] + self._HEADER + (sequence % RING) * self._SLOT
+        return self._base[rank] + self._at["rank_header"] + (sequence % RING) * self._slot_words
+
+    def _waiters_of(self, rank: int) -> int:
+        """Address of the word counting the peers asleep on `rank`'s words."""
+        return self._address + 8 * (self._base[rank] + self._at["waiters"])
 
     def _wait(self, index: int, ready, rank: int, what: str) -> int:
         """Returns the board word at `index` (which `rank` writes) once `ready(word)` holds."""
@@ -121,7 +126,7 @@ class SharedMemoryBoard:
         # the kernel until its write wakes this rank (see _publish), checking now and then that
         # it is still alive and that the timeout has not passed.
         wait, address = self._sleep_on, self._address + 8 * index
-        waiters = self._address + 8 * (self._base[rank] + 2)
+        waiters = self._waiters_of(rank)
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
             observed = w[index]
@@ -129,7 +134,7 @@ class SharedMemoryBoard:
                 return observed
             if wait(address, observed, _LIVENESS_PERIOD, waiters):
                 continue
-            pid = self._words[self._base[rank]]
+            pid = self._words[self._base[rank] + self._at["pid"]]
             if pid and not _process_alive(pid):
                 raise RuntimeError(
                     f"bccl: rank {rank} of group {self._label} (pid {pid}) exited while rank "
@@ -157,7 +162,7 @@ class SharedMemoryBoard:
             if status != -1:
                 break
             for peer in self._peers:  # a peer is RING collectives behind: its slot is still in use
-                self._wait(self._base[peer] + 1, lambda settled: settled >= k - RING, peer,
+                self._wait(self._base[peer] + self._at["settled"], lambda settled: settled >= k - RING, peer,
                            f"finish collective #{k - RING}")
         self.sequence = k
         return k, status
@@ -170,22 +175,24 @@ class SharedMemoryBoard:
     def signature(self, peer: int, k: int, words: int = WORDS) -> List[int]:
         """The first `words` words of `peer`'s signature of collective k, waiting for it to be posted."""
         slot = self._slot(peer, k)
-        if self._words[slot] != k:
-            self._wait(slot, lambda sequence: sequence == k, peer, f"reach collective #{k}")
-        return self._words[slot + 2 : slot + 2 + words].tolist()
+        sequence = slot + self._at["sequence"]
+        if self._words[sequence] != k:
+            self._wait(sequence, lambda posted: posted == k, peer, f"reach collective #{k}")
+        payload = slot + self._at["slot_header"]
+        return self._words[payload : payload + words].tolist()
 
     def post_verdict(self, k: int, started: bool) -> None:
-        self._publish(self._slot(self._rank, k) + 1, 2 * k + int(started))
+        self._publish(self._slot(self._rank, k) + self._at["verdict"], 2 * k + int(started))
 
     def verdict(self, peer: int, k: int) -> bool:
         """Whether `peer` started collective k in gloo, waiting for it to decide."""
-        word = self._wait(self._slot(peer, k) + 1, lambda verdict: verdict >> 1 == k, peer,
+        word = self._wait(self._slot(peer, k) + self._at["verdict"], lambda verdict: verdict >> 1 == k, peer,
                           f"decide on collective #{k}")
         return bool(word & 1)
 
     def settle(self, k: int) -> None:
         """This rank has read its peers' slots for every collective up to k."""
-        self._publish(self._base[self._rank] + 1, k)
+        self._publish(self._base[self._rank] + self._at["settled"], k)
 
     def close(self) -> None:
         self._anchor = None
