@@ -66,6 +66,12 @@ def all_reduce_exchanges(kind: _RedOp, dtype: torch.dtype, numel: int, size: int
     return sent <= (_EXCHANGE_LIMIT_TWO_RANKS if size == 2 else _EXCHANGE_LIMIT_MORE_RANKS)
 
 
+def all_gather_exchanges(size: int) -> bool:
+    """Whether all_gather_into_tensor exchanges the inputs themselves (2 ranks: the peer's slot
+    is one contiguous block), rather than sending a replicated input."""
+    return size == 2
+
+
 def _fold_in_rank_order(out: torch.Tensor, contributions: List[torch.Tensor], kind: _RedOp) -> None:
     """out = c[0] op c[1] op ... op c[n-1], left to right; `out` may be c[0] or c[1] (each is read
     before it is overwritten), but no later contribution."""
@@ -110,18 +116,18 @@ def all_reduce(gloo, buffer: torch.Tensor, kind: _RedOp, call: HostCall, timeout
     return gloo.alltoall_base(received, send, splits, splits, _all_to_all_options(timeout))
 
 
-def reduce_scatter(gloo, size: int, output: torch.Tensor, input: torch.Tensor, kind: _RedOp, call: HostCall,
+def reduce_scatter(gloo, output: torch.Tensor, input: torch.Tensor, kind: _RedOp, call: HostCall,
                    timeout: datetime.timedelta) -> dist.Work:
     """Reduce-scatter flat `input` into flat `output`; the reduction runs in `call`'s epilogue."""
     received = torch.empty_like(input)
-    call.after(lambda: _fold_in_rank_order(output, list(received.view(size, -1)), kind))
+    call.after(lambda: _fold_in_rank_order(output, list(received.view(gloo.size(), -1)), kind))
     return gloo.alltoall_base(received, input, [], [], _all_to_all_options(timeout))
 
 
 def all_gather(gloo, output: torch.Tensor, input: torch.Tensor, timeout: datetime.timedelta) -> dist.Work:
     """All-gather flat `input` into flat `output` by one all-to-all."""
     rank, size, numel = gloo.rank(), gloo.size(), input.numel()
-    if size != 2:
+    if not all_gather_exchanges(size):
         send = host_memory.replicated(input, size)
         return gloo.alltoall_base(output, send, [], [], _all_to_all_options(timeout))
     # With 2 ranks, an exchange: the input goes to the peer as it is, the peer's lands in its slot
@@ -140,11 +146,13 @@ def stand_in(gloo, signature: List[int], gloo_op_for: Callable) -> None:
     reduction, as the group chose it for the peers.
     """
     operation, dtype, kind, root, numel_in, numel_out = signatures.decode(signature)
-    scratch = torch.zeros(numel_in, dtype=dtype)
-    if operation == "all_reduce" and all_reduce_exchanges(_RedOp(kind), dtype, numel_in, gloo.size()):
-        splits = _exchange_splits(gloo.rank(), gloo.size(), numel_in)
-        send = torch.zeros((gloo.size() - 1) * numel_in, dtype=dtype)
-        work = gloo.alltoall_base(torch.empty_like(send), send, splits, splits, dist.AllToAllOptions())
+    size = gloo.size()
+    exchanged = (operation == "all_reduce" and all_reduce_exchanges(_RedOp(kind), dtype, numel_in, size)) or (
+        operation == "all_gather_into_tensor" and all_gather_exchanges(size))
+    scratch = torch.zeros((size - 1 if exchanged else 1) * numel_in, dtype=dtype)
+    if exchanged:  # the peers sent `numel_in` elements to every other rank and expect as many back
+        splits = _exchange_splits(gloo.rank(), size, numel_in)
+        work = gloo.alltoall_base(torch.empty_like(scratch), scratch, splits, splits, dist.AllToAllOptions())
     elif operation == "all_reduce":
         options = dist.AllreduceOptions()
         options.reduceOp = gloo_op_for(_RedOp(kind), dtype)
@@ -153,9 +161,6 @@ def stand_in(gloo, signature: List[int], gloo_op_for: Callable) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = root
         work = gloo.broadcast([scratch], options)
-    elif operation == "all_gather_into_tensor" and gloo.size() == 2:
-        splits = _exchange_splits(gloo.rank(), 2, numel_in)
-        work = gloo.alltoall_base(torch.empty_like(scratch), scratch, splits, splits, dist.AllToAllOptions())
     elif operation == "all_gather_into_tensor":
         send = torch.zeros(numel_out, dtype=dtype)
         work = gloo.alltoall_base(torch.empty_like(send), send, [], [], dist.AllToAllOptions())

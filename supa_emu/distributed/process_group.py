@@ -286,7 +286,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         parts = []
         for output, (out_view, in_view) in zip(outputs, operands):
             if composed.reduces_locally(kind, output.dtype):
-                parts.append(composed.reduce_scatter(self._gloo, self.size(), out_view, in_view, kind, call, opts.timeout))
+                parts.append(composed.reduce_scatter(self._gloo, out_view, in_view, kind, call, opts.timeout))
                 continue
             gloo_op = self._gloo_reduce_op(kind, output.dtype, call, lambda v=out_view: [v])
             parts.append(self._gloo._reduce_scatter_base(out_view, in_view, self._options("reduce_scatter", opts, gloo_op)))
