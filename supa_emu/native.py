@@ -50,8 +50,12 @@ def _sources() -> list[pathlib.Path]:
 # torch's headers, so the runtime and operator files, which share runtime.h, compile as one unit
 # (measured: 27 s of CPU as one unit, about 11 s per file apart); the two files that need far
 # heavier headers (ATen.h for the autocast policies, Python.h and pybind11 for the bindings) get
-# a unit each so that they compile in parallel with it. A new .cpp file joins "runtime".
-_UNIT_FILES = {"bindings": ("module.cpp",), "autocast": ("aten/autocast.cpp",)}
+# a unit each so that they compile in parallel with it. bccl's files join the bindings, which
+# parse the c10d headers they need anyway. A new .cpp file joins "runtime".
+_UNIT_FILES = {
+    "bindings": ("module.cpp", "bccl/all_gather.cpp", "bccl/signature_board.cpp"),
+    "autocast": ("aten/autocast.cpp",),
+}
 
 
 def _units() -> dict[str, list[pathlib.Path]]:

@@ -191,6 +191,10 @@ def _scenario_collectives(rank: int, port: int) -> dict:
         gathered[4 * rank:4 * rank + 4] = torch.arange(4.0) + 10 * rank
         dist.all_gather_into_tensor(gathered, gathered[4 * rank:4 * rank + 4])
         same(gathered, torch.cat([torch.arange(4.0) + 10 * r for r in range(WORLD)]))
+        # Dense operands start in one native call, others are staged: both are one collective.
+        mixed = torch.zeros(WORLD * 2, device=dev) if rank == 0 else torch.zeros(3, WORLD * 2, device=dev).t()[:, 1]
+        dist.all_gather_into_tensor(mixed, torch.full((2,), float(rank + 1), device=dev))
+        same(mixed, torch.tensor([1.0, 1.0, 2.0, 2.0]))
     check("all_gather_into_tensor", all_gather_into_tensor)
 
     def reduce_scatter():

@@ -1,5 +1,7 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native._C`).
 #include "runtime/runtime.h"
+#include "bccl/all_gather.h"
+#include "bccl/signature_board.h"
 
 // Only the Python-binding headers: torch/extension.h would add the whole C++ frontend (nn,
 // optim, data), which this file does not use and which dominated the build time.
@@ -11,15 +13,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
-#include <cstring>
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include <cerrno>
-#include <climits>
-#include <cmath>
-#include <ctime>
 
 // From torch/csrc/profiler/python/combined_traceback.h, which cannot be included here: it pulls
 // in nlohmann/json.hpp, which the installed torch does not ship. Both are exported by
@@ -67,122 +61,6 @@ std::vector<py::object> symbolize(const std::vector<std::shared_ptr<torch::Captu
     out.push_back(stack ? symbolized.at(next++) : py::list());
   }
   return out;
-}
-
-// Cross-process waits on a word of a shared mapping (bccl's signature board). The waiter sleeps
-// in the kernel until the publisher's wake instead of polling, so it resumes within microseconds
-// of a late peer's arrival and costs no CPU meanwhile. The futex covers the word's low 32 bits
-// (little-endian), which change with every value the board stores there. A waiter counts itself
-// in `waiters` (a word of the same mapping) while it sleeps, so a publisher makes the wake system
-// call only when someone may be asleep: most publishes find nobody waiting.
-bool shared_word_wait(uintptr_t address, int64_t unchanged, double timeout_s, uintptr_t waiters) {
-  py::gil_scoped_release no_gil;
-  timespec timeout{};
-  timeout.tv_sec = static_cast<time_t>(timeout_s);
-  timeout.tv_nsec = static_cast<long>((timeout_s - std::floor(timeout_s)) * 1e9);
-  auto* count = reinterpret_cast<int64_t*>(waiters);
-  __atomic_add_fetch(count, 1, __ATOMIC_SEQ_CST);
-  const long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAIT,
-                          static_cast<uint32_t>(unchanged), &timeout, nullptr, 0);
-  const int error = errno;
-  __atomic_sub_fetch(count, 1, __ATOMIC_SEQ_CST);
-  // 0: woken; EAGAIN: the word had already changed; EINTR: a signal (the caller re-checks).
-  return rc == 0 || error == EAGAIN || error == EINTR;
-}
-
-// Stores `value` sequentially consistently, then wakes the word's waiters if any are counted.
-// Of two ranks that publish and then look at each other's slot, at least one sees the other's
-// write (what the bccl board relies on to let a rank start before every peer has posted); and
-// a waiter that counted itself before this store is always woken or sees the new value.
-void shared_word_publish(uintptr_t address, int64_t value, uintptr_t waiters) {
-  __atomic_store_n(reinterpret_cast<int64_t*>(address), value, __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(reinterpret_cast<int64_t*>(waiters), __ATOMIC_SEQ_CST) != 0) {
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(address), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-  }
-}
-
-// The common steps of bccl's signature board (supa_emu/distributed/signature_exchange.py) in one
-// call each; Python keeps the waiting, the liveness checks and the error messages.
-// Layout, in int64 words from `base`: per rank `per_rank` words, a header [pid, settled,
-// waiters] and `ring` slots of [sequence, verdict, payload (`payload` words)]. These offsets are
-// the layout's one definition: Python reads them through _board_layout().
-constexpr int64_t kPidWord = 0, kSettledWord = 1, kWaitersWord = 2, kRankHeaderWords = 3;
-constexpr int64_t kSequenceWord = 0, kVerdictWord = 1, kSlotHeaderWords = 2;
-
-struct Board {
-  int64_t* words;
-  int64_t rank, size, per_rank, ring, payload;
-
-  int64_t* block(int64_t r) const { return words + r * per_rank; }
-  int64_t* slot(int64_t r, int64_t k) const {
-    return block(r) + kRankHeaderWords + (k % ring) * (kSlotHeaderWords + payload);
-  }
-  void publish(int64_t* word, int64_t value) const {
-    shared_word_publish(reinterpret_cast<uintptr_t>(word), value,
-                        reinterpret_cast<uintptr_t>(block(rank) + kWaitersWord));
-  }
-  // Compares the first `head` words of the peers' posts of collective k with this rank's:
-  // 0 if a posted one differs, else 1; with `all_posted`, -1 if a peer has not posted k yet.
-  int posted_agree(int64_t k, int64_t head, bool all_posted) const {
-    const int64_t* mine = slot(rank, k);
-    int result = 1;
-    for (int64_t r = 0; r < size; ++r) {
-      const int64_t* theirs = slot(r, k);
-      if (r == rank) {
-        continue;
-      }
-      if (__atomic_load_n(theirs + kSequenceWord, __ATOMIC_SEQ_CST) != k) {
-        if (all_posted) {
-          return -1;
-        }
-        continue;
-      }
-      if (std::memcmp(theirs + kSlotHeaderWords, mine + kSlotHeaderWords, head * sizeof(int64_t)) != 0) {
-        result = 0;
-      }
-    }
-    return result;
-  }
-};
-
-// Posts this rank's signature of collective k. Returns -1 if a peer has not settled collective
-// k - ring (its slot is still in use: the caller waits and retries); otherwise, with `head` > 0,
-// decides at once whether this rank may start, from the peers that have posted k: 1 if their
-// first `head` words all equal this rank's, 0 if one differs, and posts that verdict; with
-// `head` == 0 it returns 2 and the caller decides.
-int board_post(uintptr_t base, int64_t rank, int64_t size, int64_t per_rank, int64_t ring, int64_t payload, int64_t k,
-               const std::vector<int64_t>& signature, int64_t head) {
-  const Board board{reinterpret_cast<int64_t*>(base), rank, size, per_rank, ring, payload};
-  for (int64_t r = 0; r < size; ++r) {
-    if (r != rank && __atomic_load_n(board.block(r) + kSettledWord, __ATOMIC_ACQUIRE) < k - ring) {
-      return -1;
-    }
-  }
-  TORCH_CHECK(static_cast<int64_t>(signature.size()) <= payload, "bccl: a signature holds at most ", payload,
-              " words, got ", signature.size());
-  int64_t* mine = board.slot(rank, k);
-  std::memcpy(mine + kSlotHeaderWords, signature.data(), signature.size() * sizeof(int64_t));
-  std::memset(mine + kSlotHeaderWords + signature.size(), 0, (payload - signature.size()) * sizeof(int64_t));
-  board.publish(mine + kSequenceWord, k);
-  if (head == 0) {
-    return 2;
-  }
-  const int started = board.posted_agree(k, head, /*all_posted=*/false) == 1 ? 1 : 0;
-  board.publish(mine + kVerdictWord, 2 * k + started);
-  return started;
-}
-
-// For collective k, which this rank started: 1 if every peer has posted it with the same first
-// `head` words (then this rank marks k settled), 0 if all posted and one differs, -1 if one has
-// not posted yet. Never waits.
-int board_settle_agreed(uintptr_t base, int64_t rank, int64_t size, int64_t per_rank, int64_t ring, int64_t payload,
-                        int64_t k, int64_t head) {
-  const Board board{reinterpret_cast<int64_t*>(base), rank, size, per_rank, ring, payload};
-  const int result = board.posted_agree(k, head, /*all_posted=*/true);
-  if (result == 1) {
-    board.publish(board.block(rank) + kSettledWord, k);
-  }
-  return result;
 }
 
 py::tuple pool_id(int64_t graph_id, int64_t user_id) {
@@ -349,27 +227,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The raw pointer, so the call itself adds no reference to what it counts.
   m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },
         "How many references a c10d Work has (1: only the caller's Python object)");
-  m.def("_shared_word_wait", &shared_word_wait, py::arg("address"), py::arg("unchanged"), py::arg("timeout_s"),
-        py::arg("waiters"),
+  // bccl's signature board and its native launches (bccl/).
+  namespace bccl = supa::bccl;
+  m.def("_shared_word_wait", &bccl::shared_word_wait, py::arg("address"), py::arg("unchanged"), py::arg("timeout_s"),
+        py::arg("waiters"), py::call_guard<py::gil_scoped_release>(),
         "Sleep until the shared word at `address` is woken or stops holding `unchanged` (False: timed out), "
         "counted in the word at `waiters` meanwhile");
-  m.def("_board_post", &board_post, "bccl: post a signature on the board and decide whether to start (see board_post)");
-  m.def("_board_settle_agreed", &board_settle_agreed,
-        "bccl: 1 if every peer posted collective k in agreement (then settled), 0 on a mismatch, -1 if one has not posted");
-  m.def("_board_layout", [] {
-    py::dict layout;
-    layout["pid"] = kPidWord;
-    layout["settled"] = kSettledWord;
-    layout["waiters"] = kWaitersWord;
-    layout["rank_header"] = kRankHeaderWords;
-    layout["sequence"] = kSequenceWord;
-    layout["verdict"] = kVerdictWord;
-    layout["slot_header"] = kSlotHeaderWords;
-    return layout;
-  }, "bccl: word offsets of the signature board (per-rank header, then per-collective slots)");
-  m.def("_shared_word_publish", &shared_word_publish, py::arg("address"), py::arg("value"), py::arg("waiters"),
+  m.def("_shared_word_publish", &bccl::shared_word_publish, py::arg("address"), py::arg("value"), py::arg("waiters"),
         "Store `value` in the shared word at `address` (sequentially consistent) and wake its waiters "
         "if the word at `waiters` counts any");
+  m.def("_board_layout", [] {
+    py::dict layout;
+    layout["pid"] = bccl::kPidWord;
+    layout["settled"] = bccl::kSettledWord;
+    layout["waiters"] = bccl::kWaitersWord;
+    layout["rank_header"] = bccl::kRankHeaderWords;
+    layout["sequence"] = bccl::kSequenceWord;
+    layout["verdict"] = bccl::kVerdictWord;
+    layout["slot_header"] = bccl::kSlotHeaderWords;
+    return layout;
+  }, "bccl: word offsets of the signature board (per-rank header, then per-collective slots)");
+  py::class_<bccl::SignatureBoard>(m, "_SignatureBoard", "bccl: one rank's view of a group's signature board")
+      .def(py::init<uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t>(), py::arg("base"), py::arg("rank"),
+           py::arg("size"), py::arg("per_rank"), py::arg("ring"), py::arg("payload"))
+      .def("post", &bccl::SignatureBoard::post,
+           "Post a signature as collective k; -1: a slot still in use, 1/0: may start or not (head > 0), 2: head 0")
+      .def("settle_agreed", &bccl::SignatureBoard::settle_agreed,
+           "1 if every peer posted collective k in agreement (then settled), 0 on a mismatch, -1 if one has not posted");
+  m.def("_start_all_gather", &bccl::start_all_gather, py::call_guard<py::gil_scoped_release>(),
+        "bccl: start all_gather_into_tensor of flat CPU buffers on a gloo group (one all-to-all)");
+  m.def("_launch_all_gather", &bccl::launch_all_gather, py::call_guard<py::gil_scoped_release>(),
+        "bccl: check plain supa operands, post the signature and start the all_gather if the board allows: "
+        "None (operands not plain, nothing posted) or (status, gloo work)");
   m.def("_default_generators", &default_generators);
   m.def("_set_cuda_means_supa", &supa::set_cuda_means_supa,
         "Make device strings that start with 'cuda' mean 'supa' (transfer_to_supa)");

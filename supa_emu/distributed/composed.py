@@ -10,8 +10,8 @@
   local reduction in rank order. gloo's own reduce_scatter all-reduces the whole input with
   scalar loops: about twice as slow for float32 and up to five times for bfloat16 there.
 - all_gather: one all-to-all that sends every peer a copy of the input (with 2 ranks, an exchange
-  of the inputs themselves, with no send buffer). gloo's pairwise exchange moves the same bytes as
-  its ring all_gather, 15-30% faster from 64 KiB to 4 MiB there. Bit-exact: only placement.
+  of the inputs themselves, with no send buffer), started by the native core
+  (csrc/bccl/all_gather.h; host_memory.start_all_gather). Bit-exact: only placement.
 - stand_in: a rank that refuses a collective its peers already started (signatures.Agreement)
   runs the same gloo operation on scratch buffers, so theirs finishes and every rank's gloo stays
   at the same collective.
@@ -28,6 +28,7 @@ from typing import Callable, List
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from . import gloo_handoff, host_memory, signatures
 from .host_memory import HostCall
@@ -64,12 +65,6 @@ def all_reduce_exchanges(kind: _RedOp, dtype: torch.dtype, numel: int, size: int
         return False
     sent = (size - 1) * numel * dtype.itemsize
     return sent <= (_EXCHANGE_LIMIT_TWO_RANKS if size == 2 else _EXCHANGE_LIMIT_MORE_RANKS)
-
-
-def all_gather_exchanges(size: int) -> bool:
-    """Whether all_gather_into_tensor exchanges the inputs themselves (2 ranks: the peer's slot
-    is one contiguous block), rather than sending a replicated input."""
-    return size == 2
 
 
 def _fold_in_rank_order(out: torch.Tensor, contributions: List[torch.Tensor], kind: _RedOp) -> None:
@@ -124,20 +119,6 @@ def reduce_scatter(gloo, output: torch.Tensor, input: torch.Tensor, kind: _RedOp
     return gloo.alltoall_base(received, input, [], [], _all_to_all_options(timeout))
 
 
-def all_gather(gloo, output: torch.Tensor, input: torch.Tensor, timeout: datetime.timedelta) -> dist.Work:
-    """All-gather flat `input` into flat `output` by one all-to-all."""
-    rank, size, numel = gloo.rank(), gloo.size(), input.numel()
-    if not all_gather_exchanges(size):
-        send = host_memory.replicated(input, size)
-        return gloo.alltoall_base(output, send, [], [], _all_to_all_options(timeout))
-    # With 2 ranks, an exchange: the input goes to the peer as it is, the peer's lands in its slot
-    # and the own slot is filled here; no send buffer.
-    host_memory.copy_into(output[rank * numel:(rank + 1) * numel], input)
-    peer_slot = output[numel:] if rank == 0 else output[:numel]
-    splits = _exchange_splits(rank, size, numel)
-    return gloo.alltoall_base(peer_slot, input, splits, splits, _all_to_all_options(timeout))
-
-
 def stand_in(gloo, signature: List[int], gloo_op_for: Callable) -> None:
     """Run, on scratch buffers, the gloo operation of the collective `signature` describes.
 
@@ -147,12 +128,13 @@ def stand_in(gloo, signature: List[int], gloo_op_for: Callable) -> None:
     """
     operation, dtype, kind, root, numel_in, numel_out = signatures.decode(signature)
     size = gloo.size()
-    exchanged = (operation == "all_reduce" and all_reduce_exchanges(_RedOp(kind), dtype, numel_in, size)) or (
-        operation == "all_gather_into_tensor" and all_gather_exchanges(size))
+    exchanged = operation == "all_reduce" and all_reduce_exchanges(_RedOp(kind), dtype, numel_in, size)
     scratch = torch.zeros((size - 1 if exchanged else 1) * numel_in, dtype=dtype)
     if exchanged:  # the peers sent `numel_in` elements to every other rank and expect as many back
         splits = _exchange_splits(gloo.rank(), size, numel_in)
         work = gloo.alltoall_base(torch.empty_like(scratch), scratch, splits, splits, dist.AllToAllOptions())
+    elif operation == "all_gather_into_tensor":
+        work = host_memory.start_all_gather(gloo, torch.empty(numel_out, dtype=dtype), scratch, AllgatherOptions())
     elif operation == "all_reduce":
         options = dist.AllreduceOptions()
         options.reduceOp = gloo_op_for(_RedOp(kind), dtype)
@@ -161,9 +143,6 @@ def stand_in(gloo, signature: List[int], gloo_op_for: Callable) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = root
         work = gloo.broadcast([scratch], options)
-    elif operation == "all_gather_into_tensor":
-        send = torch.zeros(numel_out, dtype=dtype)
-        work = gloo.alltoall_base(torch.empty_like(send), send, [], [], dist.AllToAllOptions())
     elif operation == "reduce_scatter_tensor" and reduces_locally(_RedOp(kind), dtype):
         work = gloo.alltoall_base(torch.empty_like(scratch), scratch, [], [], dist.AllToAllOptions())
     elif operation == "reduce_scatter_tensor":

@@ -35,14 +35,23 @@ def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: i
     return _native()._pair_operands(output, input, group_size, gather)
 
 
-def copy_into(into: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy contiguous CPU `source` into contiguous CPU `into` of the same size (plain memcpy:
-    PyTorch's copy may go parallel, which costs milliseconds when ranks share few cores)."""
-    _native()._copy_rows(into, source)
+def start_all_gather(gloo, output: torch.Tensor, input: torch.Tensor, options):
+    """gloo's work gathering flat CPU `input` from every rank into flat CPU `output`, by one
+    all-to-all the native core sets up (csrc/bccl/all_gather.h)."""
+    return _native()._start_all_gather(gloo, output, input, options)
+
+
+def launch_all_gather(board, k: int, signature: List[int], head: int, gloo, output, input, options):
+    """The launcher of an all_gather_into_tensor for signatures.Agreement.launch: checks that
+    `output` and `input` are plain (as plain_pair_operands), posts `signature` as collective k on
+    the native `board` and, if it may start, starts it as start_all_gather, all in one native call.
+    None if the operands are not plain (nothing posted), else (board status, gloo's work or None)."""
+    return _native()._launch_all_gather(board, k, signature, head, gloo, output, input, options)
 
 
 def replicated(source: torch.Tensor, copies: int) -> torch.Tensor:
-    """A flat CPU buffer holding `copies` copies of contiguous CPU `source` (plain memcpy)."""
+    """A flat CPU buffer holding `copies` copies of contiguous CPU `source` (plain memcpy: PyTorch's
+    copy may go parallel, which costs milliseconds when ranks share few cores)."""
     rows = torch.empty(copies * source.numel(), dtype=source.dtype)
     _native()._copy_rows(rows, source)
     return rows

@@ -7,7 +7,9 @@ a non-contiguous tensor is staged through a contiguous host buffer and written b
 Where gloo lacks an operation, or has a slow one, it is composed from gloo operations that exist:
   - AVG on integer dtypes: SUM, then truncating division by the group size.
   - all_reduce and reduce_scatter_tensor (and its coalesced form) with SUM, AVG, PRODUCT, MIN or
-    MAX, and all_gather_into_tensor: one all-to-all each (see composed.py).
+    MAX, and all_gather_into_tensor: one all-to-all each (see composed.py). The single-tensor
+    all_gather_into_tensor is checked, agreed on and started in one native call where it can be
+    (signatures.Agreement.launch): it is the collective ZeRO-3 and FSDP issue per parameter.
   - all_gather with unequal sizes: one broadcast per rank, straight into the outputs.
   - all_reduce_coalesced of mixed dtypes and the *_coalesced tensor variants (absent on gloo's
     backend): one gloo operation per tensor, in flight together, completing as one work.
@@ -56,6 +58,12 @@ def _check_reduce_op(kind: _RedOp, dtype: torch.dtype) -> None:
 def _flat(view: torch.Tensor) -> torch.Tensor:
     # gloo wants flat buffers; views of contiguous buffers reshape without copying.
     return view if view.dim() == 1 else view.view(-1)
+
+
+def _gather_signature(operation: str, outputs, inputs) -> List[int]:
+    return signatures.make(
+        operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),
+        numel_out=sum(_numel(outputs)), shape_digest=signatures.digest(_numel(inputs)))
 
 
 def _reduce_kind(op) -> _RedOp:
@@ -330,6 +338,19 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         return self._finish(parts, call, outputs)
 
     def all_gather_single(self, output, input, opts=None):
+        opts = opts if opts is not None else AllgatherOptions()
+        if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
+            # The hot call (ZeRO-3 and FSDP gather every parameter with it): the operand check, the
+            # agreement and gloo's start in one native call where the group's board allows.
+            launched = self._agreement.launch(
+                _gather_signature("all_gather_into_tensor", [output], [input]), host_memory.launch_all_gather,
+                self._gloo, output, input, opts)
+            if launched is not None:
+                ticket, part = launched
+                call = HostCall()
+                call.track(output, read=False)
+                call.track(input, write=False)
+                return self._finish([part], call, [output], ticket)
         return self._all_gather_tensors([output], [input], opts, "all_gather_into_tensor")
 
     _allgather_base = all_gather_single
@@ -345,13 +366,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         operands = [self._pair_operands(output, input, operation, call, True)
                     for output, input in pairs(outputs, inputs, operation)]
         ticket = self._agreement.agree(
-            signatures.make(
-                operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),
-                numel_out=sum(_numel(outputs)), shape_digest=signatures.digest(_numel(inputs)),
-            ),
-            early=operation == "all_gather_into_tensor",
-        )
-        parts = [composed.all_gather(self._gloo, output, input, opts.timeout) for output, input in operands]
+            _gather_signature(operation, outputs, inputs), early=operation == "all_gather_into_tensor")
+        parts = [host_memory.start_all_gather(self._gloo, output, input, opts) for output, input in operands]
         return self._finish(parts, call, outputs, ticket)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):

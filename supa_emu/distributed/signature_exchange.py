@@ -101,7 +101,8 @@ class SharedMemoryBoard:
         self._anchor = ctypes.c_char.from_buffer(self._map)  # pins the mapping while its address is used
         self._address = ctypes.addressof(self._anchor)
         self._sleep_on, self._store = core._shared_word_wait, core._shared_word_publish
-        self._post, self._settle_agreed = core._board_post, core._board_settle_agreed
+        # The steps every collective takes (post, settle), and the native launches, go through this.
+        self.native = core._SignatureBoard(self._address, rank, size, self._per_rank, RING, WORDS)
         self._base = [r * self._per_rank for r in range(size)]
         self._peers = [r for r in range(size) if r != rank]
         self._words[self._base[rank] + self._at["pid"]] = os.getpid()
@@ -149,28 +150,42 @@ class SharedMemoryBoard:
     def _publish(self, index: int, value: int) -> None:
         self._store(self._address + 8 * index, value, self._my_waiters)
 
-    def post(self, words: List[int], head: int) -> Tuple[int, int]:
-        """Post this rank's signature of its next collective; returns (its number, status).
+    def post(self, words: List[int], head: int, launch=None, operands=()) -> Tuple[int, Optional[int], object]:
+        """Post this rank's signature of its next collective; returns (its number, status, work).
 
         With `head` > 0 the board also decides whether this rank may start at once (status 1 if
         every peer that has posted agrees on the first `head` words, else 0) and posts that
         verdict; with 0 the status is 2 and the caller decides (post_verdict).
+        With `launch`, the native core checks the operands, posts and starts the collective in one
+        call, `launch(self.native, k, words, head, *operands)`: `work` is gloo's once started, and
+        the status is None if it declined the operands (then nothing was posted).
         """
         k = self.sequence + 1
         while True:
-            status = self._post(self._address, self._rank, self._size, self._per_rank, RING, WORDS, k, words, head)
+            if launch is None:
+                status, work = self.native.post(k, words, head), None
+            else:
+                launched = launch(self.native, k, words, head, *operands)
+                if launched is None:
+                    return k, None, None
+                status, work = launched
             if status != -1:
                 break
-            for peer in self._peers:  # a peer is RING collectives behind: its slot is still in use
-                self._wait(self._base[peer] + self._at["settled"], lambda settled: settled >= k - RING, peer,
-                           f"finish collective #{k - RING}")
+            self.wait_for_slot(k)
         self.sequence = k
-        return k, status
+        return k, status, work
+
+    def wait_for_slot(self, k: int) -> None:
+        """Wait until every peer has settled collective k - RING, whose slot collective k reuses
+        (a post of k returned -1: a peer is RING collectives behind)."""
+        for peer in self._peers:
+            self._wait(self._base[peer] + self._at["settled"], lambda settled: settled >= k - RING, peer,
+                       f"finish collective #{k - RING}")
 
     def settle_agreed(self, k: int, head: int) -> int:
         """1 if every peer has posted collective k with the same first `head` words as this rank
         (then k is settled), 0 if all posted and one differs, -1 if one has not posted. No waiting."""
-        return self._settle_agreed(self._address, self._rank, self._size, self._per_rank, RING, WORDS, k, head)
+        return self.native.settle_agreed(k, head)
 
     def signature(self, peer: int, k: int, words: int = WORDS) -> List[int]:
         """The first `words` words of `peer`'s signature of collective k, waiting for it to be posted."""
@@ -195,6 +210,7 @@ class SharedMemoryBoard:
         self._publish(self._base[self._rank] + self._at["settled"], k)
 
     def close(self) -> None:
+        self.native = None  # holds the mapping's address, valid only while the anchor pins it
         self._anchor = None
         try:
             self._words.release()

@@ -175,14 +175,29 @@ class Agreement:
         if not self._early:
             check(self._exchange.exchange(signature), self._rank, self._label, receive_counts)
             return None
+        # A stand-in can be run only for a signature whose dtype it can name.
+        early = early and not receive_counts and signature[1] < len(_DTYPES)
+        return self._post(signature, receive_counts, early)[0]
+
+    def launch(self, signature: List[int], launch: Callable, *operands):
+        """agree(signature, early=True) and start the collective, in one native call that also
+        checks the operands (see SharedMemoryBoard.post): (ticket, gloo's work), or None where that
+        path does not apply (no board, one rank, or operands the native core declined, in which
+        case nothing was posted), and the caller agrees and starts as usual.
+        """
+        if self._size == 1 or not self._early or signature[1] >= len(_DTYPES):
+            return None
+        return self._post(signature, (), True, launch, operands)
+
+    def _post(self, signature: List[int], receive_counts: Sequence[int], early: bool, launch=None, operands=()):
         board = self._exchange
         with self._lock:
             self._settle_posted()
             while self._unsettled and self._unsettled[0].sequence <= board.sequence + 1 - RING:
                 self._settle(self._unsettled[0])  # frees the ring slot this collective will use
-            # A stand-in can be run only for a signature whose dtype it can name.
-            early = early and not receive_counts and signature[1] < len(_DTYPES)
-            k, status = board.post(signature, _HEAD if early else 0)
+            k, status, work = board.post(signature, _HEAD if early else 0, launch, operands)
+            if status is None:
+                return None
             if status == 2:  # wait for every signature, then decide
                 everyone = [signature if r == self._rank else board.signature(r, k) for r in range(self._size)]
                 started = _mismatch(everyone, self._rank, self._label, receive_counts) is None
@@ -196,8 +211,8 @@ class Agreement:
                 raise ticket.error
             if not early:
                 self.settle(ticket)  # every signature is in already: nothing left to check later
-                return None
-            return ticket
+                return None, work
+            return ticket, work
 
     def settle(self, ticket: Optional[Ticket]) -> Optional[CollectiveMismatchError]:
         """Check `ticket` (and every earlier one) against all peers' signatures, waiting for them;
