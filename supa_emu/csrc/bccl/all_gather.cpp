@@ -16,14 +16,16 @@ c10::intrusive_ptr<c10d::Work> start_all_gather(c10d::Backend& gloo, at::Tensor 
   c10d::AllToAllOptions all_to_all;
   all_to_all.timeout = options.timeout;
   if (size == 2) {
-    // Copied first: in place (the input is the output's own slot), copy_rows skips it.
-    at::Tensor own_slot = output.narrow(0, rank * n, n);
-    copy_rows(own_slot, input);
-    at::Tensor peer_slot = output.narrow(0, (1 - rank) * n, n);
+    at::Tensor peer_slot = flat_host_slice(output, (1 - rank) * n, n);
     // Two vectors: gloo takes its split arguments by reference and moves from them.
     std::vector<int64_t> receive{rank == 0 ? 0 : n, rank == 0 ? n : 0};  // nothing to itself
     std::vector<int64_t> send = receive;
-    return gloo.alltoall_base(peer_slot, input, receive, send, all_to_all);
+    auto work = gloo.alltoall_base(peer_slot, input, receive, send, all_to_all);
+    // The own slot is filled while gloo's thread moves the peer's: both only read the input and
+    // write disjoint slots. In place (the input is the own slot), copy_rows skips the copy.
+    at::Tensor own_slot = flat_host_slice(output, rank * n, n);
+    copy_rows(own_slot, input);
+    return work;
   }
   at::Tensor replicas = at::empty({size * n}, input.options());
   copy_rows(replicas, input);
