@@ -119,3 +119,27 @@ def test_process_group_across_hosts_runs_collectives_and_rejects_mismatches(rank
         assert torch.equal(summed, torch.full((4,), 3.0))
         assert mismatch is not None and "numel=4" in mismatch and "numel=8" in mismatch
         assert torch.equal(after, torch.full((2,), 2.0))
+
+
+def test_board_counts_a_collective_whose_launch_failed_after_posting():
+    """A native launch that posted its signature and then failed (gloo refusing to start in an
+    aborted group) has still used its collective number: the next collective lines up with the
+    peers' next one instead of overwriting the failed one's slot."""
+    def body(rank, store):
+        board = signature_exchange.SharedMemoryBoard(store, rank, WORLD, TIMEOUT, "'test'")
+        try:
+            def posts_then_fails(native, k, words, head):
+                native.post(k, words, head)
+                raise RuntimeError("gloo refused to start")
+
+            if rank == 0:
+                with pytest.raises(RuntimeError, match="refused to start"):
+                    board.post([1, 2], 0, posts_then_fails)
+            else:
+                board.post([1, 2], 0)
+            k, status, _ = board.post([3, 4], 0)
+            return k, status, board.signature(1 - rank, k, 2)
+        finally:
+            board.close()
+
+    assert _run_ranks(body) == [(2, 2, [3, 4])] * WORLD

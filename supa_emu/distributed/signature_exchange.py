@@ -150,22 +150,28 @@ class SharedMemoryBoard:
     def _publish(self, index: int, value: int) -> None:
         self._store(self._address + 8 * index, value, self._my_waiters)
 
-    def post(self, words: List[int], head: int, launch=None, operands=()) -> Tuple[int, Optional[int], object]:
+    def post(self, words: List[int], head: int, launcher=None, operands=()) -> Tuple[int, Optional[int], object]:
         """Post this rank's signature of its next collective; returns (its number, status, work).
 
         With `head` > 0 the board also decides whether this rank may start at once (status 1 if
         every peer that has posted agrees on the first `head` words, else 0) and posts that
         verdict; with 0 the status is 2 and the caller decides (post_verdict).
-        With `launch`, the native core checks the operands, posts and starts the collective in one
-        call, `launch(self.native, k, words, head, *operands)`: `work` is gloo's once started, and
-        the status is None if it declined the operands (then nothing was posted).
+        With a `launcher`, the native core checks the operands, posts and starts the collective in
+        one call, `launcher(self.native, k, words, head, *operands)`: `work` is gloo's once started,
+        and the status is None if it declined the operands (then nothing was posted).
         """
         k = self.sequence + 1
         while True:
-            if launch is None:
+            if launcher is None:
                 status, work = self.native.post(k, words, head), None
             else:
-                launched = launch(self.native, k, words, head, *operands)
+                try:
+                    launched = launcher(self.native, k, words, head, *operands)
+                except BaseException:
+                    # Posted, then gloo refused to start (an aborted group): k is used all the same.
+                    if self._words[self._slot(self._rank, k) + self._at["sequence"]] == k:
+                        self.sequence = k
+                    raise
                 if launched is None:
                     return k, None, None
                 status, work = launched

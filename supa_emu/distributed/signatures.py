@@ -179,7 +179,7 @@ class Agreement:
         early = early and not receive_counts and signature[1] < len(_DTYPES)
         return self._post(signature, receive_counts, early)[0]
 
-    def launch(self, signature: List[int], launch: Callable, *operands):
+    def launch(self, signature: List[int], launcher: Callable, *operands):
         """agree(signature, early=True) and start the collective, in one native call that also
         checks the operands (see SharedMemoryBoard.post): (ticket, gloo's work), or None where that
         path does not apply (no board, one rank, or operands the native core declined, in which
@@ -187,15 +187,15 @@ class Agreement:
         """
         if self._size == 1 or not self._early or signature[1] >= len(_DTYPES):
             return None
-        return self._post(signature, (), True, launch, operands)
+        return self._post(signature, (), True, launcher, operands)
 
-    def _post(self, signature: List[int], receive_counts: Sequence[int], early: bool, launch=None, operands=()):
+    def _post(self, signature: List[int], receive_counts: Sequence[int], early: bool, launcher=None, operands=()):
         board = self._exchange
         with self._lock:
             self._settle_posted()
             while self._unsettled and self._unsettled[0].sequence <= board.sequence + 1 - RING:
                 self._settle(self._unsettled[0])  # frees the ring slot this collective will use
-            k, status, work = board.post(signature, _HEAD if early else 0, launch, operands)
+            k, status, work = board.post(signature, _HEAD if early else 0, launcher, operands)
             if status is None:
                 return None
             if status == 2:  # wait for every signature, then decide
