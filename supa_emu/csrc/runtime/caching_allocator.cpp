@@ -3,7 +3,7 @@
 // allocation path, its statistics, settings and snapshots all read: hence one file of ~500 lines).
 //
 // Blocks are never split: a freed block goes to its device's cache and is reused by a
-// request of the same rounded size. When a request would exceed the card's capacity the
+// request of the same rounded size (the most recently freed first). When a request would exceed the card's capacity the
 // cache is released and the request retried once; if it still does not fit, the caller
 // gets torch.OutOfMemoryError with the message shape of the real stack.
 //
@@ -288,6 +288,28 @@ void delete_device_ptr(void* ptr) {
 
 namespace {
 
+// The cached block that serves a request, if any: of the request's size, the most recently freed
+// one, whose memory is the likeliest to be in the CPU's caches still (taking the oldest made a
+// convolution on supa 10% slower than on CPU tensors, where malloc hands back the freshest memory).
+// An oversize request may also take an oversize block up to kLargeBuffer larger, as the real
+// allocator does since it will not split it.
+std::multimap<size_t, Block*>::iterator find_cached(DeviceMemory& mem, size_t size, const c10::MempoolId_t& pool) {
+  const auto [same_size, larger] = mem.cached.equal_range(size);
+  for (auto it = larger; it != same_size;) {
+    if ((--it)->second->pool == pool) {
+      return it;
+    }
+  }
+  if (is_oversize(size)) {
+    for (auto it = larger; it != mem.cached.end() && it->first < size + kLargeBuffer; ++it) {
+      if (it->second->pool == pool) {
+        return it;
+      }
+    }
+  }
+  return mem.cached.end();
+}
+
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   const size_t size = round_size(nbytes);
   const auto stack = memory_event_stack();
@@ -295,14 +317,7 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
   Block* block = nullptr;
-  // A cached block of the same size serves the request; an oversize request may also take an
-  // oversize block up to kLargeBuffer larger (as the real allocator does, since it will not split it).
-  const size_t largest = is_oversize(size) ? size + kLargeBuffer - 1 : size;
-  auto hit = mem.cached.lower_bound(size);
-  while (hit != mem.cached.end() && hit->first <= largest && hit->second->pool != pool) {
-    ++hit;
-  }
-  if (hit != mem.cached.end() && hit->first <= largest) {
+  if (auto hit = find_cached(mem, size, pool); hit != mem.cached.end()) {
     block = hit->second;
     mem.cached.erase(hit);
   } else {
