@@ -87,6 +87,21 @@ def test_empty_cache_releases_cached_blocks():
     assert torch.supa.memory_reserved(dev) >= torch.supa.memory_allocated(dev)
 
 
+@pytest.mark.emulation_only
+def test_a_request_reuses_the_most_recently_freed_block_of_its_size():
+    # The emulator's own policy (the real allocator picks by address): the freshest block's host
+    # memory is the likeliest to be in the CPU caches still.
+    dev = last_device()
+    first, second = (torch.empty(3 * MiB + 4096, dtype=torch.uint8, device=f"supa:{dev}") for _ in range(2))
+    addresses = first.data_ptr(), second.data_ptr()
+    reserved = torch.supa.memory_reserved(dev)
+    del first
+    del second
+    again = torch.empty(3 * MiB + 4096, dtype=torch.uint8, device=f"supa:{dev}")
+    assert again.data_ptr() == addresses[1]
+    assert torch.supa.memory_reserved(dev) == reserved
+
+
 def test_peak_and_accumulated_resets():
     dev = last_device()
     t = torch.empty(2 * MiB, dtype=torch.uint8, device=f"supa:{dev}")
