@@ -98,6 +98,10 @@ def _register() -> None:
 
     register_bccl()
 
+    if not cfg.autograd_device_threads:
+        from supa_emu.supa import _autograd_threads
+
+        _autograd_threads.run_backward_on_the_calling_thread()
     if cfg.sanitize != "off":
         from supa_emu.supa import _sanitizer
 

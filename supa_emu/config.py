@@ -43,6 +43,7 @@ class EmulatorConfig:
     deepspeed_accelerator: str  # 'project' | 'builtin'
     allocator_conf: str  # PYTORCH_SUPA_ALLOC_CONF, validated; applied when the devices are created
     sanitize: str  # 'off' | 'streams' (races raise) | 'streams-report' (races are logged)
+    autograd_device_threads: bool  # backward on autograd's per-device threads (as on a card), not the caller's
 
 
 def _flag(name: str, default: bool = False) -> bool:
@@ -190,4 +191,5 @@ def load() -> EmulatorConfig:
         deepspeed_accelerator=deepspeed_accelerator(),
         allocator_conf=_allocator_conf(),
         sanitize=sanitize_mode(),
+        autograd_device_threads=_flag("SUPA_EMU_AUTOGRAD_DEVICE_THREADS"),
     )

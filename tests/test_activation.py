@@ -157,3 +157,17 @@ def test_visible_devices_filter_and_reorder():
     assert physical[0] == "4" and len(set(physical[1:])) == 4
     # Visible device 0 is physical card 3, visible device 1 is physical card 1: in that order.
     assert visible == ["2", physical[1 + 3], physical[1 + 1]]
+
+
+@pytest.mark.parametrize("setting, expected", [(None, "calling-thread False"), ("1", "device-thread True")])
+def test_backward_runs_on_the_calling_thread_unless_device_threads_are_asked_for(setting, expected):
+    out = run_python("""
+        import threading, torch
+        x = torch.ones(2, device="supa", requires_grad=True)
+        threads = []
+        x.register_hook(lambda grad: threads.append(threading.get_ident()))
+        (x * 2).sum().backward()
+        where = "calling-thread" if threads == [threading.get_ident()] else "device-thread"
+        print(where, torch.autograd.is_multithreading_enabled())
+    """, env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": setting}).stdout.split()
+    assert " ".join(out[-2:]) == expected

@@ -10,7 +10,7 @@ from supa_emu.device_profile import PROFILES
 def clean_env(monkeypatch):
     for name in ("SUPA_EMULATE", "SUPA_EMU_DEVICE_COUNT", "SUPA_VISIBLE_DEVICES", "SUPA_EMU_MEMORY",
                  "SUPA_EMU_PROFILE", "SUPA_EMU_EXT", "BRTB_ENABLE_DTYPE_DEMOTION", "SUPA_DS_ACCELERATOR",
-                 "SUPA_EMU_SANITIZE"):
+                 "SUPA_EMU_SANITIZE", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -23,6 +23,7 @@ def test_defaults():
     assert not cfg.ext and not cfg.dtype_demotion
     assert cfg.deepspeed_accelerator == "project"
     assert cfg.sanitize == "off"
+    assert not cfg.autograd_device_threads
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -66,7 +67,8 @@ def test_bad_visible_devices(monkeypatch, raw):
 
 @pytest.mark.parametrize("name, raw", [("SUPA_EMULATE", "perhaps"), ("SUPA_EMU_EXT", "2"),
                                        ("SUPA_EMU_DEVICE_COUNT", "65"), ("SUPA_EMU_PROFILE", "BR999"),
-                                       ("SUPA_DS_ACCELERATOR", "cuda"), ("SUPA_EMU_SANITIZE", "races")])
+                                       ("SUPA_DS_ACCELERATOR", "cuda"), ("SUPA_EMU_SANITIZE", "races"),
+                                       ("SUPA_EMU_AUTOGRAD_DEVICE_THREADS", "device")])
 def test_bad_values_name_the_variable(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(config.ConfigError, match=name):

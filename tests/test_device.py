@@ -2,6 +2,7 @@
 
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -300,19 +301,23 @@ def test_brtx_ranges_outside_the_profiler_nest_but_are_not_recorded():
     assert "opened-before-profiling" not in names
 
 
-def test_brtx_ranges_in_backward_hooks_are_recorded():
-    """Backward runs on autograd's device thread; DeepSpeed opens its ranges there."""
+@pytest.mark.parametrize("device_threads", [True, False], ids=["device-thread", "calling-thread"])
+def test_brtx_ranges_in_backward_hooks_are_recorded(device_threads):
+    """DeepSpeed opens ranges in backward hooks: on a card those run on autograd's device thread."""
     x = torch.ones(2, device="supa", requires_grad=True)
+    threads = []
 
     def hook(grad):
+        threads.append(threading.get_ident())
         torch.supa.brtx.range_push("range-in-backward-hook")
         torch.supa.brtx.range_pop()
         return grad
 
     x.register_hook(hook)
-    with torch.profiler.profile() as prof:
+    with torch.profiler.profile() as prof, torch.autograd.set_multithreading_enabled(device_threads):
         (x * 2).sum().backward()
     assert any(event.name == "range-in-backward-hook" for event in prof.events())
+    assert (threads != [threading.get_ident()]) == device_threads
 
 
 def test_bccl_single_process_api_input_checks():

@@ -1,16 +1,27 @@
-"""At exit, autograd's device threads finish letting go of the last backward before the interpreter shuts down.
+"""Which thread runs a backward on supa tensors, and the device threads' clean exit.
 
-A backward on supa tensors runs on autograd's thread for that device (as on CUDA). The caller
-wakes once the gradients are ready, while the device thread still drops what the finished graph
-held. Among that is a Python object: every `backward()` stashes a copy of the caller's
-`contextvars` context in the thread-local state the graph carries (torch.autograd.graph,
-`_engine_run_backward`), and the caller removes its own reference as soon as it wakes, so the
-device thread frees it and takes the GIL to do so. If that happens while the interpreter is
-shutting down, Python ends the thread with `pthread_exit`, whose unwinding through a destructor
-aborts the process ("terminate called without an active exception", seen when a DDP or HF
-Trainer script exits right after its last step).
+On a card, autograd runs a backward on its thread for that device (as on CUDA): that thread
+only launches kernels. Under emulation it computes them, on the host's cores, with an OpenMP
+team of its own beside the calling thread's. With more OpenMP worker threads than cores,
+libgomp cuts every team's spin-wait between parallel regions to almost nothing, so workers
+sleep and must be woken for each region: measured on 2 cores, a training step in a process
+of its own took 1.2-1.35x (MLP, CNN, transformer) and 3.5x (LSTM) of the same step on CPU
+tensors. So the emulator runs backward on the calling thread, as for CPU tensors
+(`torch.autograd.set_multithreading_enabled(False)` on the thread that imports torch; other
+threads keep PyTorch's default). SUPA_EMU_AUTOGRAD_DEVICE_THREADS=1 keeps the device threads.
 
-So an atexit hook (run before the shutdown starts) hands each device thread one tiny graph and
+When device threads are used, an atexit hook lets them finish the last backward before the
+interpreter shuts down. The caller wakes once the gradients are ready, while the device thread
+still drops what the finished graph held. Among that is a Python object: every `backward()`
+stashes a copy of the caller's `contextvars` context in the thread-local state the graph
+carries (torch.autograd.graph, `_engine_run_backward`), and the caller removes its own
+reference as soon as it wakes, so the device thread frees it and takes the GIL to do so. If
+that happens while the interpreter is shutting down, Python ends the thread with
+`pthread_exit`, whose unwinding through a destructor aborts the process ("terminate called
+without an active exception", seen when a DDP or HF Trainer script exits right after its
+last step).
+
+So the hook (run before the shutdown starts) hands each device thread one tiny graph and
 waits for it: a device thread takes its tasks in order, so by then it has let go of the user's
 last graph. The tiny graph goes to the engine directly, without a stashed context, and every
 tensor of it stays referenced here, so what the thread drops after it needs no GIL.
@@ -33,8 +44,9 @@ def _finish_pending_backwards() -> None:
     if not is_initialized():
         return
     try:
-        # No Python dispatch mode (the stream sanitizer's) in the state the tiny graphs carry either.
-        with torch.enable_grad(), _disable_current_modes():
+        # No Python dispatch mode (the stream sanitizer's) in the state the tiny graphs carry either;
+        # multithreading on, so that the tiny graphs reach the device threads whoever used them.
+        with torch.enable_grad(), _disable_current_modes(), torch.autograd.set_multithreading_enabled(True):
             for index in range(device_count()):
                 device = torch.device("supa", index)
                 leaf = torch.zeros((), device=device, requires_grad=True)
@@ -44,6 +56,10 @@ def _finish_pending_backwards() -> None:
                     (output,), (gradient,), False, False, (), allow_unreachable=True, accumulate_grad=True)
     except Exception as error:  # exiting anyway: note it, do not mask the exit status
         _logger.debug("supa_emu: could not wait for autograd's device threads at exit: %s", error)
+
+
+def run_backward_on_the_calling_thread() -> None:
+    torch.autograd.set_multithreading_enabled(False)
 
 
 def register() -> None:
