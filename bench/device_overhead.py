@@ -2,16 +2,23 @@
 
 Run: SUPA_EMULATE=1 python bench/device_overhead.py
 
-Each workload runs on CPU tensors and on supa tensors in the same process, alternating
-rounds, and the median times are compared. Machines are noisy: read the ratios, not the
-absolute times; the load average at start and end is printed with them. Targets: <= 1.0x on
-the training steps and the large op, <= 1 us of emulation overhead per tiny op.
+Each workload runs on CPU tensors in one process and on supa tensors in another, in
+alternating rounds, and the median times are compared. The CPU side is a plain PyTorch process
+(SUPA_EMULATE unset), so nothing the emulator does in its process (threads, allocations) can
+slow the reference: run in one process, the two sides shared OpenMP's state, and autograd's
+device thread once made the CPU side up to 3x slower too, which hid the cost. Machines are
+noisy: read the ratios, not the absolute times; the load average at start and end is printed
+with them. Targets: <= 1.0x on the training steps and the large op, <= 1 us of emulation
+overhead per tiny op.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -19,29 +26,72 @@ import torch
 from harness import load, require_supa
 
 
-def _median_seconds(fn, rounds: int, inner: int) -> float:
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+def _seconds_per_call(fn, inner: int) -> float:
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - start) / inner
 
 
-def compare(make_workload, rounds: int, inner: int) -> tuple[float, float]:
+_REPLY = "seconds:"  # marks the worker's answers on its stdout, whatever else a library prints there
+
+
+def serve(device: str) -> None:
+    """A side's worker: builds each workload on `device` when first asked (and runs it once to warm
+    allocators and caches), then answers each "<workload> <calls>" line with seconds per call."""
+    workloads = {workload.__name__: workload for _, workload, _, _ in ROWS}
+    ready = {}
+    print(f"{_REPLY}{torch.__version__} {torch.get_num_threads()}", flush=True)
+    for line in sys.stdin:
+        name, inner = line.split()
+        if name not in ready:
+            ready[name] = workloads[name](device)
+            ready[name]()
+        print(f"{_REPLY}{_seconds_per_call(ready[name], int(inner))}", flush=True)
+
+
+class Side:
+    """One side of the comparison: a worker process that runs the workloads on one device type."""
+
+    def __init__(self, device: str):
+        env = dict(os.environ)
+        if device == "cpu":
+            env.pop("SUPA_EMULATE", None)  # the reference is plain PyTorch, without the emulator
+        self.device = device
+        self.process = subprocess.Popen([sys.executable, __file__, "--serve", device], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.version, threads = self._reply().split()
+        self.threads = int(threads)
+
+    def _reply(self) -> str:
+        for line in self.process.stdout:
+            if line.startswith(_REPLY):
+                return line[len(_REPLY):].strip()
+        raise SystemExit(f"the {self.device} worker exited with code {self.process.wait()} (its error is above)")
+
+    def seconds_per_call(self, workload, inner: int) -> float:
+        self.process.stdin.write(f"{workload.__name__} {inner}\n")
+        self.process.stdin.flush()
+        return float(self._reply())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+        self.process.stdout.close()
+
+
+def compare(sides, workload, rounds: int, inner: int) -> tuple[float, float]:
     """Median seconds per call on CPU and on supa, measured in alternating rounds.
 
     The sides swap places every round (cpu then supa, supa then cpu, ...): whichever runs second
     finds the caches the first one left, which moved a row by up to 0.1 when cpu always ran first.
     """
-    cpu_fn, supa_fn = make_workload("cpu"), make_workload("supa")
-    cpu_fn(), supa_fn()  # warm up allocators and caches
-    samples = {cpu_fn: [], supa_fn: []}
+    cpu, supa = sides
+    samples = {cpu: [], supa: []}
     for round_ in range(rounds):
-        for fn in (cpu_fn, supa_fn) if round_ % 2 == 0 else (supa_fn, cpu_fn):
-            samples[fn].append(_median_seconds(fn, 1, inner))
-    return statistics.median(samples[cpu_fn]), statistics.median(samples[supa_fn])
+        for side in (cpu, supa) if round_ % 2 == 0 else (supa, cpu):
+            samples[side].append(side.seconds_per_call(workload, inner))
+    return statistics.median(samples[cpu]), statistics.median(samples[supa])
 
 
 def _adamw_step(parameters, loss):
@@ -107,29 +157,37 @@ def large_elementwise(device: str):
     return run
 
 
+ROWS = [
+    ("MLP train step (256-1024-256, batch 64)", mlp_step, 20, "ms"),
+    ("transformer block train step (d=256, seq 64)", transformer_step, 5, "ms"),
+    ("small CNN train step (2 conv, 32x32, batch 32)", cnn_step, 5, "ms"),
+    ("LSTM train step (64->128, seq 32, batch 16)", lstm_step, 5, "ms"),
+    ("100 tiny in-place ops (add_ on 16 floats)", tiny_inplace_ops, 20, "us/op"),
+    ("large elementwise add (16M floats)", large_elementwise, 5, "ms"),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--serve", choices=["cpu", "supa"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
     require_supa()
-    torch.set_num_threads(torch.get_num_threads())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} alternating rounds; "
-          f"at start: {load()}")
+    sides = Side("cpu"), Side("supa")
+    print(f"torch {sides[1].version}, {sides[1].threads} threads (cpu side: {sides[0].threads}), one process per "
+          f"side, median of {args.rounds} alternating rounds; at start: {load()}")
     print(f"{'workload':<48}{'cpu':>12}{'supa':>12}{'supa/cpu':>10}")
-    rows = [
-        ("MLP train step (256-1024-256, batch 64)", mlp_step, 20, "ms"),
-        ("transformer block train step (d=256, seq 64)", transformer_step, 5, "ms"),
-        ("small CNN train step (2 conv, 32x32, batch 32)", cnn_step, 5, "ms"),
-        ("LSTM train step (64->128, seq 32, batch 16)", lstm_step, 5, "ms"),
-        ("100 tiny in-place ops (add_ on 16 floats)", tiny_inplace_ops, 20, "us/op"),
-        ("large elementwise add (16M floats)", large_elementwise, 5, "ms"),
-    ]
-    for name, workload, inner, unit in rows:
-        cpu, supa = compare(workload, args.rounds, inner)
+    for name, workload, inner, unit in ROWS:
+        cpu, supa = compare(sides, workload, args.rounds, inner)
         scale = 1e6 / 100 if unit == "us/op" else 1e3
         print(f"{name:<48}{cpu * scale:>9.2f} {unit:<3}{supa * scale:>8.2f} {unit:<3}{supa / cpu:>8.2f}x")
         if unit == "us/op":
             print(f"{'  emulation overhead per op':<48}{(supa - cpu) * scale:>21.2f} us")
+    for side in sides:
+        side.close()
     print(f"at end: {load()}")
 
 
