@@ -3,9 +3,9 @@
 // allocation path, its statistics, settings and snapshots all read: hence one file of ~500 lines).
 //
 // Blocks are never split: a freed block goes to its device's cache and is reused by a
-// request of the same rounded size (the most recently freed first). When a request would exceed the card's capacity the
-// cache is released and the request retried once; if it still does not fit, the caller
-// gets torch.OutOfMemoryError with the message shape of the real stack.
+// request of the same rounded size (the most recently freed first). When a request would
+// exceed the card's capacity the cache is released and the request retried once; if it still
+// does not fit, the caller gets torch.OutOfMemoryError with the message shape of the real stack.
 //
 // The allocator settings that change accounting act as on the real allocator (see
 // AllocatorKnobs): roundup_power2_divisions rounds request sizes, max_split_size makes large
