@@ -6,9 +6,14 @@ team of its own beside the calling thread's. Once libgomp manages more threads t
 cores, it shortens the spin-wait of every team between parallel regions, so workers sleep and
 must be woken for each region (measured on 2 cores: 70 context switches per small-CNN step
 against 1.5 on CPU tensors), and a training step in a process of its own took 1.2-1.35x (MLP,
-CNN, transformer) and 3.5x (LSTM) of the same step on CPU tensors. So the emulator runs backward on the calling thread, as for CPU tensors
-(`torch.autograd.set_multithreading_enabled(False)` on the thread that imports torch; other
-threads keep PyTorch's default). SUPA_EMU_AUTOGRAD_DEVICE_THREADS=1 keeps the device threads.
+CNN, transformer) and 3.5x (LSTM) of the same step on CPU tensors.
+
+SUPA_EMU_AUTOGRAD_DEVICE_THREADS=0 runs backward on the calling thread instead, as for CPU
+tensors (`torch.autograd.set_multithreading_enabled(False)` on the thread that imports torch;
+other threads keep PyTorch's default): those steps then cost what they cost on CPU tensors.
+It is not the default because of ranks that share cores: with one team per process libgomp's
+workers spin between regions at full length and take the cores the other ranks need, and the
+2-rank quick start on 2 cores went from 0.5 s to 1.0-2.9 s for its 20 steps.
 
 When device threads are used, an atexit hook lets them finish the last backward before the
 interpreter shuts down. The caller wakes once the gradients are ready, while the device thread
