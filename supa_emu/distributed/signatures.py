@@ -145,6 +145,11 @@ class Ticket:
         self.error: Optional[CollectiveMismatchError] = None
 
 
+def _can_stand_in(signature: List[int]) -> bool:
+    """Whether a stand-in could run for `signature`, which an early start needs: it must name the dtype."""
+    return signature[1] < len(_DTYPES)
+
+
 class Agreement:
     """Runs the agreement step of one group: posts this rank's signatures and checks everyone's.
 
@@ -175,8 +180,7 @@ class Agreement:
         if not self._early:
             check(self._exchange.exchange(signature), self._rank, self._label, receive_counts)
             return None
-        # A stand-in can be run only for a signature whose dtype it can name.
-        early = early and not receive_counts and signature[1] < len(_DTYPES)
+        early = early and not receive_counts and _can_stand_in(signature)
         return self._post(signature, receive_counts, early)[0]
 
     def launch(self, signature: List[int], launcher: Callable, *operands):
@@ -185,7 +189,7 @@ class Agreement:
         path does not apply (no board, one rank, or operands the native core declined, in which
         case nothing was posted), and the caller agrees and starts as usual.
         """
-        if self._size == 1 or not self._early or signature[1] >= len(_DTYPES):
+        if self._size == 1 or not self._early or not _can_stand_in(signature):
             return None
         return self._post(signature, (), True, launcher, operands)
 

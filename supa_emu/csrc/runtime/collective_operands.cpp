@@ -21,14 +21,9 @@ bool plain_device_tensor(const at::Tensor& t) {
 at::Tensor flat_host_slice(const at::Tensor& t, int64_t offset, int64_t numel) {
   TORCH_CHECK(t.is_contiguous() && offset >= 0 && numel >= 0 && offset + numel <= t.numel(),
               "flat_host_slice expects a contiguous tensor and a range within it");
-  c10::Storage storage = t.device().type() == kSupa ? host_alias_storage(t.storage()) : t.storage();
-  at::Tensor slice = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), kCpuKeys, t.dtype());
-  c10::TensorImpl* impl = slice.unsafeGetTensorImpl();
+  const c10::Storage storage = t.device().type() == kSupa ? host_alias_storage(t.storage()) : t.storage();
   const int64_t size[1] = {numel}, stride[1] = {1};
-  impl->set_sizes_and_strides(c10::IntArrayRef(size), c10::IntArrayRef(stride), t.storage_offset() + offset);
-  impl->_set_conj(t.is_conj());
-  impl->_set_neg(t.is_neg());
-  return slice;
+  return tensor_over(storage, kCpuKeys, t, size, stride, t.storage_offset() + offset);
 }
 
 namespace {

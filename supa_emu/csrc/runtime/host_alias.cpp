@@ -33,14 +33,19 @@ c10::Storage host_alias_storage(const c10::Storage& device_storage) {
       /*resizable=*/true));
 }
 
-at::Tensor tensor_over(const c10::Storage& storage, c10::DispatchKeySet keys, const at::Tensor& like) {
+at::Tensor tensor_over(const c10::Storage& storage, c10::DispatchKeySet keys, const at::Tensor& like,
+                       c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t storage_offset) {
   auto out = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), keys, like.dtype());
   c10::TensorImpl* impl = out.unsafeGetTensorImpl();
-  impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  impl->set_sizes_and_strides(sizes, strides, storage_offset);
   // Lazy conjugation and negation are part of what the memory means: keep them on both sides.
   impl->_set_conj(like.is_conj());
   impl->_set_neg(like.is_neg());
   return out;
+}
+
+at::Tensor tensor_over(const c10::Storage& storage, c10::DispatchKeySet keys, const at::Tensor& like) {
+  return tensor_over(storage, keys, like, like.sizes(), like.strides(), like.storage_offset());
 }
 
 at::Tensor host_view(const at::Tensor& device_tensor) {

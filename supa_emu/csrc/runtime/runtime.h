@@ -228,6 +228,9 @@ at::Tensor adopt_host_result(const at::Tensor& cpu, c10::DeviceIndex device, siz
 // the operator fallback then moves back into the supa storage.
 c10::Storage host_alias_storage(const c10::Storage& device_storage);
 at::Tensor tensor_over(const c10::Storage& storage, c10::DispatchKeySet keys, const at::Tensor& like);
+// The same with its own geometry (dtype, conjugation and negation still `like`'s).
+at::Tensor tensor_over(const c10::Storage& storage, c10::DispatchKeySet keys, const at::Tensor& like,
+                       c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t storage_offset);
 // A sparse (COO or compressed) tensor like `sparse` on `device` (CPU or supa), whose index
 // and value tensors are `convert` applied to those of `sparse`: how sparse operands and
 // results cross between the two sides without copies.
