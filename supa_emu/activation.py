@@ -98,6 +98,9 @@ def _register() -> None:
 
     register_bccl()
 
+    from supa_emu import core_share
+
+    core_share.at_activation()
     if not cfg.autograd_device_threads:
         from supa_emu.supa import _autograd_threads
 

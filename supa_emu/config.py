@@ -191,5 +191,5 @@ def load() -> EmulatorConfig:
         deepspeed_accelerator=deepspeed_accelerator(),
         allocator_conf=_allocator_conf(),
         sanitize=sanitize_mode(),
-        autograd_device_threads=_flag("SUPA_EMU_AUTOGRAD_DEVICE_THREADS", default=True),
+        autograd_device_threads=_flag("SUPA_EMU_AUTOGRAD_DEVICE_THREADS"),
     )

@@ -159,8 +159,9 @@ def test_visible_devices_filter_and_reorder():
     assert visible == ["2", physical[1 + 3], physical[1 + 1]]
 
 
-@pytest.mark.parametrize("setting, expected", [(None, "device-thread True"), ("0", "calling-thread False")])
-def test_backward_runs_on_a_device_thread_unless_the_calling_thread_is_asked_for(setting, expected):
+@pytest.mark.parametrize("setting, expected", [(None, "calling-thread False"), ("0", "calling-thread False"),
+                                              ("1", "device-thread True")])
+def test_backward_runs_on_the_calling_thread_unless_device_threads_are_asked_for(setting, expected):
     out = run_python("""
         import threading, torch
         x = torch.ones(2, device="supa", requires_grad=True)

@@ -23,7 +23,7 @@ def test_defaults():
     assert not cfg.ext and not cfg.dtype_demotion
     assert cfg.deepspeed_accelerator == "project"
     assert cfg.sanitize == "off"
-    assert cfg.autograd_device_threads
+    assert not cfg.autograd_device_threads  # backward on the calling thread
 
 
 @pytest.mark.parametrize("raw, expected", [

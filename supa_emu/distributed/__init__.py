@@ -21,6 +21,8 @@ import datetime
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from supa_emu import core_share
+
 from . import host_memory
 from .process_group import BACKEND_NAME, DEFAULT_TIMEOUT, ProcessGroupBCCL
 from .signature_exchange import CollectiveMismatchError
@@ -45,6 +47,7 @@ def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
     pg_options._timeout = backend_options.timeout
     pg_options.global_ranks_in_group = list(backend_options.global_ranks_in_group)
     pg_options.group_name = backend_options.group_id
+    core_share.at_first_group(backend_options.group_size)
     return ProcessGroupBCCL(
         backend_options.store, backend_options.group_rank, backend_options.group_size, pg_options
     )
