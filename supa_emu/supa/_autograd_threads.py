@@ -1,22 +1,21 @@
 """Which thread runs a backward on supa tensors, and the device threads' clean exit.
 
 On a card, autograd runs a backward on its thread for that device (as on CUDA): that thread
-only launches kernels. Under emulation it computes them, on the host's cores, with an OpenMP
-team of its own beside the calling thread's. Once libgomp manages more threads than there are
-cores, it shortens the spin-wait of every team between parallel regions, so workers sleep and
-must be woken for each region (measured on 2 cores: 70 context switches per small-CNN step
-against 1.5 on CPU tensors), and a training step in a process of its own took 1.2-1.35x (MLP,
-CNN, transformer) and 3.5x (LSTM) of the same step on CPU tensors.
+only launches kernels. Under emulation it would compute them, on the host's cores, with an
+OpenMP team of its own beside the calling thread's. Once libgomp manages more threads than
+there are cores, it shortens the spin-wait of every team between parallel regions, so workers
+sleep and must be woken for each region (measured on 2 cores: 70 context switches per small-CNN
+step against 1.5 on CPU tensors), and a training step in a process of its own took 1.2-1.35x
+(MLP, CNN, transformer) and 3.5x (LSTM) of the same step on CPU tensors.
 
-SUPA_EMU_AUTOGRAD_DEVICE_THREADS=0 runs backward on the calling thread instead, as for CPU
-tensors (`torch.autograd.set_multithreading_enabled(False)` on the thread that imports torch;
-other threads keep PyTorch's default): those steps then cost what they cost on CPU tensors.
-It is not the default because of ranks that share cores: with one team per process libgomp's
-workers spin between regions at full length and take the cores the other ranks need, and the
-2-rank quick start on 2 cores went from 0.5 s to 1.0-2.9 s for its 20 steps.
+So backward runs on the calling thread, as for CPU tensors:
+`torch.autograd.set_multithreading_enabled(False)` on the thread that imports torch (other
+threads keep PyTorch's default). SUPA_EMU_AUTOGRAD_DEVICE_THREADS=1 keeps the device threads.
+Ranks that share the host's cores must then not each run a team as wide as the host, or their
+spinning workers take each other's cores: supa_emu/core_share.py gives each rank its share.
 
-When device threads are used, an atexit hook lets them finish the last backward before the
-interpreter shuts down. The caller wakes once the gradients are ready, while the device thread
+An atexit hook lets the device threads (kept by the setting, or used from another thread) finish
+the last backward before the interpreter shuts down (1.5 ms at exit). The caller wakes once the gradients are ready, while the device thread
 still drops what the finished graph held. Among that is a Python object: every `backward()`
 stashes a copy of the caller's `contextvars` context in the thread-local state the graph
 carries (torch.autograd.graph, `_engine_run_backward`), and the caller removes its own
