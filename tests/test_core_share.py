@@ -48,8 +48,11 @@ def test_ranks_without_a_launcher_share_the_host_from_their_first_bccl_group(hos
             if chosen:
                 torch.set_num_threads(chosen)
             dist.init_process_group("bccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=index, world_size=2)
-            dist.new_group([0, 1])  # a second group shares nothing again
-            os.write(1, f"threads {{chosen}} {{torch.get_num_threads()}}\\n".encode())  # one write: no interleaving
+            shared = torch.get_num_threads()
+            torch.set_num_threads({host_threads})
+            dist.new_group([0, 1])  # a later group shares nothing again
+            line = f"threads {{chosen}} {{shared}} {{torch.get_num_threads()}}\\n"
+            os.write(1, line.encode())  # one write: the two ranks' lines do not interleave
             dist.destroy_process_group()
 
         if __name__ == "__main__":
@@ -57,4 +60,5 @@ def test_ranks_without_a_launcher_share_the_host_from_their_first_bccl_group(hos
             mp.spawn(rank, args=({free_port()}, {host_threads + 1}), nprocs=2)
     """, env=NO_LAUNCHER).stdout
     counts = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("threads"))
-    assert counts == [["0", str(host_threads // 2)]] * 2 + [[str(host_threads + 1)] * 2] * 2
+    assert counts == ([["0", str(host_threads // 2), str(host_threads)]] * 2
+                      + [[str(host_threads + 1), str(host_threads + 1), str(host_threads)]] * 2)
