@@ -146,9 +146,9 @@ def lstm_step(device: str):
 def lstm_step_single_tensor_adamw(device: str):
     # PyTorch's optimizers take their foreach path for tensors on the devices in its foreach list
     # (cuda, xpu, mtia and the PrivateUse1 device, here supa) and their single-tensor loop for CPU
-    # tensors. With six small parameters the foreach
-    # path costs more on CPU kernels, so this row runs the loop on both sides: the difference
-    # between the two LSTM rows is PyTorch's choice of path, not the emulator.
+    # tensors. With six small parameters the foreach path costs more on CPU kernels, so this row
+    # runs the loop on both sides: the difference between the two LSTM rows is PyTorch's choice
+    # of path, not the emulator.
     return _lstm_step(device, foreach=False)
 
 
