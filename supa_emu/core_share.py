@@ -13,7 +13,7 @@ How many ranks run here: the launcher's LOCAL_WORLD_SIZE (torchrun, accelerate) 
 (mp.spawn and hand-rolled launches start every rank of an emulated job on this host).
 
 The user's choice wins: nothing changes when OMP_NUM_THREADS is set, nor, at the first bccl
-group, when torch.set_num_threads() was called since activation.
+group, when torch.set_num_threads() set another count since activation.
 """
 
 from __future__ import annotations
