@@ -4,9 +4,9 @@ On a card a rank's host threads only launch kernels. Under emulation they comput
 the ranks of a job share the host's cores: with PyTorch's default (an OpenMP team as wide as
 the host in every rank), each rank's spinning workers take the cores the others need (the
 2-rank quick start on 2 cores, backward on the calling thread: 11-13 ms a step with one thread
-per rank, 90-175 ms with two).
-So each rank takes its share, as torchrun does for CPU jobs (OMP_NUM_THREADS=1 for several
-ranks): intra-op threads = the host's threads // the ranks on this host, at least 1.
+per rank, 90-175 ms with two). So each rank takes its share, as torchrun does for CPU jobs
+(OMP_NUM_THREADS=1 for several ranks): intra-op threads = the host's threads // the ranks on
+this host, at least 1.
 
 How many ranks run here: the launcher's LOCAL_WORLD_SIZE (torchrun, accelerate) or LOCAL_SIZE
 (the deepspeed launcher), read at activation; without either, the size of the first bccl group

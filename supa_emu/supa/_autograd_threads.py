@@ -14,16 +14,16 @@ threads keep PyTorch's default). SUPA_EMU_AUTOGRAD_DEVICE_THREADS=1 keeps the de
 Ranks that share the host's cores must then not each run a team as wide as the host, or their
 spinning workers take each other's cores: supa_emu/core_share.py gives each rank its share.
 
-An atexit hook lets the device threads (kept by the setting, or used from another thread) finish
-the last backward before the interpreter shuts down (1.5 ms at exit). The caller wakes once the gradients are ready, while the device thread
-still drops what the finished graph held. Among that is a Python object: every `backward()`
-stashes a copy of the caller's `contextvars` context in the thread-local state the graph
-carries (torch.autograd.graph, `_engine_run_backward`), and the caller removes its own
-reference as soon as it wakes, so the device thread frees it and takes the GIL to do so. If
-that happens while the interpreter is shutting down, Python ends the thread with
-`pthread_exit`, whose unwinding through a destructor aborts the process ("terminate called
-without an active exception", seen when a DDP or HF Trainer script exits right after its
-last step).
+An atexit hook lets the device threads (kept by the setting, or used from another thread)
+finish the last backward before the interpreter shuts down (1.5 ms at exit). The caller wakes
+once the gradients are ready, while the device thread still drops what the finished graph held.
+Among that is a Python object: every `backward()` stashes a copy of the caller's `contextvars`
+context in the thread-local state the graph carries (torch.autograd.graph,
+`_engine_run_backward`), and the caller removes its own reference as soon as it wakes, so the
+device thread frees it and takes the GIL to do so. If that happens while the interpreter is
+shutting down, Python ends the thread with `pthread_exit`, whose unwinding through a destructor
+aborts the process ("terminate called without an active exception", seen when a DDP or HF
+Trainer script exits right after its last step).
 
 So the hook (run before the shutdown starts) hands each device thread one tiny graph and
 waits for it: a device thread takes its tasks in order, so by then it has let go of the user's
