@@ -1,4 +1,10 @@
-"""Packaging hook: installs `supa_emu.pth` next to the packages (everything else is in pyproject.toml).
+"""Packaging: the import names of the three top-level folders, and the `supa_emu.pth` start-up hook.
+
+Import names. `supa_emu/` installs as `supa_emu`. `accelerator/` and `op_builder/` keep
+DeepSpeed's folder names in this repository (they are laid out to be upstreamed into those
+folders), but install as `supa_deepspeed.accelerator` and `supa_deepspeed.op_builder`: a
+DeepSpeed checkout puts its own top-level `accelerator` and `op_builder` on sys.path, and a
+second package under either name would shadow one or the other.
 
 The .pth line runs at interpreter start-up. With SUPA_EMULATE off it costs one environment
 lookup; with it on, it lets `import torch_supa` work as the first import of a script (before
@@ -7,7 +13,7 @@ torch), as with the real package, by appending a finder that yields to a real to
 
 import pathlib
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "supa_emu.pth"
@@ -34,4 +40,20 @@ class BuildPyWithStartupHook(build_py):
         return super().get_outputs(include_bytecode) + [str(self._pth_path())]
 
 
-setup(cmdclass={"build_py": BuildPyWithStartupHook})
+# The folders in this repository that install under another import name.
+RENAMED_FOLDERS = {"supa_deepspeed.accelerator": "accelerator", "supa_deepspeed.op_builder": "op_builder"}
+
+
+def _packages():
+    names = find_packages(include=["supa_emu", "supa_emu.*"])
+    for import_name, folder in RENAMED_FOLDERS.items():
+        names.append(import_name)
+        names += [f"{import_name}.{sub}" for sub in find_packages(folder)]
+    return names
+
+
+setup(
+    packages=_packages(),
+    package_dir=RENAMED_FOLDERS,
+    cmdclass={"build_py": BuildPyWithStartupHook},
+)

@@ -1,16 +1,16 @@
 """DeepSpeed accelerator for Biren SUPA GPUs: `SUPA_Accelerator`, and the hook that selects it.
 
-This package is deliberately import-free. DeepSpeed itself imports a top-level `accelerator`
-package while it loads (it probes `accelerator.abstract_accelerator` and
-`from accelerator import get_accelerator` to detect a DeepSpeed source checkout), so importing
-this package must cost nothing, must not import DeepSpeed back, and must not offer those names.
+Installed as `supa_deepspeed.accelerator` (see setup.py), so it never takes the import name of
+DeepSpeed's own top-level `accelerator` folder. It is still import-free: importing it costs nothing,
+does not import DeepSpeed back and does not offer DeepSpeed's names (`get_accelerator`,
+`abstract_accelerator`), so that it also reads correctly when vendored into DeepSpeed's tree.
 """
 
 __all__ = ["SUPA_Accelerator"]
 
 
 def __getattr__(name):
-    # Lazy so that `import accelerator` (done by DeepSpeed and by the torch.backends entry point)
+    # Lazy so that importing the package (done by the torch.backends entry point at `import torch`)
     # does not import torch or DeepSpeed.
     if name == "SUPA_Accelerator":
         from .supa_accelerator import SUPA_Accelerator

@@ -6,7 +6,7 @@ ranks, multiprocessing children. It imports nothing heavy (no torch, DeepSpeed o
 does nothing until DeepSpeed loads.
 
 The setting SUPA_DS_ACCELERATOR chooses which SUPA accelerator DeepSpeed gets:
-'project' (default) for accelerator.supa_accelerator.SUPA_Accelerator, 'builtin' for DeepSpeed's
+'project' (default) for this project's supa_deepspeed.accelerator.supa_accelerator.SUPA_Accelerator, 'builtin' for DeepSpeed's
 own deepspeed.accelerator.supa_accelerator.SUPA_Accelerator.
 """
 
@@ -60,16 +60,51 @@ def _wrap_get_accelerator(module):
             # Read before DeepSpeed chooses, so a bad value fails every call, not just the first.
             implementation = selected_implementation()
             chosen = original()
-            if getattr(chosen, "_name", None) == "supa" and implementation == "project":
-                from .supa_accelerator import SUPA_Accelerator
-                if not isinstance(chosen, SUPA_Accelerator):
-                    module.set_accelerator(SUPA_Accelerator())
+            if getattr(chosen, "_name", None) != "supa":
+                _say_when_supa_was_expected(chosen, implementation)
+            elif implementation == "project":
+                _install_project_accelerator(module, chosen)
             return module.ds_accelerator
 
     get_accelerator.__doc__ = original.__doc__
     get_accelerator.__wrapped__ = original
     setattr(get_accelerator, _WRAPPED_MARK, True)
     module.get_accelerator = get_accelerator
+
+
+def _install_project_accelerator(module, builtin):
+    try:
+        from .supa_accelerator import SUPA_Accelerator
+        if isinstance(builtin, SUPA_Accelerator):
+            return
+        ours = SUPA_Accelerator()
+    except Exception as exc:  # a broken install must not take DeepSpeed down with it, nor pass unnoticed
+        _log().warning("DeepSpeed uses its built-in SUPA accelerator (%s.%s), not this project's "
+                       "(SUPA_DS_ACCELERATOR=project): loading %s.supa_accelerator failed: %s: %s",
+                       type(builtin).__module__, type(builtin).__qualname__, __package__,
+                       type(exc).__name__, exc)
+        return
+    module.set_accelerator(ours)
+
+
+def _say_when_supa_was_expected(chosen, implementation):
+    """One line when DeepSpeed picked another accelerator although SUPA is there or was asked for."""
+    import os
+    torch = sys.modules.get("torch")
+    supa_present = torch is not None and hasattr(torch, "supa")
+    if not (supa_present or "SUPA_DS_ACCELERATOR" in os.environ):
+        return  # SUPA is not in play in this process: nothing was expected of it
+    requested = os.environ.get("DS_ACCELERATOR")
+    why = (f"DS_ACCELERATOR={requested}" if requested else
+           "DeepSpeed's auto-detection did not pick SUPA" + ("" if supa_present else " (no torch.supa here)"))
+    _log().warning("DeepSpeed uses its '%s' accelerator (%s.%s), not SUPA_DS_ACCELERATOR=%s's SUPA accelerator: %s",
+                   getattr(chosen, "_name", "?"), type(chosen).__module__, type(chosen).__qualname__,
+                   implementation, why)
+
+
+def _log():
+    import logging
+    return logging.getLogger(__name__)
 
 
 class _RealAcceleratorFinder:

@@ -20,6 +20,9 @@ import torch
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
 _DEVICE_TYPE = "supa"
+# The op builders for SUPA: the `op_builder/supa` package that sits beside this one's folder
+# (`op_builder.supa` in DeepSpeed's tree, `supa_deepspeed.op_builder.supa` when installed).
+_OP_BUILDER_PACKAGE = ".".join(filter(None, [__package__.rpartition(".")[0], "op_builder", "supa"]))
 
 
 def _supa():
@@ -333,7 +336,7 @@ class SUPA_Accelerator(DeepSpeedAccelerator):
         return tensor.device.type == _DEVICE_TYPE
 
     def op_builder_dir(self):
-        return "op_builder.supa"
+        return _OP_BUILDER_PACKAGE
 
     def create_op_builder(self, class_name):
         builder_class = self.get_op_builder(class_name)

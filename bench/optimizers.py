@@ -1,7 +1,7 @@
 """Benchmark: one Adam(W) step over ~20M parameters in 200 tensors, against the memory-bandwidth bound.
 
 Prints ms per step, side by side in one run, for
-  - the SUPA FusedAdam fallback (op_builder.supa, AdamW mode) on supa parameters (CPU parameters
+  - the SUPA FusedAdam fallback (supa_deepspeed.op_builder.supa, AdamW mode) on supa parameters (CPU parameters
     when no supa device is available; the output says which),
   - a per-parameter Python loop of Adam steps (the shape of a naive device fallback),
   - torch.optim.AdamW(foreach=True) and (fused=True) on CPU parameters,
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from op_builder.supa.fused_adam import multi_tensor_adam
+from supa_deepspeed.op_builder.supa.fused_adam import multi_tensor_adam
 from harness import load
 
 LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01

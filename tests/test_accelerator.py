@@ -20,9 +20,9 @@ import torch
 
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
-import accelerator
-from accelerator import deepspeed_selection
-from accelerator.supa_accelerator import SUPA_Accelerator
+from supa_deepspeed import accelerator
+from supa_deepspeed.accelerator import deepspeed_selection
+from supa_deepspeed.accelerator.supa_accelerator import SUPA_Accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -345,12 +345,12 @@ def _on_accelerator(a):
 
 @check("op_builder_dir", "create_op_builder", "get_op_builder")
 def _op_builders(a):
-    assert a.op_builder_dir() == "op_builder.supa"
+    assert a.op_builder_dir() == "supa_deepspeed.op_builder.supa"
     adam = a.get_op_builder("FusedAdamBuilder")
-    assert adam.__name__ == "FusedAdamBuilder" and adam.__module__.startswith("op_builder.supa.")
+    assert adam.__name__ == "FusedAdamBuilder" and adam.__module__.startswith("supa_deepspeed.op_builder.supa.")
     assert type(a.create_op_builder("FusedAdamBuilder")) is adam
     # Base classes are not ops.
-    assert a.get_op_builder("SUPAOpBuilder") is not getattr(sys.modules["op_builder.supa.builder"], "SUPAOpBuilder")
+    assert a.get_op_builder("SUPAOpBuilder") is not getattr(sys.modules["supa_deepspeed.op_builder.supa.builder"], "SUPAOpBuilder")
     missing = a.create_op_builder("NoSuchKernelBuilder")
     if missing is not None:
         assert not missing.is_compatible()
@@ -619,7 +619,7 @@ REPORT_CHOICE = """
     }))
 """
 
-OURS = "accelerator.supa_accelerator.SUPA_Accelerator"
+OURS = "supa_deepspeed.accelerator.supa_accelerator.SUPA_Accelerator"
 BUILTIN = "deepspeed.accelerator.supa_accelerator.SUPA_Accelerator"
 
 
@@ -649,9 +649,13 @@ def test_builtin_setting_selects_deepspeeds_own_accelerator_which_works_too():
 
 @requires_supa
 @pytest.mark.slow  # several fresh interpreters doing real work
-def test_other_accelerators_are_untouched():
-    assert _choice(_run(REPORT_CHOICE.replace("acc.device(0)", "'cpu'"),
-                        DS_ACCELERATOR="cpu"))["class"] == "deepspeed.accelerator.cpu_accelerator.CPU_Accelerator"
+def test_other_accelerators_are_untouched_and_named():
+    result = _run(REPORT_CHOICE.replace("acc.device(0)", "'cpu'"), DS_ACCELERATOR="cpu")
+    assert _choice(result)["class"] == "deepspeed.accelerator.cpu_accelerator.CPU_Accelerator"
+    # SUPA is registered in this process, so DeepSpeed taking another accelerator is said, once.
+    said = [line for line in result.stderr.splitlines() if "not SUPA_DS_ACCELERATOR" in line]
+    assert said == ["DeepSpeed uses its 'cpu' accelerator (deepspeed.accelerator.cpu_accelerator.CPU_Accelerator), "
+                    "not SUPA_DS_ACCELERATOR=project's SUPA accelerator: DS_ACCELERATOR=cpu"], result.stderr[-2000:]
 
 
 @requires_supa
@@ -676,7 +680,7 @@ def test_install_imports_nothing_heavy():
     result = _run("""
         import sys
         before = set(sys.modules)  # with SUPA_EMULATE on, supa_emu.pth imported supa_emu.import_hooks
-        from accelerator.deepspeed_selection import install
+        from supa_deepspeed.accelerator.deepspeed_selection import install
         install()
         print(sorted(m for m in ("torch", "deepspeed", "supa_emu") if m in sys.modules and m not in before))
     """)

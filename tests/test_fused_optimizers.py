@@ -1,4 +1,4 @@
-"""Numerical specification of the SUPA FusedAdam / FusedLamb / FusedLion ops (op_builder.supa).
+"""Numerical specification of the SUPA FusedAdam / FusedLamb / FusedLion ops (supa_deepspeed.op_builder.supa).
 
 References are independent of the code under test: torch.optim.Adam/AdamW, and the update rules
 of DeepSpeed's fused kernels written out below in float64. Every case runs on CPU tensors and,
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from op_builder.supa import FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder
-from op_builder.supa import fused_adam as fused_adam_impl
+from supa_deepspeed.op_builder.supa import FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder
+from supa_deepspeed.op_builder.supa import fused_adam as fused_adam_impl
 
 
 def _supa_available():

@@ -85,6 +85,6 @@ def test_trainer_with_deepspeed_zero2_on_two_cards(launcher, cpu_reference):
     result = run("--deepspeed-stage", 2, launcher=launcher)
     assert result["world_size"] == 2 and result["backend"] == "bccl"
     assert result["parameter_devices"] == ["supa:0"]
-    assert result["deepspeed_accelerator"] == "accelerator.supa_accelerator.SUPA_Accelerator"
+    assert result["deepspeed_accelerator"] == "supa_deepspeed.accelerator.supa_accelerator.SUPA_Accelerator"
     # The whole data set is the global batch: the 2-rank run sees what the 1-process run sees.
     torch.testing.assert_close(result["losses"], cpu_reference["losses"], **FP32)

@@ -1,4 +1,4 @@
-"""Specification of the SUPA op builders (op_builder.supa): discovery, is_compatible() and load().
+"""Specification of the SUPA op builders (supa_deepspeed.op_builder.supa): discovery, is_compatible() and load().
 
 Device-dependent tests use only public APIs (`torch.device('supa')`,
 `deepspeed.accelerator.get_accelerator()`) and are skipped where no supa device exists.
@@ -11,8 +11,8 @@ import pkgutil
 import pytest
 import torch
 
-import op_builder.supa as supa_builders
-from op_builder.supa import supa_kernels
+import supa_deepspeed.op_builder.supa as supa_builders
+from supa_deepspeed.op_builder.supa import supa_kernels
 
 # Builder class -> DeepSpeed op name (deepspeed 0.19.8's op_builder tree).
 DEEPSPEED_NAMES = {
@@ -145,7 +145,7 @@ def test_stub_extension_kernel_is_not_used(monkeypatch):
 
     monkeypatch.setattr(supa_kernels, 'registered_op', lambda name, namespace='deepspeed': stub)
     monkeypatch.setattr(supa_kernels, '_usable', {})
-    from op_builder.supa import fused_lamb
+    from supa_deepspeed.op_builder.supa import fused_lamb
     assert supa_kernels.usable_kernel('lamb', torch.device('cpu'), fused_lamb._probe_ext_kernel) is None
     coeff = supa_builders.FusedLambBuilder().load().lamb(torch.ones(4), torch.empty(0), torch.zeros(4), torch.zeros(4),
                                                           torch.ones(4), 1e-2, 0.9, 0.999, 10.0, 0.01, 1e-8, 1.0, 1, 1,
@@ -305,7 +305,7 @@ def test_switching_accelerators_does_not_rebuild_host_ops(tmp_path, python_subpr
         return result, library.stat().st_mtime_ns, (library.parent / '.ninja_log').read_text()
 
     first, built_at, log = run('project')
-    assert first.stdout.split()[-1] == 'op_builder.supa.cpu_adam', first.stdout
+    assert first.stdout.split()[-1] == 'supa_deepspeed.op_builder.supa.cpu_adam', first.stdout
     assert "building DeepSpeed's cpu_adam op" in first.stderr and "built DeepSpeed's cpu_adam op" in first.stderr
     builtin, mtime, builtin_log = run('builtin')
     assert builtin.stdout.split()[-1] == 'deepspeed.ops.op_builder.supa.cpu_adam', builtin.stdout

@@ -70,7 +70,7 @@ class SUPAOpBuilder(OpBuilder):
 
 def _say(message):
     import sys
-    print(f"op_builder.supa: {message}", file=sys.stderr, flush=True)
+    print(f"{__package__}: {message}", file=sys.stderr, flush=True)
 
 
 def _extension_library(name):
@@ -97,7 +97,7 @@ class SUPAPythonOpBuilder(SUPAOpBuilder):
     def load(self, verbose=False):
         if not self.is_compatible(verbose):
             raise RuntimeError(f"Unable to load the {self.name} op on SUPA: {self.error_log}")
-        module = types.ModuleType(f"op_builder.supa.{self.NAME}_op", f"SUPA {self.NAME} ops")
+        module = types.ModuleType(f"{__package__}.{self.NAME}_op", f"SUPA {self.NAME} ops")
         for attr, fn in self.ops().items():
             setattr(module, attr, fn)
         return module
@@ -145,7 +145,7 @@ class SUPAExtensionOpBuilder(SUPAPythonOpBuilder):
         ok, why = supa_kernels.extension_status()
         if not ok:
             raise ImportError(f"DeepSpeed op '{self.NAME}' on SUPA needs torch_supa_ext's compiled kernels: {why}")
-        module = types.ModuleType(f"op_builder.supa.{self.NAME}_op", f"SUPA {self.NAME} ops (torch_supa_ext)")
+        module = types.ModuleType(f"{__package__}.{self.NAME}_op", f"SUPA {self.NAME} ops (torch_supa_ext)")
         unavailable = {}
         for attr, op_name in self.OPS.items():
             op = supa_kernels.registered_op(op_name) if op_name is not None else None
