@@ -686,3 +686,21 @@ def test_install_imports_nothing_heavy():
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_project_accelerator_that_cannot_load_is_said_and_deepspeed_keeps_its_own(monkeypatch, caplog):
+    import types as _types
+
+    def broken(self):
+        raise ImportError("a broken install")
+
+    monkeypatch.setattr(SUPA_Accelerator, "__init__", broken)
+    chosen = []
+    real_accelerator = _types.SimpleNamespace(set_accelerator=chosen.append)
+    builtin = object()
+    with caplog.at_level("WARNING", logger=deepspeed_selection.__name__):
+        deepspeed_selection._install_project_accelerator(real_accelerator, builtin)
+    assert chosen == []  # DeepSpeed's own choice stands
+    assert [r.getMessage() for r in caplog.records] == [
+        "DeepSpeed uses its built-in SUPA accelerator (builtins.object), not this project's (SUPA_DS_ACCELERATOR=project): "
+        "loading supa_deepspeed.accelerator.supa_accelerator failed: ImportError: a broken install"]
