@@ -101,6 +101,8 @@ def main():
             deepspeed=deepspeed_config(args.deepspeed_stage) if args.deepspeed_stage is not None else None,
             disable_tqdm=True,
         )
+        # One process driving several visible cards splits each batch over them (DataParallel).
+        training.per_device_train_batch_size = args.samples // world // max(training.n_gpu, 1)
         trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[devices])
         trainer.train()
     if trainer.is_world_process_zero():
@@ -111,6 +113,7 @@ def main():
             "parameter_devices": sorted(devices.devices),
             "backend": backend,
             "world_size": world,
+            "n_gpu": training.n_gpu,
         }
         if args.deepspeed_stage is not None:
             from deepspeed.accelerator import get_accelerator
