@@ -27,12 +27,30 @@ NUMERIC_DTYPES = frozenset([torch.float32, torch.float16, torch.bfloat16, torch.
                             torch.int8, torch.uint8])
 
 
-def flat_host_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat CPU tensor over `tensor`'s memory (contiguous `tensor` required), bytes for BYTE_DTYPES."""
+def _native():
     from supa_emu.supa import _native
 
-    view = _native()._host_view(tensor).view(-1)
+    return _native()
+
+
+def as_operand(view: torch.Tensor) -> torch.Tensor:
+    """A flat host view as the kernels take it: bytes for BYTE_DTYPES."""
     return view.view(torch.uint8) if view.dtype in BYTE_DTYPES else view
+
+
+def flat_host_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat CPU tensor over `tensor`'s memory (contiguous `tensor` required), as an operand."""
+    return as_operand(_native()._host_view(tensor).view(-1))
+
+
+def checked_operands(inputs, outputs, input_multiplier: int, output_multiplier: int):
+    """(input views, output views) when all tensors pass torch.cuda.nccl's checks (one native
+    call), else None; `outputs` may be empty."""
+    return _native()._card_operands(inputs, outputs, input_multiplier, output_multiplier)
+
+
+def _copy_into_each(source: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    _native()._copy_into_each(source, list(targets))
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -94,15 +112,12 @@ def reduce_into(dest: torch.Tensor, sources: Sequence[torch.Tensor], op: int) ->
 def all_reduce(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int) -> None:
     """Every output gets the reduction of all inputs (flat host views in rank order)."""
     reduce_into(outputs[0], inputs, op)
-    for output in outputs[1:]:
-        output.copy_(outputs[0])
+    _copy_into_each(outputs[0], outputs[1:])
 
 
 def broadcast(tensors: Sequence[torch.Tensor], root: int) -> None:
     """Every tensor gets a copy of tensors[root]."""
-    for rank, tensor in enumerate(tensors):
-        if rank != root:
-            tensor.copy_(tensors[root])
+    _copy_into_each(tensors[root], [tensor for rank, tensor in enumerate(tensors) if rank != root])
 
 
 def all_gather(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
@@ -112,11 +127,11 @@ def all_gather(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) 
     for rank, (source, output) in enumerate(zip(inputs, outputs)):
         if _overlap(source, output) and not _same(source, output[rank * count:(rank + 1) * count]):
             sources[rank] = source.clone()  # writing the other ranks' chunks would overwrite it
-    for rank, output in enumerate(outputs):
-        for peer, source in enumerate(sources):
-            chunk = output[peer * count:(peer + 1) * count]
-            if not _same(chunk, source):
-                chunk.copy_(source)
+    first = outputs[0]
+    for rank, source in enumerate(sources):
+        _copy_into_each(source, [first[rank * count:(rank + 1) * count]])
+    # The others are copies of the first (where an output holds its own input, with the same bytes).
+    _copy_into_each(first, outputs[1:])
 
 
 def reduce_scatter(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int) -> None:

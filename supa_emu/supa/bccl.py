@@ -106,9 +106,9 @@ def all_reduce(inputs: Sequence[torch.Tensor], outputs: Optional[Sequence[torch.
     inputs, outputs = _tensors(inputs), _tensors(outputs)
     op = _integer(op, "op")
     order = _unpack(inputs, streams, comms)
-    _check_inputs(inputs, outputs, 1, 1)
+    input_views, output_views = _operands(inputs, outputs, 1, 1)
     _check_op(op, inputs[0])
-    kernels.all_reduce(_views(inputs, order), _views(outputs, order), op)
+    kernels.all_reduce(_ranked(input_views, order), _ranked(output_views, order), op)
 
 
 # `output` used to be `outputs`, a list of tensors; both are accepted as torch.cuda.nccl does.
@@ -134,13 +134,14 @@ def reduce(inputs: Sequence[torch.Tensor], output: Any = None, root: int = 0, op
     root, op = _integer(root, "root"), _integer(op, "op")
     order = _unpack(inputs, streams, comms)
     _check_root(root, inputs)
+    input_views, _ = _operands(inputs, [], 1, 1)
     _check_inputs(inputs, [output if i == root else None for i in range(len(inputs))], 1, 1)
     _check_op(op, inputs[0])
     rank_of_root = order.index(root)
     if rank_of_root != root:
         raise RuntimeError(f"{_INVALID_ARGUMENT}: root {root} names rank {root} of the communicator, "
                            f"but inputs[{root}] (which gets the output) is rank {rank_of_root}")
-    kernels.reduce_into(kernels.flat_host_view(output), _views(inputs, order), op)
+    kernels.reduce_into(kernels.flat_host_view(output), _ranked(input_views, order), op)
 
 
 def broadcast(inputs: Sequence[torch.Tensor], root: int = 0, streams: Any = None, comms: Any = None) -> None:
@@ -150,9 +151,9 @@ def broadcast(inputs: Sequence[torch.Tensor], root: int = 0, streams: Any = None
     root = _integer(root, "root")
     _check_root(root, inputs)
     order = _unpack(inputs, streams, comms)
-    _check_inputs(inputs, inputs, 1, 1)
+    views, _ = _operands(inputs, [], 1, 1)
     _check_dtype(inputs[0])
-    kernels.broadcast(_views(inputs, order), root)
+    kernels.broadcast(_ranked(views, order), root)
 
 
 def all_gather(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], streams: Any = None,
@@ -162,9 +163,9 @@ def all_gather(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], 
     _check_sequence(outputs)
     inputs, outputs = _tensors(inputs), _tensors(outputs)
     order = _unpack(inputs, streams, comms)
-    _check_inputs(inputs, outputs, len(inputs), 1)
+    input_views, output_views = _operands(inputs, outputs, len(inputs), 1)
     _check_dtype(inputs[0])
-    kernels.all_gather(_views(inputs, order), _views(outputs, order))
+    kernels.all_gather(_ranked(input_views, order), _ranked(output_views, order))
 
 
 def reduce_scatter(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int = SUM,
@@ -175,9 +176,9 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tenso
     inputs, outputs = _tensors(inputs), _tensors(outputs)
     op = _integer(op, "op")
     order = _unpack(inputs, streams, comms)
-    _check_inputs(inputs, outputs, 1, len(inputs))
+    input_views, output_views = _operands(inputs, outputs, 1, len(inputs))
     _check_op(op, inputs[0])
-    kernels.reduce_scatter(_views(inputs, order), _views(outputs, order), op)
+    kernels.reduce_scatter(_ranked(input_views, order), _ranked(output_views, order), op)
 
 
 # ---- argument unpacking and checks (the order and exception types of PyTorch's NCCL bindings) ----
@@ -300,5 +301,16 @@ def _check_op(op: int, tensor: torch.Tensor) -> None:
         raise RuntimeError(f"{_INVALID_ARGUMENT}: op {op} is not a reduction; ops are {_OPS}")
 
 
-def _views(tensors: list[torch.Tensor], order: list[int]) -> list[torch.Tensor]:
-    return [kernels.flat_host_view(tensors[position]) for position in order]
+def _operands(inputs: list[torch.Tensor], outputs: list[torch.Tensor], input_multiplier: int,
+              output_multiplier: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Flat host views of `inputs` and `outputs` (may be empty) after torch.cuda.nccl's checks:
+    one native call when they pass, the checks in Python (which raise) when not."""
+    views = kernels.checked_operands(inputs, outputs, input_multiplier, output_multiplier)
+    if views is None:
+        _check_inputs(inputs, outputs or [None] * len(inputs), input_multiplier, output_multiplier)
+        views = ([kernels.flat_host_view(t) for t in inputs], [kernels.flat_host_view(t) for t in outputs])
+    return views
+
+
+def _ranked(views: list[torch.Tensor], order: list[int]) -> list[torch.Tensor]:
+    return [kernels.as_operand(views[position]) for position in order]
