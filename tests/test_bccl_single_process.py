@@ -389,3 +389,18 @@ def test_data_parallel_sums_the_replicas_gradients_with_bccl(monkeypatch):
     model = torch.nn.Linear(4, 2).to(zero)
     torch.nn.DataParallel(model, device_ids=[0, 1])(torch.randn(6, 4, device=zero)).sum().backward()
     assert calls == [2]  # one coalesced buffer of both parameters' gradients, from two replicas
+
+
+def test_data_parallel_replicas_are_broadcast_by_bccl_in_one_buffer(monkeypatch):
+    cards(2)
+    if torch.nn.parallel.comm.nccl.reduce is not bccl.reduce:
+        pytest.skip("DataParallel reaches torch.supa.bccl through transfer_to_supa only")
+    calls = []
+    broadcast = bccl.broadcast
+    monkeypatch.setattr(bccl, "broadcast", lambda tensors, *args, **kwargs:
+                        calls.append([t.numel() for t in tensors]) or broadcast(tensors, *args, **kwargs))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to("supa:0")
+    replicas = torch.nn.parallel.replicate(model, [0, 1])
+    assert calls == [[23, 23]]  # the four parameters flattened into one buffer, sent to both cards
+    for original, copy in zip(model.parameters(), replicas[1].parameters()):
+        assert copy.device == torch.device("supa", 1) and torch.equal(copy.cpu(), original.cpu())
