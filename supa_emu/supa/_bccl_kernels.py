@@ -13,7 +13,7 @@ as the very buffer an element-wise kernel may read and write at once, the result
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,10 +27,16 @@ NUMERIC_DTYPES = frozenset([torch.float32, torch.float16, torch.bfloat16, torch.
                             torch.int8, torch.uint8])
 
 
-def _native():
-    from supa_emu.supa import _native
+_core = None
 
-    return _native()
+
+def _native():
+    global _core
+    if _core is None:
+        from supa_emu.supa import _native
+
+        _core = _native()
+    return _core
 
 
 def as_operand(view: torch.Tensor) -> torch.Tensor:
@@ -95,23 +101,23 @@ def _reduce_in_order(dest: torch.Tensor, sources: Sequence[torch.Tensor], op: in
         dest.div_(len(sources), rounding_mode="trunc")
 
 
-def reduce_into(dest: torch.Tensor, sources: Sequence[torch.Tensor], op: int) -> None:
-    """Writes the reduction of `sources` (flat host views, rank order) into flat host view `dest`."""
-    aliased = [k for k, source in enumerate(sources) if _overlap(dest, source)]
-    if aliased == [] or (len(aliased) == 1 and _same(dest, sources[aliased[0]])):
-        if aliased:  # the output is that input's buffer: read it first (sum order is free)
-            k = aliased[0]
-            sources = [sources[k], *sources[:k], *sources[k + 1:]]
-        _reduce_in_order(dest, sources, op)
-    else:
-        staged = torch.empty_like(dest)
-        _reduce_in_order(staged, sources, op)
-        dest.copy_(staged)
+def reduce_into(dest: torch.Tensor, sources: Sequence[torch.Tensor], op: int, own: Optional[int]) -> None:
+    """Writes the reduction of `sources` (flat host views, rank order) into flat host view `dest`;
+    `own`: the position of the source on dest's card (the only one it can share memory with)."""
+    if own is not None and _overlap(dest, sources[own]):
+        if not _same(dest, sources[own]):
+            staged = torch.empty_like(dest)
+            _reduce_in_order(staged, sources, op)
+            dest.copy_(staged)
+            return
+        # The output is that input's buffer: read it first (sum order is free).
+        sources = [sources[own], *sources[:own], *sources[own + 1:]]
+    _reduce_in_order(dest, sources, op)
 
 
 def all_reduce(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int) -> None:
     """Every output gets the reduction of all inputs (flat host views in rank order)."""
-    reduce_into(outputs[0], inputs, op)
+    reduce_into(outputs[0], inputs, op, own=0)
     _copy_into_each(outputs[0], outputs[1:])
 
 
@@ -144,8 +150,8 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tenso
         # Writing over another chunk of this card's input would change what later ranks read.
         if _overlap(output, own) and not _same(output, chunks[rank]):
             staged.append((output, torch.empty_like(output)))
-            reduce_into(staged[-1][1], chunks, op)
+            reduce_into(staged[-1][1], chunks, op, own=None)
         else:
-            reduce_into(output, chunks, op)
+            reduce_into(output, chunks, op, own=rank)
     for output, result in staged:
         output.copy_(result)

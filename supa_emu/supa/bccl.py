@@ -137,11 +137,11 @@ def reduce(inputs: Sequence[torch.Tensor], output: Any = None, root: int = 0, op
     input_views, _ = _operands(inputs, [], 1, 1)
     _check_inputs(inputs, [output if i == root else None for i in range(len(inputs))], 1, 1)
     _check_op(op, inputs[0])
-    rank_of_root = order.index(root)
+    rank_of_root = root if order is None else order.index(root)
     if rank_of_root != root:
         raise RuntimeError(f"{_INVALID_ARGUMENT}: root {root} names rank {root} of the communicator, "
                            f"but inputs[{root}] (which gets the output) is rank {rank_of_root}")
-    kernels.reduce_into(kernels.flat_host_view(output), _ranked(input_views, order), op)
+    kernels.reduce_into(kernels.flat_host_view(output), _ranked(input_views, order), op, own=root)
 
 
 def broadcast(inputs: Sequence[torch.Tensor], root: int = 0, streams: Any = None, comms: Any = None) -> None:
@@ -198,8 +198,8 @@ def _tensors(sequence: Any, name: str = "inputs") -> list[torch.Tensor]:
     return tensors
 
 
-def _unpack(inputs: list[torch.Tensor], streams: Any, comms: Any) -> list[int]:
-    """Checks `streams` and `comms`; returns the input positions in rank order."""
+def _unpack(inputs: list[torch.Tensor], streams: Any, comms: Any) -> Optional[list[int]]:
+    """Checks `streams` and `comms`; returns the input positions in rank order (None: as given)."""
     if streams is not None:
         streams = list(streams) if isinstance(streams, collections.abc.Iterable) else streams
         if not isinstance(streams, list) or any(
@@ -213,7 +213,7 @@ def _unpack(inputs: list[torch.Tensor], streams: Any, comms: Any) -> list[int]:
                 raise RuntimeError(f"bccl: stream {position} is on {stream.device}, but input {position} "
                                    f"is on {tensor.device}; give each input a stream of its card")
     if comms is None:
-        return list(range(len(inputs)))
+        return None
     if isinstance(comms, Communicator):
         comms = [comms]
     elif not isinstance(comms, collections.abc.Iterable):
@@ -289,9 +289,12 @@ def _check_inputs(inputs: list[torch.Tensor], outputs: list[Optional[torch.Tenso
         devices.add(tensor.get_device())
 
 
+_DTYPES = kernels.NUMERIC_DTYPES | kernels.BYTE_DTYPES
+
+
 def _check_dtype(tensor: torch.Tensor) -> None:
-    if tensor.dtype not in kernels.NUMERIC_DTYPES | kernels.BYTE_DTYPES:
-        supported = ", ".join(sorted(str(d).replace("torch.", "") for d in kernels.NUMERIC_DTYPES | kernels.BYTE_DTYPES))
+    if tensor.dtype not in _DTYPES:
+        supported = ", ".join(sorted(str(d).replace("torch.", "") for d in _DTYPES))
         raise RuntimeError(f"Unconvertible BCCL type {tensor.dtype}; BCCL moves {supported}")
 
 
@@ -312,5 +315,8 @@ def _operands(inputs: list[torch.Tensor], outputs: list[torch.Tensor], input_mul
     return views
 
 
-def _ranked(views: list[torch.Tensor], order: list[int]) -> list[torch.Tensor]:
-    return [kernels.as_operand(views[position]) for position in order]
+def _ranked(views: list[torch.Tensor], order: Optional[list[int]]) -> list[torch.Tensor]:
+    """The views in rank order (None: the inputs' order), as the kernels take them."""
+    if views and views[0].dtype in kernels.BYTE_DTYPES:
+        views = [kernels.as_operand(view) for view in views]
+    return views if order is None else [views[position] for position in order]
