@@ -5,6 +5,7 @@ machine is the SUPA card (transfer_to_supa). Run on emulated cards:
 
     SUPA_EMULATE=1 python examples/train_hf_trainer.py
     SUPA_EMULATE=1 python examples/train_hf_trainer.py --bf16
+    SUPA_EMULATE=1 SUPA_VISIBLE_DEVICES=0,1 python examples/train_hf_trainer.py   # DataParallel, 2 cards
     SUPA_EMULATE=1 torchrun --nproc-per-node 2 examples/train_hf_trainer.py --deepspeed-stage 2
     SUPA_EMULATE=1 deepspeed --num_gpus 2 examples/train_hf_trainer.py --deepspeed-stage 2
 
