@@ -135,7 +135,7 @@ def reduce(inputs: Sequence[torch.Tensor], output: Any = None, root: int = 0, op
     order = _unpack(inputs, streams, comms)
     _check_root(root, inputs)
     input_views, _ = _operands(inputs, [], 1, 1)
-    _check_inputs(inputs, [output if i == root else None for i in range(len(inputs))], 1, 1)
+    _check_output(output, inputs[root], root, 1, 1)
     _check_op(op, inputs[0])
     rank_of_root = root if order is None else order.index(root)
     if rank_of_root != root:
@@ -262,6 +262,17 @@ def _check_tensor(tensor: torch.Tensor, what: str, dtype: torch.dtype) -> None:
         raise RuntimeError(f"all inputs and outputs have to be contiguous; {what} is not")
 
 
+def _check_output(output: torch.Tensor, input: torch.Tensor, position: int, input_multiplier: int,
+                  output_multiplier: int) -> None:
+    _check_tensor(output, f"output {position}", input.dtype)
+    if output.device != input.device:
+        raise RuntimeError(f"input and output must be on the same device; input {position} is on "
+                           f"{input.device}, its output on {output.device}")
+    if output.numel() * output_multiplier != input.numel() * input_multiplier:
+        raise RuntimeError(f"output must be of size input_size * size_multiplier: output {position} has "
+                           f"{output.numel()} elements, expected {input.numel() * input_multiplier // output_multiplier}")
+
+
 def _check_inputs(inputs: list[torch.Tensor], outputs: list[Optional[torch.Tensor]], input_multiplier: int,
                   output_multiplier: int) -> None:
     """torch.cuda.nccl's rules: output numel x output_multiplier == input numel x input_multiplier."""
@@ -277,13 +288,7 @@ def _check_inputs(inputs: list[torch.Tensor], outputs: list[Optional[torch.Tenso
             raise RuntimeError(f"all inputs must have the same number of elements; input {position} has "
                                f"{tensor.numel()}, input 0 has {numel}")
         if output is not None:
-            _check_tensor(output, f"output {position}", dtype)
-            if output.device != tensor.device:
-                raise RuntimeError(f"input and output must be on the same device; input {position} is on "
-                                   f"{tensor.device}, its output on {output.device}")
-            if output.numel() * output_multiplier != numel * input_multiplier:
-                raise RuntimeError(f"output must be of size input_size * size_multiplier: output {position} has "
-                                   f"{output.numel()} elements, expected {numel * input_multiplier // output_multiplier}")
+            _check_output(output, tensor, position, input_multiplier, output_multiplier)
         if tensor.get_device() in devices:
             raise RuntimeError(f"inputs must be on unique devices; input {position} is on {tensor.device} too")
         devices.add(tensor.get_device())
