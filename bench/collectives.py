@@ -1,6 +1,7 @@
-"""Bus bandwidth of bccl on supa tensors against raw gloo on CPU tensors, 2 ranks, 1 KiB to 64 MiB.
+"""Bus bandwidth of bccl on supa tensors against raw gloo on CPU tensors, 2 ranks, 1 KiB to 64 MiB;
+then torch.supa.bccl.all_reduce in one process over 2 and 8 cards against torch.stack(...).sum(0).
 
-    SUPA_EMULATE=1 python bench/collectives.py [--max-mib 64] [--world 2]
+    SUPA_EMULATE=1 python bench/collectives.py [--max-mib 64] [--world 2] [--part all|ranks|cards]
 
 Each rank runs both sides in the same process (bccl as the default group, a gloo group from
 new_group). The two sides take turns call by call (up to 400 calls each per size), and rank 0's
@@ -9,6 +10,16 @@ outliers do not count; the machine's load average is printed at start and end. B
 nccl-tests convention, with S the size of the full tensor (all_reduce buffer, all_gather output,
 reduce_scatter input) and n the world size:
 all_reduce S*2(n-1)/n/t, all_gather_into_tensor and reduce_scatter_tensor S*(n-1)/n/t.
+
+The single-process part (64 KiB to --max-mib per card) times `torch.supa.bccl.all_reduce` of one
+float32 buffer per card, in place, against the copy bound of the same reduction on the host:
+`torch.stack(buffers).sum(0)` over as many CPU buffers, which copies every buffer once and sums
+(and leaves the result in one place, where bccl also writes it to every card). The plain call
+allocates its stack and result every time (page faults on first touch from a few MiB on), so a
+second reference stacks and sums into buffers allocated once (`out=`). The sides take turns call
+by call in this process, on one thread (as each rank above: with a thread team, an overloaded
+2-core machine times the scheduler, not the copies); ratio = reference time / bccl time (above 1:
+bccl is faster).
 """
 
 import argparse
@@ -107,11 +118,62 @@ def _size_label(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+CARD_COUNTS = (2, 8)
+
+
+def _single_process_rows(max_mib: int) -> list:
+    """(cards, bytes per card, bccl, stack-sum, preallocated stack-sum seconds) per card count and size."""
+    torch.set_num_threads(1)
+    rows = []
+    for cards in CARD_COUNTS:
+        nbytes = 64 << 10
+        while nbytes <= max_mib << 20:
+            numel = nbytes // 4
+            on_cards = [torch.ones(numel, device=torch.device("supa", index)) for index in range(cards)]
+            on_host = [torch.ones(numel) for _ in range(cards)]
+            stacked, summed = torch.empty(cards, numel), torch.empty(numel)
+            sides = [lambda: torch.supa.bccl.all_reduce(on_cards), lambda: torch.stack(on_host).sum(0),
+                     lambda: torch.sum(torch.stack(on_host, out=stacked), 0, out=summed)]
+            for side in sides:  # warm-up, and the call count that lasts about SECONDS_PER_SIZE
+                side()
+            start = time.perf_counter()
+            sides[1]()
+            calls = max(MIN_CALLS, min(MAX_CALLS, int(SECONDS_PER_SIZE / 3 / max(time.perf_counter() - start, 1e-6))))
+            samples = [[] for _ in sides]
+            for call in range(calls):
+                for index in (range(len(sides)) if call % 2 == 0 else reversed(range(len(sides)))):
+                    start = time.perf_counter()
+                    sides[index]()
+                    samples[index].append(time.perf_counter() - start)
+            rows.append((cards, nbytes, *(statistics.median(side) for side in samples)))
+            del on_cards, on_host, stacked, summed
+            nbytes *= 4
+    return rows
+
+
+def _print_single_process(rows) -> None:
+    print(f"torch.supa.bccl.all_reduce (float32, in place, one process) vs torch.stack(...).sum(0) on the host, "
+          f"{torch.get_num_threads()} threads, median of interleaved calls")
+    print(f"{'cards':>5}{'size/card':>11}{'bccl ms':>10}{'stack ms':>10}{'ratio':>8}{'out= ms':>10}{'ratio':>8}")
+    for cards, nbytes, bccl_s, stack_s, out_s in rows:
+        print(f"{cards:>5}{_size_label(nbytes):>11}{bccl_s * 1e3:>10.3f}{stack_s * 1e3:>10.3f}{stack_s / bccl_s:>8.2f}"
+              f"{out_s * 1e3:>10.3f}{out_s / bccl_s:>8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-mib", type=int, default=64)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--part", choices=("all", "ranks", "cards"), default="all",
+                        help="ranks: bccl vs gloo across processes; cards: torch.supa.bccl in one process")
     args = parser.parse_args()
+    if args.part != "ranks" and torch.supa.device_count() < max(CARD_COUNTS):
+        sys.exit(f"the single-process part needs {max(CARD_COUNTS)} cards (SUPA_EMU_DEVICE_COUNT)")
+    if args.part == "cards":
+        print(f"at start: {load()}")
+        _print_single_process(_single_process_rows(args.max_mib))
+        print(f"at end: {load()}")
+        return
     sizes, nbytes = [], 1 << 10
     while nbytes <= args.max_mib << 20:
         sizes.append(nbytes)
@@ -128,6 +190,8 @@ def main() -> None:
     print(f"{'collective':<24}{'size':>9}{'bccl GB/s':>12}{'gloo GB/s':>12}{'ratio':>8}")
     for name, size, bccl_bw, gloo_bw in rows:
         print(f"{name:<24}{_size_label(size):>9}{bccl_bw / 1e9:>12.3f}{gloo_bw / 1e9:>12.3f}{bccl_bw / gloo_bw:>8.2f}")
+    if args.part == "all":
+        _print_single_process(_single_process_rows(args.max_mib))
     print(f"at end: {load()}")
 
 

@@ -5,6 +5,7 @@ machine is the SUPA card (transfer_to_supa). Run on emulated cards:
 
     SUPA_EMULATE=1 python examples/train_hf_trainer.py
     SUPA_EMULATE=1 python examples/train_hf_trainer.py --bf16
+    SUPA_EMULATE=1 SUPA_VISIBLE_DEVICES=0,1 python examples/train_hf_trainer.py   # DataParallel, 2 cards
     SUPA_EMULATE=1 torchrun --nproc-per-node 2 examples/train_hf_trainer.py --deepspeed-stage 2
     SUPA_EMULATE=1 deepspeed --num_gpus 2 examples/train_hf_trainer.py --deepspeed-stage 2
 
@@ -101,6 +102,8 @@ def main():
             deepspeed=deepspeed_config(args.deepspeed_stage) if args.deepspeed_stage is not None else None,
             disable_tqdm=True,
         )
+        # One process driving several visible cards splits each batch over them (DataParallel).
+        training.per_device_train_batch_size = args.samples // world // max(training.n_gpu, 1)
         trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[devices])
         trainer.train()
     if trainer.is_world_process_zero():
@@ -111,6 +114,7 @@ def main():
             "parameter_devices": sorted(devices.devices),
             "backend": backend,
             "world_size": world,
+            "n_gpu": training.n_gpu,
         }
         if args.deepspeed_stage is not None:
             from deepspeed.accelerator import get_accelerator

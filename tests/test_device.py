@@ -327,14 +327,6 @@ def test_bccl_single_process_api_input_checks():
         torch.supa.bccl.all_reduce(torch.ones(2, device="supa"))
 
 
-@pytest.mark.emulation_only
-def test_bccl_collectives_point_to_torch_distributed():
-    with pytest.warns(UserWarning, match="not compiled with BCCL support"):
-        assert torch.supa.bccl.is_available([torch.ones(2, device="supa")]) is False
-    with pytest.raises(RuntimeError, match="torch.distributed with backend 'bccl'"):
-        torch.supa.bccl.all_reduce([torch.ones(2, device="supa")])
-
-
 def test_gpu_trace_registries_have_reference_names():
     from torch.supa import _gpu_trace
 

@@ -34,8 +34,9 @@ ONE_CARD = {"SUPA_VISIBLE_DEVICES": "0"}
 
 
 
-def run(*args, launcher=None, env=None):
-    """Runs the example and returns its result line (printed by rank 0)."""
+def run(*args, launcher=None, env=None, quiet=False):
+    """Runs the example and returns its result line (printed by rank 0); `quiet`: and checks that
+    nothing was printed to stderr (no warning)."""
     if launcher == "torchrun":
         prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                   "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
@@ -49,6 +50,7 @@ def run(*args, launcher=None, env=None):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "BRTB_TRANSFER_SILENCE": "1", **(env or {})})
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    assert not (quiet and result.stderr), result.stderr[-6000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event"')]
     assert len(lines) == 1, result.stdout
     return lines[0]
@@ -75,6 +77,17 @@ def test_trainer_bf16_runs_on_the_card(cpu_reference):
     assert bf16["parameter_devices"] == ["supa:0"]
     # bf16 autocast rounds activations to 8 mantissa bits; the run still follows the fp32 one.
     torch.testing.assert_close(bf16["losses"], cpu_reference["losses"], rtol=0, atol=2e-2)
+
+
+@pytest.mark.slow  # several fresh interpreters doing real work
+def test_trainer_with_two_visible_cards_uses_data_parallel_quietly(cpu_reference):
+    if torch.supa.device_count() < 2:
+        pytest.skip("needs 2 SUPA cards")
+    result = run(env={"SUPA_VISIBLE_DEVICES": "0,1"}, quiet=True)
+    assert result["n_gpu"] == 2 and result["world_size"] == 1  # one process, torch.nn.DataParallel
+    assert result["parameter_devices"] == ["supa:0"]
+    # Each step splits the global batch over the cards; bccl sums the replicas' gradients.
+    torch.testing.assert_close(result["losses"], cpu_reference["losses"], **FP32)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native._C`).
 #include "runtime/runtime.h"
 #include "bccl/all_gather.h"
+#include "bccl/card_operands.h"
 #include "bccl/signature_board.h"
 
 // Only the Python-binding headers: torch/extension.h would add the whole C++ frontend (nn,
@@ -222,6 +223,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_pair_operands", &supa::pair_operands,
         "bccl: flat host views of an all_gather's (gather=True) or reduce_scatter's output and input "
         "when they are dense, contiguous, of one dtype and of fitting sizes, else None");
+  m.def("_card_operands", &supa::bccl::card_operands, py::arg("inputs"), py::arg("outputs"),
+        py::arg("input_multiplier"), py::arg("output_multiplier"),
+        "torch.supa.bccl: flat host views of inputs and outputs that pass its checks, else None");
+  m.def("_copy_into_each", &supa::bccl::copy_into_each, py::call_guard<py::gil_scoped_release>(),
+        "torch.supa.bccl: memcpy of a flat CPU tensor into each of a list of them");
   // The raw pointer, so the call itself adds no reference to what it counts.
   m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },
         "How many references a c10d Work has (1: only the caller's Python object)");

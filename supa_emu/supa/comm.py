@@ -6,8 +6,10 @@
 provides them for SUPA cards and transfer_to_supa installs them on torch._C; these are the
 emulator's versions, with the semantics of PyTorch's CUDA implementations: results on the
 source device are the source tensors themselves, devices are given as indices, and a negative
-index means the CPU. Streams are accepted and ignored: the emulator's copies are
-synchronous, so no stream could still be using a result.
+index means the CPU. Where PyTorch broadcasts between cards with NCCL, these go through
+`torch.supa.bccl` (a broadcast of the tensor, or of coalesced buffers, to every card at once).
+Streams are accepted and ignored: the emulator's copies are synchronous, so no stream could
+still be using a result.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors, _reorder_tensors_as, _take_tensors, _unflatten_dense_tensors
+
+from supa_emu.supa import bccl
 
 __all__ = ["broadcast", "broadcast_out", "broadcast_coalesced", "scatter", "scatter_out", "gather", "gather_out"]
 
@@ -25,6 +30,10 @@ def _device(index: int) -> torch.device:
 
 def broadcast(tensor: torch.Tensor, devices: Sequence[int]) -> list[torch.Tensor]:
     """`tensor` on every device of `devices`; where it already lives, the tensor itself."""
+    if bccl.is_available([tensor]) and devices and tensor.get_device() == devices[0]:
+        copies = [tensor] + [torch.empty_like(tensor, device=_device(index)) for index in devices[1:]]
+        bccl.broadcast(copies)
+        return copies
     return [tensor if tensor.device == _device(index) else tensor.to(_device(index), copy=True) for index in devices]
 
 
@@ -34,18 +43,32 @@ def broadcast_out(tensor: torch.Tensor, out: Sequence[torch.Tensor]) -> list[tor
         if target.shape != tensor.shape:
             raise RuntimeError(f"output tensor of shape {tuple(target.shape)} does not match the broadcast "
                                f"tensor's shape {tuple(tensor.shape)}")
-        target.copy_(tensor)
+    if bccl.is_available([tensor, *out]) and tensor.dtype == out[0].dtype:
+        bccl.broadcast([tensor, *out])
+    else:
+        for target in out:
+            target.copy_(tensor)
     return list(out)
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], devices: Sequence[int],
                         buffer_size: int = 10485760) -> list[list[torch.Tensor]]:
-    """One list per device of `tensors` copied there (the first device must hold the sources)."""
-    if tensors and tensors[0].device != _device(devices[0]):
-        raise RuntimeError("broadcast_coalesced: the tensors must be on devices[0] "
-                           f"({_device(devices[0])}), got {tensors[0].device}")
-    return [list(tensors) if position == 0 else [t.to(_device(index), copy=True) for t in tensors]
-            for position, index in enumerate(devices)]
+    """One list per device of `tensors` copied there (the first device must hold the sources):
+    dense tensors travel flattened, up to `buffer_size` bytes a buffer, one broadcast per buffer.
+    The copies are views of those buffers with version counters of their own."""
+    if any(t.device != _device(devices[0]) for t in tensors):
+        raise RuntimeError("broadcast_coalesced: all tensors must be on devices[0] "
+                           f"({_device(devices[0])}), got {[str(t.device) for t in tensors]}")
+    outputs = [list(tensors)] + [[] for _ in devices[1:]]
+    for chunk in _take_tensors(tensors, buffer_size):
+        if chunk[0].is_sparse:
+            copies = [[t.to(_device(index), copy=True) for t in chunk] for index in devices[1:]]
+        else:
+            flats = broadcast(_flatten_dense_tensors(chunk), devices)[1:]
+            copies = [[t.data for t in _unflatten_dense_tensors(flat, chunk)] for flat in flats]
+        for device_outputs, device_copies in zip(outputs[1:], copies):
+            device_outputs.extend(device_copies)
+    return [outputs[0]] + [_reorder_tensors_as(device_outputs, tensors) for device_outputs in outputs[1:]]
 
 
 def _chunk_sizes(size: int, parts: int) -> list[int]:
