@@ -137,12 +137,12 @@ class SharedMemoryBoard:
                 continue
             pid = self._words[self._base[rank] + self._at["pid"]]
             if pid and not _process_alive(pid):
-                raise RuntimeError(
+                raise dist.DistBackendError(
                     f"bccl: rank {rank} of group {self._label} (pid {pid}) exited while rank "
                     f"{self._rank} was waiting for it to {what}"
                 )
             if time.monotonic() >= deadline:
-                raise RuntimeError(
+                raise dist.DistBackendError(
                     f"bccl: timed out after {self._timeout} on group {self._label}: rank "
                     f"{self._rank} waited for rank {rank} to {what}"
                 )
