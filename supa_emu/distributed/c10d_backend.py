@@ -172,7 +172,8 @@ class C10dBackend:
         options.global_ranks_in_group = [parent_globals[r] for r in mine]
         options.group_name = group_name or f"{self.group_name}:split:{self._splits}"
         options.split_from, options.split_color = self, split_color(mine)
-        child = type(self)(dist.PrefixStore(f"{prefix}group/", self._store), mine.index(self.rank()), len(mine), options)
+        store = dist.PrefixStore(f"{prefix}group/{'-'.join(map(str, mine))}/", self._store)
+        child = type(self)(store, mine.index(self.rank()), len(mine), options)
         if group_desc:
             child._set_group_desc(group_desc)
         return child
