@@ -146,6 +146,20 @@ def run_ranks(script: str, scenario: str, world: int = 2, limit_s: float = 240, 
     return results
 
 
+class RankChecks:
+    """A rank's named checks: `check(name, fn)` records "ok" or the error fn raised, for the parent test."""
+
+    def __init__(self):
+        self.outcomes = {}
+
+    def __call__(self, name, fn):
+        try:
+            fn()
+            self.outcomes[name] = "ok"
+        except Exception as error:  # recorded, asserted by the parent test
+            self.outcomes[name] = f"{type(error).__name__}: {error}"
+
+
 def serve_rank(namespace: dict) -> None:
     """Entry point of a rank started by run_ranks: run the scenario named on the command line."""
     scenario, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

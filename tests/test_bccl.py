@@ -15,7 +15,7 @@ import os
 import time
 
 import pytest
-from conftest import run_ranks, serve_rank
+from conftest import RankChecks, run_ranks, serve_rank
 import torch  # noqa: F401  (activates the emulator in this process, as the other test modules do)
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -36,18 +36,6 @@ def _init(rank: int, port: int, timeout_s: float = 0, world: int = WORLD):
     return torch.device("supa", rank)
 
 
-class _Checks:
-    def __init__(self):
-        self.outcomes = {}
-
-    def __call__(self, name, fn):
-        try:
-            fn()
-            self.outcomes[name] = "ok"
-        except Exception as error:  # recorded, asserted by the parent test
-            self.outcomes[name] = f"{type(error).__name__}: {error}"
-
-
 def _scenario_collectives(rank: int, port: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -55,7 +43,7 @@ def _scenario_collectives(rank: int, port: int) -> dict:
     R = dist.ReduceOp
     dev = _init(rank, port)
     other = 1 - rank
-    check = _Checks()
+    check = RankChecks()
 
     def same(actual, expected):
         assert actual.device == dev, f"result moved to {actual.device}"
@@ -464,7 +452,7 @@ def _scenario_three_ranks(rank: int, port: int) -> dict:
 
     world = 3
     dev = _init(rank, port, world=world)
-    check = _Checks()
+    check = RankChecks()
     folds = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}
 
     def contribution(source, dtype, numel):

@@ -18,7 +18,7 @@ import datetime
 import warnings
 
 import pytest
-from conftest import run_ranks, serve_rank
+from conftest import RankChecks, run_ranks, serve_rank
 import torch
 
 pytestmark = [
@@ -31,18 +31,6 @@ pytestmark = [
 # ------------------------------------------------------------------------------------------------
 # Worker side (runs in the spawned ranks)
 # ------------------------------------------------------------------------------------------------
-class _Checks:
-    def __init__(self):
-        self.outcomes = {}
-
-    def __call__(self, name, fn):
-        try:
-            fn()
-            self.outcomes[name] = "ok"
-        except Exception as error:  # recorded, asserted by the parent test
-            self.outcomes[name] = f"{type(error).__name__}: {error}"
-
-
 def _expect(condition, detail):
     if not condition:
         raise AssertionError(str(detail))
@@ -60,10 +48,12 @@ def _raises(kind, fn, *fragments):
     raise AssertionError(f"expected {kind.__name__}, nothing raised")
 
 
-def _store(rank: int, port: int, world: int):
+def _start(rank: int, port: int, world: int):
+    """A rank's checks, its card and the job's store (each init_process_group takes a prefix of it)."""
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
+    return RankChecks(), torch.device("supa", rank), store
 
 
 def _init(store, prefix: str, rank: int, world: int, backend: str, device_id=None):
@@ -88,9 +78,8 @@ def _scenario_bound(rank: int, port: int) -> dict:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    check = _Checks()
-    world, dev = 2, torch.device("supa", rank)
-    store = _store(rank, port, world)
+    world = 2
+    check, dev, store = _start(rank, port, world)
 
     # Bad device_id values are refused before any rank talks to another: nothing to hang on.
     check("device_id/beyond_visible_cards", lambda: _raises(
@@ -236,9 +225,8 @@ def _scenario_transfer_nccl(rank: int, port: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    check = _Checks()
-    world, dev = 2, torch.device("supa", rank)
-    store = _store(rank, port, world)
+    world = 2
+    check, dev, store = _start(rank, port, world)
     check("device_id/beyond_visible_cards", lambda: _raises(
         ValueError, lambda: _init(store, "bad", rank, world, "nccl", torch.device("cuda", 64)), "out of range"))
     torch.cuda.set_device(rank)
@@ -269,9 +257,8 @@ def _scenario_mesh_2d(rank: int, port: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    check = _Checks()
-    world, dev = 4, torch.device("supa", rank)
-    store = _store(rank, port, world)
+    world = 4
+    check, dev, store = _start(rank, port, world)
     torch.accelerator.set_device_index(rank)
     dp, tp = divmod(rank, 2)  # the mesh is arange(4).view(2, 2): rows are dp, columns tp
     tp_ranks, dp_ranks = [2 * dp, 2 * dp + 1], [tp, tp + 2]
