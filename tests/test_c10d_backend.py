@@ -9,7 +9,8 @@ init, bound device), the backend object `_get_backend(device)` returns and the a
 reads of it, split_group, new_group with and without use_local_synchronization, nocolor splits
 and split counts, sequence numbers, coalescing on subgroups, group.size()/rank() on subgroups,
 ProcessGroup.Options, abort/shutdown (later use raises DistBackendError, as NCCL's aborted
-communicators do), DeviceMesh 1-D and 2-D (named dims, get_group, slicing, flattening), and the
+communicators do), DeviceMesh 1-D and 2-D (named dims, get_group, slicing, flattening), FSDP2
+(fully_shard) on a mesh of a device_id-bound group, and the
 bad input of the issue: device_id on another device type or beyond the visible cards, splits with
 overlapping subgroups or ranks the parent does not have (a ValueError on every rank, no hang).
 """
@@ -241,6 +242,35 @@ def _scenario_transfer_nccl(rank: int, port: int) -> dict:
 
     check("device_mesh_1d", mesh_1d)
 
+    def fsdp2_on_the_mesh():
+        # The recipe torch's warning points at: device_id, a DeviceMesh, fully_shard. The reference
+        # is the same model trained on the whole batch in this process, on the CPU.
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        reference.load_state_dict(model.state_dict())
+        mesh = init_device_mesh("cuda", (2,))
+        model.cuda()
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        data = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            model(data[2 * rank:2 * rank + 2].cuda()).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            (reference(data[:2]).pow(2).mean() / 2 + reference(data[2:]).pow(2).mean() / 2).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        trained = {name: value.full_tensor().cpu() for name, value in model.state_dict().items()}
+        for name, value in reference.state_dict().items():
+            _expect(torch.allclose(trained[name], value, atol=1e-6), name)
+
+    check("fsdp2_on_the_mesh", fsdp2_on_the_mesh)
+
     def local_synchronization():
         group = dist.new_group([0, 1], use_local_synchronization=True)
         _expect(group.size() == 2 and group.rank() == rank and _sum_of_ranks(group, dev) == 1.0, group)
@@ -351,7 +381,7 @@ def test_every_bound_check_ran(bound):
 
 
 @pytest.mark.parametrize("name", ["device_id/beyond_visible_cards", "bound_to_the_card", "device_mesh_1d",
-                                  "new_group/use_local_synchronization"])
+                                  "fsdp2_on_the_mesh", "new_group/use_local_synchronization"])
 def test_cuda_named_code(transfer_nccl, name):
     _assert_ok(transfer_nccl, name)
 

@@ -240,7 +240,11 @@ class GlooExchange:
         everyone = torch.empty(self._size * WORDS, dtype=torch.int64)
         work = self._pg._allgather_base(everyone, mine)
         gloo_handoff.hold([work])
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as error:
+            # A peer that never comes or went away: NCCL's type for it, not gloo's plain one.
+            raise dist.DistBackendError(f"bccl: signature exchange failed: {error}") from error
         return everyone.view(self._size, WORDS).tolist()
 
     def close(self) -> None:
