@@ -316,6 +316,13 @@ def _scenario_mesh_2d(rank: int, port: int) -> dict:
                 _expect(tp_group.bound_device_id == dev and dp_group.bound_device_id == dev, tp_group.bound_device_id)
 
         check(f"{round_name}/device_mesh_2d", mesh_2d)
+
+        def local_synchronization():
+            # Only the members call new_group: each pair makes its own group without the others.
+            group = dist.new_group(tp_ranks, use_local_synchronization=True)
+            _expect(group.size() == 2 and group.rank() == tp and _sum_of_ranks(group, dev) == sum(tp_ranks), group)
+
+        check(f"{round_name}/new_group/use_local_synchronization", local_synchronization)
         dist.destroy_process_group()
     return check.outcomes
 
@@ -386,7 +393,8 @@ def test_cuda_named_code(transfer_nccl, name):
     _assert_ok(transfer_nccl, name)
 
 
-@pytest.mark.parametrize("name", ["bound/device_mesh_2d", "unbound/device_mesh_2d"])
+@pytest.mark.parametrize("name", [f"{round_name}/{check}" for round_name in ("bound", "unbound")
+                                  for check in ("device_mesh_2d", "new_group/use_local_synchronization")])
 def test_device_mesh_2d(mesh_2d, name):
     _assert_ok(mesh_2d, name)
 

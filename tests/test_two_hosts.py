@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port
+from conftest import RankChecks, free_port
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -69,14 +69,8 @@ def _collectives_worker() -> dict:
     torch.accelerator.set_device_index(local)
     dist.init_process_group("bccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
-    outcome = {}
-
-    def check(name, fn):
-        try:
-            fn()
-            outcome[name] = "ok"
-        except Exception as error:  # recorded, asserted by the parent test
-            outcome[name] = f"{type(error).__name__}: {error}"
+    check = RankChecks()
+    outcome = check.outcomes
 
     def where():
         seen = [None] * world
