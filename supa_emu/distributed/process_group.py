@@ -368,10 +368,11 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
             for i, input in enumerate(inputs):
                 works.append(self.allgather([[outputs[i] for outputs in output_lists]], [input], opts))
         work = combine(works)
+        self._sequence -= len(works)  # the all_gathers above are parts of this one collective
         if self._coalesced is not None:
             self._coalesced.append(work)
         else:
-            self._sequence -= len(works) - 1  # one collective, whatever it took to run it
+            self._sequence += 1
         return work
 
     def gather(self, output_lists, inputs, opts=None):
