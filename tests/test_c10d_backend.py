@@ -10,7 +10,7 @@ reads of it, split_group, new_group with and without use_local_synchronization, 
 and split counts, sequence numbers, coalescing on subgroups, group.size()/rank() on subgroups,
 ProcessGroup.Options, abort/shutdown (later use raises DistBackendError, as NCCL's aborted
 communicators do), DeviceMesh 1-D and 2-D (named dims, get_group, slicing, flattening), FSDP2
-(fully_shard) on a mesh of a device_id-bound group, and the
+(fully_shard) and DeepSpeed ZeRO-3 on a device_id-bound group, and the
 bad input of the issue: device_id on another device type or beyond the visible cards, splits with
 overlapping subgroups or ranks the parent does not have (a ValueError on every rank, no hang).
 """
@@ -271,6 +271,37 @@ def _scenario_transfer_nccl(rank: int, port: int) -> dict:
 
     check("fsdp2_on_the_mesh", fsdp2_on_the_mesh)
 
+    def deepspeed_zero3_on_the_bound_group():
+        # Every group ZeRO-3 makes is now split from the bound default group. Reference as above.
+        import os
+
+        os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+        import deepspeed
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        reference.load_state_dict(model.state_dict())
+        initial = [p.detach().clone() for p in reference.parameters()]
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                  "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          config=config)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        data = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            engine.backward(engine(data[2 * rank:2 * rank + 2].cuda()).pow(2).mean())
+            engine.step()
+            (reference(data[:2]).pow(2).mean() / 2 + reference(data[2:]).pow(2).mean() / 2).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            trained = [p.detach().cpu().clone() for p in engine.module.parameters()]
+        for got, want, start in zip(trained, reference.parameters(), initial):
+            _expect(torch.allclose(got, want.detach(), atol=1e-6) and not torch.equal(got, start), (got, want))
+
+    check("deepspeed_zero3_on_the_bound_group", deepspeed_zero3_on_the_bound_group)
+
     def local_synchronization():
         group = dist.new_group([0, 1], use_local_synchronization=True)
         _expect(group.size() == 2 and group.rank() == rank and _sum_of_ranks(group, dev) == 1.0, group)
@@ -388,7 +419,8 @@ def test_every_bound_check_ran(bound):
 
 
 @pytest.mark.parametrize("name", ["device_id/beyond_visible_cards", "bound_to_the_card", "device_mesh_1d",
-                                  "fsdp2_on_the_mesh", "new_group/use_local_synchronization"])
+                                  "fsdp2_on_the_mesh", "deepspeed_zero3_on_the_bound_group",
+                                  "new_group/use_local_synchronization"])
 def test_cuda_named_code(transfer_nccl, name):
     _assert_ok(transfer_nccl, name)
 
