@@ -16,6 +16,7 @@ overlapping subgroups or ranks the parent does not have (a ValueError on every r
 """
 
 import datetime
+import time
 import warnings
 
 import pytest
@@ -197,6 +198,19 @@ def _scenario_bound(rank: int, port: int) -> dict:
         _raises(dist.DistBackendError, lambda: dist.split_group(parent_pg=group, split_ranks=[[0, 1]]), "aborted")
 
     check("abort", aborted_group)
+
+    def pending_work_of_an_aborted_group():
+        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+        _sum_of_ranks(group, dev)
+        if rank == 1:
+            time.sleep(0.5)  # never joins the collective rank 0 started; aborts instead
+            group.abort()
+            return
+        pending = dist.all_reduce(torch.ones(1 << 16, device=dev), group=group, async_op=True)
+        group.abort()
+        _raises(dist.DistBackendError, pending.wait)
+
+    check("abort/pending_work", pending_work_of_an_aborted_group)
 
     def shut_down_group():
         group = dist.new_group([0, 1])
@@ -394,7 +408,8 @@ _BOUND = [
     "bound_device", "backend_object", "all_reduce_after_eager_init", "new_group/members", "new_group/non_member",
     "comm_split_count/new_group", "split_group/singles", "split_group/pair", "split_group/rank_left_out",
     "comm_split_count/split_group", "split_group/of_a_subgroup", "usable_after_bad_splits", "sequence_numbers",
-    "coalescing_on_subgroup", "options/high_priority_stream_says_unmodelled", "abort", "shutdown",
+    "coalescing_on_subgroup", "options/high_priority_stream_says_unmodelled", "abort", "abort/pending_work",
+    "shutdown",
     "peer_aborted_fails_not_hangs", "world_usable_after_teardowns",
 ]
 _BOUND_BAD_INPUT = [

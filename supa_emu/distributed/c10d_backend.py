@@ -70,7 +70,7 @@ class _ClosedCommunicator:
     def __getattr__(self, name):
         raise self._error
 
-    def close(self) -> None:
+    def close(self, reason=None) -> None:
         pass
 
 
@@ -200,9 +200,9 @@ class C10dBackend:
             return
         self._closed = how
         gloo, agreement = self._gloo, self._agreement
-        closed = _ClosedCommunicator(closed_error(self._label, self.rank(), how))
-        self._gloo, self._agreement = closed, closed
-        agreement.close()
+        error = closed_error(self._label, self.rank(), how)
+        self._gloo, self._agreement = _ClosedCommunicator(error), _ClosedCommunicator(error)
+        agreement.close(error)
         if how == "aborted":
             gloo.abort()
         else:
