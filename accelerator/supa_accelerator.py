@@ -63,6 +63,10 @@ class SUPA_Accelerator(DeepSpeedAccelerator):
             return _DEVICE_TYPE
         return f"{_DEVICE_TYPE}:{device_index}"
 
+    def communication_backend_version(self):
+        # As the CUDA accelerator answers with NCCL's: DeepSpeed gates features on it.
+        return _supa().bccl.version()
+
     def device(self, device_index=None):
         return torch.device(_DEVICE_TYPE, device_index)
 

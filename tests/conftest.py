@@ -6,6 +6,7 @@ files run on a real card; `emulation_only` marks those that test the emulator it
 
 import atexit
 import fcntl
+import json
 import os
 import pathlib
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 
@@ -106,6 +108,64 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_RANK_RESULT = "RANK-RESULT "
+
+
+def run_ranks(script: str, scenario: str, world: int = 2, limit_s: float = 240, env: dict | None = None) -> list:
+    """Start `world` ranks of a multi-process scenario; return each rank's (returncode, outcome, stderr).
+
+    Each rank is `python script scenario rank port` with SUPA_EMULATE=1 and this checkout first on
+    the path; the script's `__main__` hands over to `serve_rank(globals())`, which runs its
+    `_scenario_<scenario>(rank, port)` and prints the JSON outcome that is returned here (None if
+    the rank printed none). A job still running after `limit_s` is killed and fails the test.
+    """
+    port = free_port()
+    full_env = dict(os.environ, SUPA_EMULATE="1", **(env or {}))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, full_env.get("PYTHONPATH")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(script), scenario, str(rank), str(port)],
+            env=full_env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    deadline = time.monotonic() + limit_s
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"job {scenario!r} of {os.path.basename(script)} hung (> {limit_s}s)")
+        lines = [line for line in out.splitlines() if line.startswith(_RANK_RESULT)]
+        results.append((proc.returncode, json.loads(lines[-1][len(_RANK_RESULT):]) if lines else None, err))
+    return results
+
+
+class RankChecks:
+    """A rank's named checks: `check(name, fn)` records "ok" or the error fn raised, for the parent test."""
+
+    def __init__(self):
+        self.outcomes = {}
+
+    def __call__(self, name, fn):
+        try:
+            fn()
+            self.outcomes[name] = "ok"
+        except Exception as error:  # recorded, asserted by the parent test
+            self.outcomes[name] = f"{type(error).__name__}: {error}"
+
+
+def serve_rank(namespace: dict) -> None:
+    """Entry point of a rank started by run_ranks: run the scenario named on the command line."""
+    scenario, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    outcome = namespace[f"_scenario_{scenario}"](rank, port)
+    print(_RANK_RESULT + json.dumps(outcome), flush=True)
+    os._exit(0)  # skip interpreter teardown: peers may already be gone in the failure scenarios
 
 
 _CHILD_RUNS: list[str] = []

@@ -30,7 +30,8 @@ MiB = 1 << 20
 # The interface's abstract methods, in the interface's own order, plus the concrete methods
 # whose SUPA answer differs from the base class or that DeepSpeed's SUPA support relies on.
 INTERFACE = [name for name in DeepSpeedAccelerator.__dict__ if name in DeepSpeedAccelerator.__abstractmethods__]
-EXTRAS = ["is_fp64_supported", "is_current_stream_capturing", "pin_memory", "is_pinned"]
+EXTRAS = ["is_fp64_supported", "is_current_stream_capturing", "pin_memory", "is_pinned",
+          "communication_backend_version"]
 
 requires_supa = pytest.mark.skipif(not SUPA_Accelerator().is_available(),
                                    reason="no SUPA device: run on a SUPA card or with SUPA_EMULATE=1")
@@ -279,6 +280,14 @@ def _backend(a):
     assert a.communication_backend_name() == ("bccl" if sys.platform != "win32" else "gloo")
 
 
+@check("communication_backend_version")
+def _backend_version(a):
+    # BCCL's version tuple, as the CUDA accelerator answers with NCCL's: (major, minor, patch[, suffix]).
+    version = a.communication_backend_version()
+    assert version == torch.supa.bccl.version()
+    assert isinstance(version, tuple) and len(version) in (3, 4) and all(isinstance(v, int) for v in version[:3])
+
+
 @check("is_triton_supported")
 def _triton(a):
     supported = a.is_triton_supported()
@@ -388,6 +397,31 @@ def _compile_backend(a):
 def test_interface_method_answers_sensibly(accel, name):
     assert name in CHECKS, f"no behaviour check for interface method {name}"
     CHECKS[name](accel)
+
+
+@requires_supa
+def test_deepspeeds_bf16_gate_opens(accel):
+    """DeepSpeed's bf16 unit tests run only where `bf16_required_version_check()` (tests/unit/util.py)
+    holds. With its build-time torch_info unset ('0.0', as pip-installed DeepSpeed has it) the gate
+    reads at run time: torch >= 1.10, NCCL (`torch.cuda.nccl.version()`) >= 2.10, CUDA
+    (`torch.version.cuda` when torch.cuda.is_available()) >= 11, and the accelerator's
+    is_bf16_supported(). Under the transfer each of those names answers for the SUPA cards."""
+    from deepspeed.git_version_info import torch_info
+
+    def major_minor(text):
+        return tuple(int(part) for part in text.split(".")[:2])
+
+    if not (torch.cuda.is_available() and torch.cuda.device_count() == torch.supa.device_count()):
+        pytest.skip("CUDA names do not mean the SUPA cards here (transfer_to_supa not applied)")
+    torch_version = major_minor(torch_info["version"]) if torch_info["version"] != "0.0" else major_minor(torch.__version__)
+    nccl = (major_minor(torch_info["nccl_version"]) if torch_info["nccl_version"] != "0.0"
+            else tuple(torch.cuda.nccl.version()[:2]))
+    cuda = major_minor(torch_info["cuda_version"]) if torch_info["cuda_version"] != "0.0" else major_minor(torch.version.cuda)
+    assert torch_version >= (1, 10)
+    assert nccl >= (2, 10), nccl
+    assert cuda >= (11, 0), cuda
+    assert accel.is_bf16_supported()
+    assert tuple(accel.communication_backend_version()[:2]) == tuple(torch.cuda.nccl.version()[:2])
 
 
 def test_pull_request_usage(accel):

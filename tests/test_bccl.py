@@ -11,20 +11,16 @@ peer detection it builds on) are marked `emulation_only`.
 """
 
 import datetime
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
-from conftest import free_port
+from conftest import RankChecks, run_ranks, serve_rank
 import torch  # noqa: F401  (activates the emulator in this process, as the other test modules do)
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
 WORLD = 2
-_RESULT = "BCCL-RESULT "
 
 
 # ------------------------------------------------------------------------------------------------
@@ -40,18 +36,6 @@ def _init(rank: int, port: int, timeout_s: float = 0, world: int = WORLD):
     return torch.device("supa", rank)
 
 
-class _Checks:
-    def __init__(self):
-        self.outcomes = {}
-
-    def __call__(self, name, fn):
-        try:
-            fn()
-            self.outcomes[name] = "ok"
-        except Exception as error:  # recorded, asserted by the parent test
-            self.outcomes[name] = f"{type(error).__name__}: {error}"
-
-
 def _scenario_collectives(rank: int, port: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -59,7 +43,7 @@ def _scenario_collectives(rank: int, port: int) -> dict:
     R = dist.ReduceOp
     dev = _init(rank, port)
     other = 1 - rank
-    check = _Checks()
+    check = RankChecks()
 
     def same(actual, expected):
         assert actual.device == dev, f"result moved to {actual.device}"
@@ -468,7 +452,7 @@ def _scenario_three_ranks(rank: int, port: int) -> dict:
 
     world = 3
     dev = _init(rank, port, world=world)
-    check = _Checks()
+    check = RankChecks()
     folds = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}
 
     def contribution(source, dtype, numel):
@@ -587,41 +571,9 @@ def _expect(condition, detail):
         raise AssertionError(str(detail))
 
 
-def _worker_main(scenario: str, rank: int, port: int) -> None:
-    outcome = globals()[f"_scenario_{scenario}"](rank, port)
-    print(_RESULT + json.dumps(outcome), flush=True)
-    os._exit(0)  # skip interpreter teardown: peers may already be gone in the failure scenarios
-
-
-# ------------------------------------------------------------------------------------------------
-# Parent side
-# ------------------------------------------------------------------------------------------------
-
 def _run_job(scenario: str, limit_s: float = 240, world: int = WORLD) -> list:
     """Start `world` ranks of `scenario`; return each rank's (returncode, outcome dict or None, stderr)."""
-    port = free_port()
-    env = dict(os.environ, SUPA_EMULATE="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), scenario, str(rank), str(port)],
-            env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for rank in range(world)
-    ]
-    results = []
-    deadline = time.monotonic() + limit_s
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"bccl job {scenario!r} hung (> {limit_s}s)")
-        lines = [line for line in out.splitlines() if line.startswith(_RESULT)]
-        results.append((proc.returncode, json.loads(lines[-1][len(_RESULT):]) if lines else None, err))
-    return results
+    return run_ranks(__file__, scenario, world=world, limit_s=limit_s)
 
 
 @pytest.fixture(scope="module")
@@ -700,6 +652,7 @@ def test_dead_peer_fails_the_survivor():
     assert code0 == 0 and survivor is not None, err0[-4000:]
     assert survivor["timeout"] == "0:00:20"  # init_process_group(timeout=...) reaches the group
     assert survivor["error"] and "rank 1" in survivor["error"] and "exited" in survivor["error"], survivor
+    assert survivor["error"].startswith("DistBackendError:"), survivor  # what NCCL raises for a lost peer
 
 
 @pytest.mark.emulation_only
@@ -709,6 +662,7 @@ def test_peer_dying_inside_gloo_fails_the_survivor():
     assert code1 == 3
     assert code0 == 0 and survivor is not None, err0[-4000:]
     assert survivor["error"], "the survivor's all_reduce completed although its peer died"
+    assert survivor["error"].startswith("DistBackendError:"), survivor
 
 
 @pytest.mark.emulation_only
@@ -717,7 +671,8 @@ def test_stalled_peer_times_out():
     (code0, survivor, err0), _ = _run_job("peer_stalls", limit_s=120)
     assert code0 == 0 and survivor is not None, err0[-4000:]
     assert survivor["error"] and "timed out" in survivor["error"], survivor
+    assert survivor["error"].startswith("DistBackendError:"), survivor  # NCCL's type for a timeout
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    serve_rank(globals())

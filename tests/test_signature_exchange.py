@@ -70,6 +70,23 @@ def test_gloo_exchange_gives_every_rank_all_signatures():
             assert all(set(words[3:]) == {0} for words in everyone)
 
 
+def test_gloo_exchange_reports_a_peer_that_never_comes_as_dist_backend_error():
+    peer_may_leave = threading.Event()
+
+    def body(rank, store):
+        exchange = GlooExchange(store, rank, WORLD, datetime.timedelta(seconds=2))
+        if rank == 1:
+            peer_may_leave.wait(60)  # connected, but never joins the exchange
+            return None
+        try:
+            with pytest.raises(dist.DistBackendError, match="(?i)timed out"):
+                exchange.exchange([0, 7])
+        finally:
+            peer_may_leave.set()
+
+    _run_ranks(body)
+
+
 def test_groups_on_one_host_use_shared_memory_and_across_hosts_use_gloo(ranks_on_separate_hosts, monkeypatch):
     def body(rank, store):
         ranks_on_separate_hosts.rank = rank

@@ -10,6 +10,8 @@ calls its methods directly: all_reduce -> `allreduce`, all_gather_into_tensor ->
 (`_allgather_base`, `alltoall_base`, ...) are aliases, so C++ callers that go through the
 process-group trampoline land in the same code. Inside, each group owns a private gloo group and
 passes it CPU views aliasing the device tensors' host memory: no copy on the way in or out.
+What c10d reads of a backend besides the collectives (device binding, splitting, sequence
+numbers, teardown) is in c10d_backend.py.
 
 `register()` installs the backend under the name "bccl" for the "supa" device with the extended
 plugin API, and makes 10 minutes (the real backend's default) the timeout a bccl group gets when
@@ -17,13 +19,14 @@ init_process_group/new_group are not given one.
 """
 
 import datetime
+import warnings
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from supa_emu import core_share
 
-from . import host_memory
+from . import c10d_backend, host_memory
 from .process_group import BACKEND_NAME, DEFAULT_TIMEOUT, ProcessGroupBCCL
 from .signature_exchange import CollectiveMismatchError
 from .work import BCCLWork
@@ -44,13 +47,30 @@ def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
         pg_options = ProcessGroupBCCL.Options()
     elif not isinstance(pg_options, ProcessGroupBCCL.Options):
         raise TypeError("Expected pg_options argument to be of type ProcessGroupBCCL.Options")
+    elif pg_options._timeout != backend_options.timeout:
+        warnings.warn(f"bccl: pg_options._timeout ({pg_options._timeout}) is replaced by the group's timeout "
+                      f"({backend_options.timeout}); pass the timeout to init_process_group/new_group", stacklevel=2)
     pg_options._timeout = backend_options.timeout
     pg_options.global_ranks_in_group = list(backend_options.global_ranks_in_group)
     pg_options.group_name = backend_options.group_id
+    parent = _bound_default_group()
+    if parent is not None and pg_options.global_ranks_in_group:
+        # A subgroup of a bound default group is split from it (the members' side of the split
+        # whose other ranks call perform_nocolor_split).
+        pg_options.split_from = parent
+        pg_options.split_color = c10d_backend.split_color(pg_options.global_ranks_in_group)
+        parent.count_split()
     core_share.at_first_group(backend_options.group_size)
     return ProcessGroupBCCL(
         backend_options.store, backend_options.group_rank, backend_options.group_size, pg_options
     )
+
+
+def _bound_default_group() -> "ProcessGroupBCCL | None":
+    default = distributed_c10d._world.default_pg
+    if isinstance(default, ProcessGroupBCCL) and default.bound_device_id is not None:
+        return default
+    return None
 
 
 def _default_timeout_for(original):

@@ -20,7 +20,6 @@ to gloo, one method per c10d collective entry point, which is why it stays one c
 over 400 lines.
 """
 
-import datetime
 import sys
 from typing import Callable, List, Optional, Sequence
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from . import composed, gloo_handoff, host_memory, signature_exchange, signatures
+from .c10d_backend import DEFAULT_TIMEOUT, C10dBackend
 from .arguments import (
     check_chunk, check_dtypes, check_sizes, numel as _numel, pairs, per_rank_list, require_device, root_list, single,
     split_counts)
@@ -37,7 +37,6 @@ from supa_emu.supa import _sanitizer_switch as _sanitizer
 from .work import BCCLWork, combine
 
 BACKEND_NAME = "bccl"
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 _RedOp = dist.ReduceOp.RedOpType
 _PER_OPERATION_OPTIONS = {
@@ -72,19 +71,14 @@ def _reduce_kind(op) -> _RedOp:
     return op.op
 
 
-class ProcessGroupBCCL(dist.ProcessGroup):
-    """A whole process group (not a c10d Backend): torch calls these methods directly."""
-
-    class Options:
-        def __init__(self, is_high_priority_stream: bool = False):
-            self.is_high_priority_stream = is_high_priority_stream
-            self._timeout = DEFAULT_TIMEOUT
-            self.global_ranks_in_group: List[int] = []
-            self.group_name = ""
+class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
+    """A whole process group (not a c10d Backend): torch calls these methods directly (the
+    backend attributes c10d reads come from C10dBackend)."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, options: "ProcessGroupBCCL.Options"):
         super().__init__(rank, size)
         self.options = options
+        self._store = store
         self._label = repr(options.group_name or "default")
         timeout = options._timeout
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("bccl/gloo", store), rank, size, timeout)
@@ -92,6 +86,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             signature_exchange.create(store, rank, size, timeout, self._label), rank, size, self._label,
             self._stand_in)
         self._coalesced: Optional[List[BCCLWork]] = None
+        self._init_backend_state()
 
     # ---- identity ----------------------------------------------------------------------------
     # c10d keeps a group's name in its c10d Backends, which this whole-group plugin has none of;
@@ -123,16 +118,11 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         # Object collectives (all_gather_object, broadcast_object_list) stage on this device.
         return [host_memory.device()]
 
-    def shutdown(self) -> None:
-        self._agreement.close()
-        self._gloo.shutdown()
-
-    def abort(self) -> None:
-        self._agreement.close()
-        self._gloo.abort()
-
     # ---- shared steps --------------------------------------------------------------------------
-    def _finish(self, parts, call: HostCall, outputs: Sequence[torch.Tensor] = (), ticket=None) -> BCCLWork:
+    def _finish(self, parts, call: HostCall, outputs: Sequence[torch.Tensor] = (), ticket=None,
+                collective: bool = True) -> BCCLWork:
+        if collective and self._coalesced is None:
+            self._sequence += 1  # a coalesced block counts once, at its start
         gloo_handoff.hold(parts)
         work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors, self._agreement, ticket)
         sanitizer = _sanitizer.active()
@@ -378,8 +368,11 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             for i, input in enumerate(inputs):
                 works.append(self.allgather([[outputs[i] for outputs in output_lists]], [input], opts))
         work = combine(works)
+        self._sequence -= len(works)  # the all_gathers above are parts of this one collective
         if self._coalesced is not None:
             self._coalesced.append(work)
+        else:
+            self._sequence += 1
         return work
 
     def gather(self, output_lists, inputs, opts=None):
@@ -460,24 +453,25 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         tensor = single(tensors, "tensor")
         call = HostCall()
         part = self._gloo.send([call.view(tensor, write=False)], dst_rank, tag)
-        return self._finish([part], call)
+        return self._finish([part], call, collective=False)
 
     def recv(self, tensors, src_rank, tag=0):
         tensor = single(tensors, "tensor")
         call = HostCall()
         part = self._gloo.recv([call.view(tensor, read=False)], src_rank, tag)
-        return self._finish([part], call, [tensor])
+        return self._finish([part], call, [tensor], collective=False)
 
     def recv_anysource(self, tensors, tag=0):
         tensor = single(tensors, "tensor")
         call = HostCall()
         part = self._gloo.recv_anysource([call.view(tensor, read=False)], tag)
-        return self._finish([part], call, [tensor])
+        return self._finish([part], call, [tensor], collective=False)
 
     # ---- coalescing (torch.distributed._coalescing_manager with a device) ------------------
     def _start_coalescing(self, device=None) -> None:
         if self._coalesced is not None:
             raise RuntimeError("bccl: coalescing already started on this group")
+        self._sequence += 1
         self._coalesced = []
 
     def _end_coalescing(self, device=None) -> BCCLWork:

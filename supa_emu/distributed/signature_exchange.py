@@ -137,12 +137,12 @@ class SharedMemoryBoard:
                 continue
             pid = self._words[self._base[rank] + self._at["pid"]]
             if pid and not _process_alive(pid):
-                raise RuntimeError(
+                raise dist.DistBackendError(
                     f"bccl: rank {rank} of group {self._label} (pid {pid}) exited while rank "
                     f"{self._rank} was waiting for it to {what}"
                 )
             if time.monotonic() >= deadline:
-                raise RuntimeError(
+                raise dist.DistBackendError(
                     f"bccl: timed out after {self._timeout} on group {self._label}: rank "
                     f"{self._rank} waited for rank {rank} to {what}"
                 )
@@ -240,7 +240,11 @@ class GlooExchange:
         everyone = torch.empty(self._size * WORDS, dtype=torch.int64)
         work = self._pg._allgather_base(everyone, mine)
         gloo_handoff.hold([work])
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as error:
+            # A peer that never comes or went away: NCCL's type for it, not gloo's plain one.
+            raise dist.DistBackendError(f"bccl: signature exchange failed: {error}") from error
         return everyone.view(self._size, WORDS).tolist()
 
     def close(self) -> None:

@@ -170,6 +170,7 @@ class Agreement:
         self._early = exchange.launches_early
         self._unsettled: Deque[Ticket] = collections.deque()
         self._lock = threading.RLock()
+        self._closed: Optional[Exception] = None  # why the group closed, reported by its pending works
 
     def agree(self, signature: List[int], receive_counts: Sequence[int] = (), early: bool = False) -> Optional[Ticket]:
         """Post `signature`; returns once this rank may start the collective, raising
@@ -223,6 +224,8 @@ class Agreement:
         returns the mismatch its collective ran into, if any."""
         if ticket is None:
             return None
+        if self._closed is not None and not ticket.settled:
+            return self._closed
         with self._lock:
             while not ticket.settled:
                 self._settle(self._unsettled[0])
@@ -233,6 +236,8 @@ class Agreement:
         (known, error)."""
         if ticket is None or ticket.settled:
             return True, ticket.error if ticket else None
+        if self._closed is not None:
+            return True, self._closed
         if not self._lock.acquire(blocking=False):
             return False, None
         try:
@@ -285,5 +290,7 @@ class Agreement:
             return self.agree(make(operation, dtype))
         return self.agree(make(operation, dtype, extra=send), receive)
 
-    def close(self) -> None:
+    def close(self, reason: Optional[Exception] = None) -> None:
+        """Close the carrier; works still unsettled report `reason` (DistBackendError by default)."""
+        self._closed = reason or torch.distributed.DistBackendError(f"bccl: group {self._label} was closed")
         self._exchange.close()

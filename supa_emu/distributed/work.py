@@ -63,11 +63,18 @@ class BCCLWork(dist.Work):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         # The peers' signatures first: a dead or stalled peer is reported as such, not as gloo's hang.
         mismatch = self._agreement.settle(self._ticket) if self._ticket is not None else None
-        for part in self._parts:
-            if timeout and timeout > datetime.timedelta(0):
-                part.wait(timeout)
-            else:
-                part.wait()
+        try:
+            for part in self._parts:
+                if timeout and timeout > datetime.timedelta(0):
+                    part.wait(timeout)
+                else:
+                    part.wait()
+        except RuntimeError as error:
+            if isinstance(error, dist.DistError):
+                raise
+            # gloo reports a timed-out or broken connection as a plain RuntimeError; NCCL (and so
+            # code written for it) raises DistBackendError.
+            raise dist.DistBackendError(f"bccl: {error}") from error
         if mismatch is not None:
             self._fail(mismatch)  # the outputs hold what a stand-in sent: not a result
         self._complete()

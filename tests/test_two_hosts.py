@@ -1,0 +1,230 @@
+"""Two hosts on one machine: a 2-host x 2-card job, each host with its own hostname and /dev/shm.
+
+Each host is a set of Linux namespaces (`unshare --uts --ipc --mount`: own hostname, own System V
+IPC, and a fresh tmpfs on /dev/shm), sharing the machine's network, so the ranks of one host
+cannot see the other host's shared memory and bccl must carry a group that spans both hosts over
+the network, as it would between real machines. Every host starts its ranks with its own
+launcher: torchrun with --nnodes 2, or DeepSpeed's launcher with a two-entry hostfile and
+--no_ssh (DeepSpeed's multi-node path without ssh; see the README for the --launcher choices).
+
+Checked: bccl collectives across the hosts and on per-host subgroups (values against plain
+arithmetic), and a ZeRO-3 job whose losses equal those of the same job on 1 host x 4 cards.
+Skipped with the reason where namespaces cannot be created (no unshare, or not permitted).
+"""
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import RankChecks, free_port
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+ZERO3 = ROOT / "examples" / "configs" / "zero3.json"
+HOSTS = ("supa-host0", "supa-host1")
+CARDS_PER_HOST = 2
+JOB_TIMEOUT_S = 900
+TRAIN_ARGS = ["--config", str(ZERO3), "--steps", "4", "--seed", "1234", "--log-format", "json"]
+_RESULT = "TWO-HOSTS-RESULT "
+
+
+def _namespaces_unavailable():
+    """Why host namespaces cannot be made here, or None if they can."""
+    if shutil.which("unshare") is None:
+        return "needs util-linux's unshare"
+    probe = subprocess.run(["unshare", "--uts", "--ipc", "--mount", "--fork", "sh", "-c",
+                            "mount -t tmpfs tmpfs /dev/shm && hostname probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"unshare --uts --ipc --mount is not permitted here: {probe.stderr.strip()[:200]}"
+    return None
+
+
+_UNAVAILABLE = _namespaces_unavailable()
+
+pytestmark = [
+    pytest.mark.slow,  # three multi-process jobs of four ranks
+    pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE)),
+    pytest.mark.skipif(not (hasattr(torch, "supa") and torch.supa.is_available()),
+                       reason="needs SUPA cards (real, or emulated with SUPA_EMULATE=1)"),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side: one rank of the collectives job (started by torchrun)
+# ------------------------------------------------------------------------------------------------
+def _collectives_worker() -> dict:
+    import socket
+
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    dev = torch.device("supa", local)
+    torch.accelerator.set_device_index(local)
+    dist.init_process_group("bccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    check = RankChecks()
+    outcome = check.outcomes
+
+    def where():
+        seen = [None] * world
+        dist.all_gather_object(seen, [socket.gethostname(), os.stat("/dev/shm").st_dev])
+        outcome["hosts"] = [host for host, _ in seen]
+        outcome["shm_devices"] = [device for _, device in seen]
+
+    def expect(condition, detail):
+        if not condition:
+            raise AssertionError(str(detail))
+
+    def all_reduce():
+        t = torch.full((1000,), rank + 1.0, device=dev)
+        dist.all_reduce(t)
+        expect(torch.equal(t.cpu(), torch.full((1000,), world * (world + 1) / 2)), t[:3])
+
+    def all_gather_into_tensor():
+        out = torch.empty(world * 6, device=dev)
+        dist.all_gather_into_tensor(out, torch.arange(6.0, device=dev) + 100 * rank)
+        expected = torch.cat([torch.arange(6.0) + 100 * r for r in range(world)])
+        expect(torch.equal(out.cpu(), expected), out)
+
+    def reduce_scatter_tensor():
+        out = torch.empty(3, device=dev)
+        dist.reduce_scatter_tensor(out, torch.arange(world * 3.0, device=dev) * (rank + 1))
+        expected = torch.arange(rank * 3.0, rank * 3.0 + 3) * sum(r + 1 for r in range(world))
+        expect(torch.equal(out.cpu(), expected), out)
+
+    def broadcast():
+        t = torch.full((5,), float(rank), device=dev)
+        dist.broadcast(t, src=world - 1)
+        expect(t.cpu().tolist() == [world - 1.0] * 5, t)
+
+    def all_to_all_single():
+        out = torch.empty(world, device=dev)
+        dist.all_to_all_single(out, torch.arange(world, dtype=torch.float32, device=dev) + 10 * rank)
+        expect(out.cpu().tolist() == [10.0 * r + rank for r in range(world)], out)
+
+    def per_host_subgroups():
+        host_ranks = [list(range(h * CARDS_PER_HOST, (h + 1) * CARDS_PER_HOST)) for h in range(world // CARDS_PER_HOST)]
+        group = dist.split_group(split_ranks=host_ranks)
+        mine = host_ranks[rank // CARDS_PER_HOST]
+        t = torch.full((4,), float(rank), device=dev)
+        dist.all_reduce(t, group=group)
+        expect(group.size() == CARDS_PER_HOST and t.cpu().tolist() == [float(sum(mine))] * 4, t)
+
+    check("where", where)
+    for fn in (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single,
+               per_host_subgroups):
+        check(fn.__name__, fn)
+    check("barrier", dist.barrier)
+    dist.destroy_process_group()
+    return outcome
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent side
+# ------------------------------------------------------------------------------------------------
+def _on_host(host: int, command) -> list:
+    """`command` run as a process of host `host`: in its own UTS, IPC and mount namespaces, with
+    the host's own cards."""
+    setup = f'mount -t tmpfs tmpfs /dev/shm && hostname {HOSTS[host]} && exec "$@"'
+    return ["unshare", "--uts", "--ipc", "--mount", "--fork", "sh", "-c", setup, "sh",
+            "env", f"SUPA_EMU_DEVICE_COUNT={CARDS_PER_HOST}", *map(str, command)]
+
+
+def _torchrun(nnodes: int, node_rank: int, nproc: int, port: int, script, *args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--node-rank", node_rank,
+            "--nproc-per-node", nproc, "--master-addr", "127.0.0.1", "--master-port", port, script, *args]
+
+
+def _run_jobs(commands) -> list:
+    """Run `commands` together, fail with their output unless all succeed; return their stdouts."""
+    outputs = []
+    for command, (code, out, err) in zip(commands, _run_and_wait(commands)):
+        assert code == 0, f"{' '.join(map(str, command))} failed ({code}):\n{out[-3000:]}\n{err[-6000:]}"
+        outputs.append(out)
+    return outputs
+
+
+def _run_and_wait(commands) -> list:
+    env = dict(os.environ, SUPA_EMULATE="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    procs = [subprocess.Popen([str(c) for c in command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for command in commands]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+            results.append((proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"job hung (> {JOB_TIMEOUT_S}s): {commands}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return results
+
+
+def _losses(outputs) -> list:
+    events = [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith('{"event"')]
+    return [event["loss"] for event in events if event["event"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def one_host_losses():
+    """The reference: the same ZeRO-3 job on 1 host x 4 cards."""
+    losses = _losses(_run_jobs([_torchrun(1, 0, 4, free_port(), EXAMPLE, *TRAIN_ARGS)]))
+    assert len(losses) == 4, losses
+    return losses
+
+
+def test_collectives_across_two_hosts():
+    port = free_port()
+    outputs = _run_jobs([_on_host(h, _torchrun(2, h, CARDS_PER_HOST, port, __file__, "collectives"))
+                         for h in range(2)])
+    outcomes = [json.loads(line[len(_RESULT):]) for out in outputs for line in out.splitlines()
+                if line.startswith(_RESULT)]
+    assert len(outcomes) == 4
+    for outcome in outcomes:
+        assert outcome["hosts"] == [HOSTS[0]] * 2 + [HOSTS[1]] * 2
+        devices = outcome["shm_devices"]
+        assert devices[0] == devices[1] != devices[2] == devices[3]  # each host has its own /dev/shm
+        failed = {name: result for name, result in outcome.items()
+                  if name not in ("hosts", "shm_devices") and result != "ok"}
+        assert not failed, failed
+        assert len(outcome) == 2 + 8, outcome
+
+
+def test_zero3_on_two_hosts_matches_one_host(one_host_losses):
+    port = free_port()
+    two_hosts = _losses(_run_jobs([_on_host(h, _torchrun(2, h, CARDS_PER_HOST, port, EXAMPLE, *TRAIN_ARGS))
+                                   for h in range(2)]))
+    assert len(two_hosts) == len(one_host_losses)
+    assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6) for a, b in zip(two_hosts, one_host_losses)), \
+        (two_hosts, one_host_losses)
+
+
+def test_deepspeed_launcher_with_a_hostfile_and_no_ssh(one_host_losses, tmp_path):
+    """`deepspeed --hostfile` over the two hosts: with --no_ssh each host runs the launcher with its
+    --node_rank, DeepSpeed's multi-node path where no launcher program or ssh is at hand."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{host} slots={CARDS_PER_HOST}\n" for host in HOSTS))
+    port = free_port()
+    commands = [_on_host(h, [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--no_ssh",
+                             "--node_rank", h, "--master_addr", "127.0.0.1", "--master_port", port, EXAMPLE,
+                             *TRAIN_ARGS]) for h in range(2)]
+    losses = _losses(_run_jobs(commands))
+    assert len(losses) == len(one_host_losses)
+    assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6) for a, b in zip(losses, one_host_losses)), \
+        (losses, one_host_losses)
+
+
+if __name__ == "__main__":
+    print(_RESULT + json.dumps(_collectives_worker()), flush=True)
+    os._exit(0)
