@@ -40,6 +40,16 @@ __all__ = [
 
 
 def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
+    from supa_emu import activation
+
+    settings = activation.config()
+    if settings.plan_simulate or settings.plan_record is not None:
+        # The planner's world and recorder (supa_emu/plan), imported only when asked for.
+        from supa_emu.plan import rank_record, uniform_group
+
+        rank_record.start(settings.plan_record, backend_options.group_rank)
+        if settings.plan_simulate:
+            return uniform_group.create(backend_options, pg_options)
     if pg_options is None:
         pg_options = ProcessGroupBCCL.Options()
     elif not isinstance(pg_options, ProcessGroupBCCL.Options):

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import composed, gloo_handoff, host_memory, signature_exchange, signatures
+from . import call_record, composed, gloo_handoff, host_memory, signature_exchange, signatures
 from .arguments import (
     check_chunk, check_dtypes, check_sizes, numel as _numel, pairs, per_rank_list, require_device, root_list, single,
     split_counts)
+from .arguments import check_reduce_op as _check_reduce_op, reduce_kind as _reduce_kind
 from .host_memory import HostCall
 from supa_emu.supa import _sanitizer_switch as _sanitizer
 from .work import BCCLWork, combine
@@ -47,14 +48,6 @@ _PER_OPERATION_OPTIONS = {
 }
 
 
-def _check_reduce_op(kind: _RedOp, dtype: torch.dtype) -> None:
-    # Checked before the agreement step: a collective that may start early must not fail after it.
-    if kind == _RedOp.PREMUL_SUM:
-        raise ValueError("bccl: ReduceOp.PREMUL_SUM is not supported")
-    if kind == _RedOp.AVG and dtype == torch.bool:
-        raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
-
-
 def _flat(view: torch.Tensor) -> torch.Tensor:
     # gloo wants flat buffers; views of contiguous buffers reshape without copying.
     return view if view.dim() == 1 else view.view(-1)
@@ -64,12 +57,6 @@ def _gather_signature(operation: str, outputs, inputs) -> List[int]:
     return signatures.make(
         operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),
         numel_out=sum(_numel(outputs)), shape_digest=signatures.digest(_numel(inputs)))
-
-
-def _reduce_kind(op) -> _RedOp:
-    if isinstance(op, _RedOp):
-        return op
-    return op.op
 
 
 class ProcessGroupBCCL(dist.ProcessGroup):
@@ -134,6 +121,8 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     # ---- shared steps --------------------------------------------------------------------------
     def _finish(self, parts, call: HostCall, outputs: Sequence[torch.Tensor] = (), ticket=None) -> BCCLWork:
         gloo_handoff.hold(parts)
+        if call_record.active():
+            call_record.note_call(self.size(), call, sys._getframe(1))
         work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors, self._agreement, ticket)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
