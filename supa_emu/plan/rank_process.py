@@ -17,7 +17,9 @@ import traceback
 
 
 def _failure(error: BaseException) -> dict:
-    return {"error": f"{type(error).__name__}: {error}".splitlines()[0],
+    lines = [line for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()]
+    # An error that carries a child's traceback (multiprocessing's) ends with the child's error line.
+    return {"error": lines[-1] if any("Traceback" in line for line in lines) else lines[0],
             "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
 
 
@@ -33,6 +35,7 @@ def main(argv) -> int:
     os.environ["MASTER_PORT"] = str(store.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     uniform_group.play(rank, world_size, values_path)
+    uniform_group.refuse_gloo()
     rank_record.start(None, rank)
 
     failure = None

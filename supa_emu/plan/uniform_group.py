@@ -57,6 +57,24 @@ def play(rank: int, world_size: int, values_file: Optional[str] = None) -> None:
         _root_values.update(torch.load(values_file))
 
 
+def refuse_gloo() -> None:
+    """Makes a gloo group in this process fail at once with a PlanError.
+
+    A gloo group would wait (for its whole timeout) for peer processes that a planned world does
+    not have. c10d builds gloo groups from the ProcessGroupGloo name in distributed_c10d, so the
+    planner's rank process replaces that one name with a class that refuses (monkeypatch, listed
+    in the README; only in this process, and subclassing keeps c10d's isinstance checks valid).
+    """
+    from torch.distributed import distributed_c10d
+
+    class RefusedGloo(distributed_c10d.ProcessGroupGloo):
+        def __init__(self, *args, **kwargs):
+            raise PlanError("planner: the script creates a gloo group, which mixes real ranks (gloo needs every "
+                            "peer's process) into the planned world; only bccl groups can be planned")
+
+    distributed_c10d.ProcessGroupGloo = RefusedGloo
+
+
 def save_root_values() -> None:
     """Keeps this rank's small broadcast values for the ranks played later (the first played rank only)."""
     if _values_file is not None and not os.path.exists(_values_file):
