@@ -461,7 +461,9 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         tensor = single(tensors, "tensor")
         call = HostCall()
         part = self._gloo.recv_anysource([call.view(tensor, read=False)], tag)
-        return self._finish([part], call, [tensor])
+        work = self._finish([part], call, [tensor])
+        work._keeps_parts = True  # source_rank() asks the gloo part, after the wait
+        return work
 
     # ---- coalescing (torch.distributed._coalescing_manager with a device) ------------------
     def _start_coalescing(self, device=None) -> None:
