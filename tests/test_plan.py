@@ -232,7 +232,7 @@ def test_plot_draws_each_rank_and_the_capacity(tmp_path):
     from supa_emu.plan import plot
 
     rank = {"peak_allocated": 3 << 20, "peak_reserved": 4 << 20, "peak_phase": "forward", "oom": False,
-            "failure": None, "collectives": [], "timeline": [[0.0, 0, 0], [1.0, 3 << 20, 4 << 20], [2.0, 1 << 20, 4 << 20]]}
+            "failure": None, "collectives": [], "timeline": [[0, 0.0, 0, 0], [1, 0.5, 3 << 20, 4 << 20], [2, 0.7, 1 << 20, 4 << 20]]}
     report = {"world_size": 8, "script": "train.py", "capacity": 5 << 20, "ranks": {"0": rank, "7": rank}}
     chart = plot.svg(report)
     assert chart.count("<polyline") == 4

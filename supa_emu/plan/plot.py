@@ -37,7 +37,9 @@ def svg(report: Dict) -> str:
     top_value = max([r["peak_reserved"] for r in ranks.values()] + [1])
     capacity_on_chart = capacity <= top_value * 1.5
     y_max = (capacity if capacity_on_chart else top_value) * 1.08
-    t_max = max([p[0] for r in ranks.values() for p in r["timeline"]] + [1e-3])
+    # x: the card's allocation events, not seconds: a step's pattern stays visible next to a slow
+    # start-up, and a plan draws the same picture as the real run.
+    t_max = max([p[0] for r in ranks.values() for p in r["timeline"]] + [1])
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
     def x(t):
@@ -59,8 +61,8 @@ def svg(report: Dict) -> str:
         value += step
     parts.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{TOP + plot_h}" stroke="black"/>'
                  f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + plot_h}" y2="{TOP + plot_h}" stroke="black"/>'
-                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 12}" text-anchor="middle">time since start (s), '
-                 f'0 to {t_max:.3g}</text>')
+                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 12}" text-anchor="middle">allocations and frees on the '
+                 f'card, 0 to {t_max:,}</text>')
     if capacity_on_chart:
         parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y(capacity):.1f}" y2="{y(capacity):.1f}" '
                      f'stroke="black" stroke-dasharray="6,4"/><text x="{WIDTH - RIGHT}" y="{y(capacity) - 4:.1f}" '
@@ -70,8 +72,8 @@ def svg(report: Dict) -> str:
                      f'{capacity / top_value:.0f}x the highest rank, above the chart</text>')
     for i, (rank, entry) in enumerate(sorted(ranks.items(), key=lambda item: int(item[0]))):
         colour = COLOURS[i % len(COLOURS)]
-        line = " ".join(f"{x(t):.1f},{y(a):.1f}" for t, a, _ in entry["timeline"])
-        reserved = " ".join(f"{x(t):.1f},{y(r):.1f}" for t, _, r in entry["timeline"])
+        line = " ".join(f"{x(t):.1f},{y(a):.1f}" for t, _, a, _ in entry["timeline"])
+        reserved = " ".join(f"{x(t):.1f},{y(r):.1f}" for t, _, _, r in entry["timeline"])
         parts.append(f'<polyline points="{reserved}" fill="none" stroke="{colour}" stroke-opacity="0.35"/>'
                      f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
         label = (f'rank {rank}: peak {_size(entry["peak_allocated"])} allocated ({entry["peak_phase"]}), '

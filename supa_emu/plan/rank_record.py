@@ -99,7 +99,7 @@ def record(failure: Optional[dict] = None) -> dict:
     peak, peak_reserved, peak_event = max(allocated, base_peak), max(reserved, base_peak_reserved), None
     t0 = _state["started"] * 1e6
     points, ooms = [], []
-    for event in events:
+    for index, event in enumerate(events):
         action, size = event["action"], event["size"]
         if action == "alloc":
             allocated += size
@@ -115,7 +115,7 @@ def record(failure: Optional[dict] = None) -> dict:
         if allocated > peak:
             peak, peak_event = allocated, event
         peak_reserved = max(peak_reserved, reserved)
-        points.append(((event["time_us"] - t0) / 1e6, allocated, reserved))
+        points.append((index, (event["time_us"] - t0) / 1e6, allocated, reserved))
     phase, location = _phase(peak_event["frames"]) if peak_event is not None else ("before recording", None)
     capacity = torch.supa.mem_get_info(device)[1]
     return {
@@ -135,4 +135,4 @@ def _thin(points, limit: int) -> list:
     if len(points) <= limit:
         return [list(p) for p in points]
     stretch = -(-len(points) // limit)
-    return [list(max(points[i:i + stretch], key=lambda p: p[1])) for i in range(0, len(points), stretch)]
+    return [list(max(points[i:i + stretch], key=lambda p: p[2])) for i in range(0, len(points), stretch)]

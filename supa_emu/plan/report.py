@@ -1,9 +1,9 @@
 """The planner's report: the ranks' records put together, as JSON and as a table for people.
 
 JSON keys: world_size, cards_per_host, script, args, capacity, ranks -> "R" -> {peak_allocated,
-peak_reserved, peak_phase, peak_location, capacity, oom, oom_events, timeline ([seconds,
-allocated, reserved] points), collectives ([{op, group_size, dtype, bytes, count}]),
-value_dependent, failure ({error, traceback} or null)}.
+peak_reserved, peak_phase, peak_location, capacity, oom, oom_events, timeline ([event index,
+seconds since recording started, allocated, reserved] points), collectives ([{op, group_size,
+dtype, bytes, count}]), value_dependent, failure ({error, traceback} or null)}.
 """
 
 from typing import Dict
