@@ -50,6 +50,15 @@ def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
         rank_record.start(settings.plan_record, backend_options.group_rank)
         if settings.plan_simulate:
             return uniform_group.create(backend_options, pg_options)
+    core_share.at_first_group(backend_options.group_size)
+    return ProcessGroupBCCL(
+        backend_options.store, backend_options.group_rank, backend_options.group_size,
+        group_options(backend_options, pg_options)
+    )
+
+
+def group_options(backend_options, pg_options=None) -> ProcessGroupBCCL.Options:
+    """The options of a new bccl group: the caller's (or the defaults) with what c10d decided."""
     if pg_options is None:
         pg_options = ProcessGroupBCCL.Options()
     elif not isinstance(pg_options, ProcessGroupBCCL.Options):
@@ -57,10 +66,7 @@ def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
     pg_options._timeout = backend_options.timeout
     pg_options.global_ranks_in_group = list(backend_options.global_ranks_in_group)
     pg_options.group_name = backend_options.group_id
-    core_share.at_first_group(backend_options.group_size)
-    return ProcessGroupBCCL(
-        backend_options.store, backend_options.group_rank, backend_options.group_size, pg_options
-    )
+    return pg_options
 
 
 def _default_timeout_for(original):

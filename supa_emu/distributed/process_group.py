@@ -28,10 +28,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import call_record, composed, gloo_handoff, host_memory, signature_exchange, signatures
-from .arguments import (
-    check_chunk, check_dtypes, check_sizes, numel as _numel, pairs, per_rank_list, require_device, root_list, single,
-    split_counts)
+from . import call_record, composed, gloo_handoff, host_memory, operands, signature_exchange, signatures
+from .arguments import check_dtypes, check_sizes, numel as _numel, pairs, require_device, single
 from .arguments import check_reduce_op as _check_reduce_op, reduce_kind as _reduce_kind
 from .host_memory import HostCall
 from supa_emu.supa import _sanitizer_switch as _sanitizer
@@ -181,14 +179,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     # ---- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        if not isinstance(opts, dist.AllreduceOptions):
-            op, opts = opts, dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM if op is None else op
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        tensor = single(tensors, "input")
-        kind = _reduce_kind(opts.reduceOp)
-        _check_reduce_op(kind, tensor.dtype)
+        tensor, kind, opts = operands.all_reduce(tensors, opts)
         ticket = self._agreement.agree(
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         call = HostCall()
@@ -238,9 +229,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        output = single(outputs, "output")
-        inputs = per_rank_list(input_lists, self.size(), "reduce_scatter", "input")
-        check_chunk(output, inputs[self.rank()], "reduce_scatter", "output", "input list entry")
+        output, inputs = operands.reduce_scatter(outputs, input_lists, self.size(), self.rank())
         kind = _reduce_kind(opts.reduceOp)
         self._agreement.agree(
             signatures.make(
@@ -291,12 +280,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     # ---- data movement --------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
-        if not isinstance(opts, dist.BroadcastOptions):
-            root, opts = opts, dist.BroadcastOptions()
-            opts.rootRank = 0 if root is None else root
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        tensor = single(tensors, "tensor")
+        tensor, opts = operands.broadcast(tensors, opts)
         ticket = self._agreement.agree(
             signatures.make("broadcast", tensor.dtype, root=opts.rootRank, numel_in=tensor.numel()), early=True)
         call = HostCall()
@@ -305,11 +289,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
-        input = single(inputs, "input")
-        outputs = per_rank_list(output_lists, self.size(), "all_gather", "output")
-        check_chunk(input, outputs[self.rank()], "all_gather", "input", "output list entry")
-        for output in outputs:
-            check_dtypes(output, input, "all_gather")
+        input, outputs = operands.all_gather(output_lists, inputs, self.size(), self.rank())
         sizes = _numel(outputs)
         self._agreement.agree(signatures.make("all_gather", input.dtype, shape_digest=signatures.digest(sizes)))
         call = HostCall()
@@ -372,10 +352,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         return work
 
     def gather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.GatherOptions()
-        input = single(inputs, "input")
-        is_root = self.rank() == opts.rootRank
-        outputs = root_list(output_lists, is_root, input, self.size(), "gather", "output")
+        input, outputs, is_root, opts = operands.gather(output_lists, inputs, opts, self.size(), self.rank())
         self._agreement.agree(signatures.make("gather", input.dtype, root=opts.rootRank, numel_in=input.numel()))
         call = HostCall()
         out_views = [[call.view(t, read=False) for t in outputs]] if is_root else []
@@ -383,10 +360,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         return self._finish([part], call, outputs)
 
     def scatter(self, outputs, input_lists, opts=None):
-        opts = opts if opts is not None else dist.ScatterOptions()
-        output = single(outputs, "output")
-        is_root = self.rank() == opts.rootRank
-        inputs = root_list(input_lists, is_root, output, self.size(), "scatter", "input")
+        output, inputs, is_root, opts = operands.scatter(outputs, input_lists, opts, self.size(), self.rank())
         self._agreement.agree(signatures.make("scatter", output.dtype, root=opts.rootRank, numel_out=output.numel()))
         call = HostCall()
         in_views = [[call.view(t, write=False) for t in inputs]] if is_root else []
@@ -395,12 +369,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
-        if len(outputs) != self.size() or len(inputs) != self.size():
-            raise ValueError(f"bccl: all_to_all needs {self.size()} input and output tensors")
-        require_device(outputs, "output")
-        require_device(inputs, "input")
-        for output, input in zip(outputs, inputs):
-            check_dtypes(output, input, "all_to_all")
+        operands.all_to_all(outputs, inputs, self.size())
         self._agreement.agree_all_to_all("all_to_all", inputs[0].dtype, _numel(inputs), _numel(outputs))
         call = HostCall()
         out_views = [call.view(t, read=False) for t in outputs]
@@ -422,11 +391,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
-        require_device([output], "output")
-        require_device([input], "input")
-        check_dtypes(output, input, "all_to_all_single")
-        send = split_counts(input, input_split_sizes, self.size(), "input")
-        receive = split_counts(output, output_split_sizes, self.size(), "output")
+        send, receive = operands.all_to_all_single(output, input, output_split_sizes, input_split_sizes, self.size())
         self._agreement.agree_all_to_all("all_to_all_single", input.dtype, send, receive)
         call = HostCall()
         part = self._gloo.alltoall_base(

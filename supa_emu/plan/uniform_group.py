@@ -20,10 +20,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from supa_emu.distributed import call_record
-from supa_emu.distributed.arguments import (
-    check_chunk, check_dtypes, check_reduce_op, pairs, per_rank_list, reduce_kind, require_device, root_list,
-    single, split_counts)
+from supa_emu.distributed import call_record, group_options, operands
+from supa_emu.distributed.arguments import check_reduce_op, pairs, reduce_kind, require_device, single
 from supa_emu.distributed.host_memory import HostCall, host_view
 from supa_emu.distributed.process_group import ProcessGroupBCCL
 
@@ -98,15 +96,9 @@ def create(backend_options, pg_options=None) -> "ProcessGroupUniform":
             f"planner: the script asks for rank {backend_options.group_rank} of {backend_options.group_size}, "
             f"but this process plays rank {rank} of {world_size}: take rank and world size from the "
             f"environment (RANK, WORLD_SIZE) as under a launcher")
-    if pg_options is None:
-        pg_options = ProcessGroupBCCL.Options()
-    elif not isinstance(pg_options, ProcessGroupBCCL.Options):
-        raise TypeError("Expected pg_options argument to be of type ProcessGroupBCCL.Options")
-    pg_options._timeout = backend_options.timeout
-    pg_options.global_ranks_in_group = list(backend_options.global_ranks_in_group)
-    pg_options.group_name = backend_options.group_id
     _groups_created += 1
-    return ProcessGroupUniform(backend_options.group_rank, backend_options.group_size, pg_options)
+    return ProcessGroupUniform(backend_options.group_rank, backend_options.group_size,
+                               group_options(backend_options, pg_options))
 
 
 def _reduce_uniform(view: torch.Tensor, kind, size: int) -> None:
@@ -146,14 +138,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
 
     # ---- reductions -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        if not isinstance(opts, dist.AllreduceOptions):
-            op, opts = opts, dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM if op is None else op
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        tensor = single(tensors, "input")
-        kind = reduce_kind(opts.reduceOp)
-        check_reduce_op(kind, tensor.dtype)
+        tensor, kind, opts = operands.all_reduce(tensors, opts)
         call = HostCall()
         _reduce_uniform(call.view(tensor), kind, self.size())
         return self._done(call, [tensor])
@@ -182,9 +167,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        output = single(outputs, "output")
-        inputs = per_rank_list(input_lists, self.size(), "reduce_scatter", "input")
-        check_chunk(output, inputs[self.rank()], "reduce_scatter", "output", "input list entry")
+        output, inputs = operands.reduce_scatter(outputs, input_lists, self.size(), self.rank())
         kind = reduce_kind(opts.reduceOp)
         check_reduce_op(kind, output.dtype)
         call = HostCall()
@@ -197,10 +180,10 @@ class ProcessGroupUniform(ProcessGroupBCCL):
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         call = HostCall()
-        operands = [self._pair_operands(output, input, operation, call, False)
-                    for output, input in pairs(outputs, inputs, operation)]
+        views = [self._pair_operands(output, input, operation, call, False)
+                 for output, input in pairs(outputs, inputs, operation)]
         kind = reduce_kind(opts.reduceOp)
-        for out_view, in_view in operands:
+        for out_view, in_view in views:
             check_reduce_op(kind, out_view.dtype)
             chunk = out_view.numel()
             out_view.copy_(in_view[self.rank() * chunk:(self.rank() + 1) * chunk])
@@ -209,12 +192,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
 
     # ---- data movement ------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
-        if not isinstance(opts, dist.BroadcastOptions):
-            root, opts = opts, dist.BroadcastOptions()
-            opts.rootRank = 0 if root is None else root
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        tensor = single(tensors, "tensor")
+        tensor, opts = operands.broadcast(tensors, opts)
         call = HostCall()
         is_root = self.rank() == opts.rootRank
         key = (self.options.group_name, self._next_broadcast(), tensor.dtype, tensor.numel())
@@ -239,11 +217,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         return _broadcasts[name]
 
     def allgather(self, output_lists, inputs, opts=None):
-        input = single(inputs, "input")
-        outputs = per_rank_list(output_lists, self.size(), "all_gather", "output")
-        check_chunk(input, outputs[self.rank()], "all_gather", "input", "output list entry")
-        for output in outputs:
-            check_dtypes(output, input, "all_gather")
+        input, outputs = operands.all_gather(output_lists, inputs, self.size(), self.rank())
         call = HostCall()
         source = call.view(input, write=False)
         for output in outputs:
@@ -267,10 +241,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         return self._done(call, outputs)
 
     def gather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.GatherOptions()
-        input = single(inputs, "input")
-        is_root = self.rank() == opts.rootRank
-        outputs = root_list(output_lists, is_root, input, self.size(), "gather", "output")
+        input, outputs, _, _ = operands.gather(output_lists, inputs, opts, self.size(), self.rank())
         call = HostCall()
         source = call.view(input, write=False)
         for output in outputs:
@@ -278,10 +249,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         return self._done(call, outputs)
 
     def scatter(self, outputs, input_lists, opts=None):
-        opts = opts if opts is not None else dist.ScatterOptions()
-        output = single(outputs, "output")
-        is_root = self.rank() == opts.rootRank
-        inputs = root_list(input_lists, is_root, output, self.size(), "scatter", "input")
+        output, inputs, is_root, _ = operands.scatter(outputs, input_lists, opts, self.size(), self.rank())
         call = HostCall()
         out_view = call.view(output, read=False) if is_root else None
         if is_root:
@@ -295,12 +263,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         return self._done(call, [output])
 
     def alltoall(self, outputs, inputs, opts=None):
-        if len(outputs) != self.size() or len(inputs) != self.size():
-            raise ValueError(f"bccl: all_to_all needs {self.size()} input and output tensors")
-        require_device(outputs, "output")
-        require_device(inputs, "input")
-        for output, input in zip(outputs, inputs):
-            check_dtypes(output, input, "all_to_all")
+        operands.all_to_all(outputs, inputs, self.size())
         call = HostCall()
         # Rank j sends me its inputs[me]; under the rule that is this rank's inputs[me].
         mine = call.view(inputs[self.rank()], write=False)
@@ -311,11 +274,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         return self._done(call, outputs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        require_device([output], "output")
-        require_device([input], "input")
-        check_dtypes(output, input, "all_to_all_single")
-        send = split_counts(input, input_split_sizes, self.size(), "input")
-        receive = split_counts(output, output_split_sizes, self.size(), "output")
+        send, receive = operands.all_to_all_single(output, input, output_split_sizes, input_split_sizes, self.size())
         call = HostCall()
         in_flat = call.view(input, write=False).reshape(-1)
         out_view = call.view(output, read=False)
