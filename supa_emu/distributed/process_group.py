@@ -14,10 +14,10 @@ Where gloo lacks an operation, or has a slow one, it is composed from gloo opera
   - all_reduce_coalesced of mixed dtypes and the *_coalesced tensor variants (absent on gloo's
     backend): one gloo operation per tensor, in flight together, completing as one work.
 Point-to-point operations are not signature-checked (peers are not in lockstep).
-Argument checks live in arguments.py, the agreement step in signatures.py, the all-to-all based
-compositions and the stand-in for refused collectives in composed.py; this module is the dispatch
-to gloo, one method per c10d collective entry point, which is why it stays one class of a little
-over 400 lines.
+Each call's checked operands come from operands.py (shared with the planner's group), the
+agreement step from signatures.py, the all-to-all based compositions and the stand-in for refused
+collectives from composed.py; this module is the dispatch to gloo, one method per c10d collective
+entry point, which is why it stays one class of a little over 400 lines.
 """
 
 import datetime
