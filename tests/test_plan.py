@@ -2,7 +2,7 @@
 
 The reference for memory and collectives is the real job: the same script run as N processes by
 torchrun, recorded by the same recorder (SUPA_PLAN_RECORD). A planned rank must match the real
-rank's peak allocated bytes to the byte and issue the same collectives. The uniform-rank rule
+rank's peak allocated and peak reserved bytes to the byte and issue the same collectives. The uniform-rank rule
 itself is checked against plain PyTorch arithmetic.
 """
 
@@ -68,6 +68,7 @@ def _assert_same_as_real(case, world_size, tmp_path):
         actual = real[int(rank)]
         assert planned["failure"] is None, planned["failure"]
         assert planned["peak_allocated"] == actual["peak_allocated"], f"rank {rank}"
+        assert planned["peak_reserved"] == actual["peak_reserved"], f"rank {rank}"
         assert planned["collectives"] == actual["collectives"], f"rank {rank}"
         assert planned["peak_allocated"] > 0 and planned["collectives"]
 
