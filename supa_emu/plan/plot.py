@@ -36,11 +36,13 @@ def svg(report: Dict) -> str:
     capacity = report["capacity"]
     top_value = max([r["peak_reserved"] for r in ranks.values()] + [1])
     capacity_on_chart = capacity <= top_value * 1.5
-    y_max = (capacity if capacity_on_chart else top_value) * 1.08
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    legend_h = 16 * len(ranks) + 12
+    # Head-room so that the highest curve stays below the legend.
+    y_max = max((capacity if capacity_on_chart else top_value) * 1.08, top_value / (1 - legend_h / plot_h))
     # x: the card's allocation events, not seconds: a step's pattern stays visible next to a slow
     # start-up, and a plan draws the same picture as the real run.
     t_max = max([p[0] for r in ranks.values() for p in r["timeline"]] + [1])
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
     def x(t):
         return LEFT + plot_w * t / t_max
