@@ -4,10 +4,11 @@ The planner's rank process plays rank r of an N-rank world. Every collective ans
 rank held this rank's data, so shapes, buffers and control flow are those of the real run:
 all_reduce SUM gives local x N (PRODUCT local ** N), AVG/MIN/MAX/BAND/BOR keep the local value,
 BXOR gives zero on an even group; gathers replicate the input; a reduce_scatter gives this
-rank's chunk reduced N times; broadcast keeps the local value; barrier returns at once.
+rank's chunk reduced N times; barrier returns at once. A broadcast gives a non-root the root's
+value when it is small and the root was played first (see ROOT_VALUE_LIMIT), else the local one.
 
 The group is a ProcessGroupBCCL without gloo: the identity, the operand checks and views
-(`_pair_operands`, arguments.py), the coalescing and the finishing step (`_finish`, which also
+(operands.py, `_pair_operands`), the coalescing and the finishing step (`_finish`, which also
 records the call) are bccl's own, so a planned call checks, allocates and records what a real one
 does. bccl moves data through host views of device memory and allocates nothing on the card, and
 neither does this group. Where the answer depends on values only other ranks hold (uneven
