@@ -212,6 +212,38 @@ def test_scripts_a_planned_world_cannot_run_fail_with_one_line(tmp_path, body, m
     assert message in report["ranks"]["0"]["failure"]["error"]
 
 
+@pytest.mark.parametrize("size", [3, 4])
+@pytest.mark.parametrize("op", ["SUM", "PRODUCT", "AVG", "MIN", "MAX", "BAND", "BOR", "BXOR"])
+def test_uniform_reduction_is_the_reduction_of_n_equal_copies(op, size):
+    import functools
+    import torch
+    import torch.distributed as dist
+    from supa_emu.plan.uniform_group import _reduce_uniform
+
+    local = torch.tensor([1, -2, 3, 0, 7], dtype=torch.int64)
+    copies = [local.clone() for _ in range(size)]
+    combine = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum,
+               "BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+    if op == "AVG":
+        expected = torch.div(functools.reduce(torch.add, copies), size, rounding_mode="trunc")
+    else:
+        expected = functools.reduce(combine[op], copies)
+    result = local.clone()
+    _reduce_uniform(result, getattr(dist.ReduceOp.RedOpType, op), size)
+    assert torch.equal(result, expected)
+
+
+def test_plan_record_names_a_directory(tmp_path, monkeypatch):
+    from supa_emu import config
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("SUPA_PLAN_RECORD", str(tmp_path / "a_file"))
+    with pytest.raises(config.ConfigError, match="SUPA_PLAN_RECORD=.* is a file"):
+        config.load()
+    monkeypatch.setenv("SUPA_PLAN_RECORD", str(tmp_path / "records"))
+    assert config.load().plan_record == tmp_path / "records"
+
+
 # ------------------------------------------------------------------------------------------------
 # The command's arguments (fast)
 # ------------------------------------------------------------------------------------------------
