@@ -177,6 +177,11 @@ class ProcessGroupBCCL(dist.ProcessGroup):
         check_dtypes(output, input, operation)
         return _flat(call.view(output, read=False)), _flat(call.view(input, write=False))
 
+    def _pairs_operands(self, outputs, inputs, operation: str, call: HostCall, gather: bool):
+        """`_pair_operands` of every output/input pair of a tensor-list all_gather or reduce_scatter."""
+        return [self._pair_operands(output, input, operation, call, gather)
+                for output, input in pairs(outputs, inputs, operation)]
+
     # ---- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         tensor, kind, opts = operands.all_reduce(tensors, opts)
@@ -256,8 +261,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         call = HostCall()
-        operands = [self._pair_operands(output, input, operation, call, False)
-                    for output, input in pairs(outputs, inputs, operation)]
+        views = self._pairs_operands(outputs, inputs, operation, call, False)
         kind = _reduce_kind(opts.reduceOp)
         if outputs:
             _check_reduce_op(kind, outputs[0].dtype)
@@ -270,7 +274,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             early=operation == "reduce_scatter_tensor",
         )
         parts = []
-        for output, (out_view, in_view) in zip(outputs, operands):
+        for output, (out_view, in_view) in zip(outputs, views):
             if composed.reduces_locally(kind, output.dtype):
                 parts.append(composed.reduce_scatter(self._gloo, out_view, in_view, kind, call, opts.timeout))
                 continue
@@ -332,11 +336,10 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     def _all_gather_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else AllgatherOptions()
         call = HostCall()
-        operands = [self._pair_operands(output, input, operation, call, True)
-                    for output, input in pairs(outputs, inputs, operation)]
+        views = self._pairs_operands(outputs, inputs, operation, call, True)
         ticket = self._agreement.agree(
             _gather_signature(operation, outputs, inputs), early=operation == "all_gather_into_tensor")
-        parts = [host_memory.start_all_gather(self._gloo, output, input, opts) for output, input in operands]
+        parts = [host_memory.start_all_gather(self._gloo, output, input, opts) for output, input in views]
         return self._finish(parts, call, outputs, ticket)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from supa_emu.distributed import call_record, group_options, operands
-from supa_emu.distributed.arguments import check_reduce_op, pairs, reduce_kind, require_device, single
+from supa_emu.distributed.arguments import check_reduce_op, reduce_kind, require_device, single
 from supa_emu.distributed.host_memory import HostCall, host_view
 from supa_emu.distributed.process_group import ProcessGroupBCCL
 
@@ -181,8 +181,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         call = HostCall()
-        views = [self._pair_operands(output, input, operation, call, False)
-                 for output, input in pairs(outputs, inputs, operation)]
+        views = self._pairs_operands(outputs, inputs, operation, call, False)
         kind = reduce_kind(opts.reduceOp)
         for out_view, in_view in views:
             check_reduce_op(kind, out_view.dtype)
@@ -236,8 +235,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
 
     def _all_gather_tensors(self, outputs, inputs, opts, operation):
         call = HostCall()
-        for output, input in pairs(outputs, inputs, operation):
-            out_view, in_view = self._pair_operands(output, input, operation, call, True)
+        for out_view, in_view in self._pairs_operands(outputs, inputs, operation, call, True):
             out_view.view(self.size(), -1).copy_(in_view.view(1, -1))
         return self._done(call, outputs)
 
