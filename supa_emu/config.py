@@ -44,6 +44,8 @@ class EmulatorConfig:
     allocator_conf: str  # PYTORCH_SUPA_ALLOC_CONF, validated; applied when the devices are created
     sanitize: str  # 'off' | 'streams' (races raise) | 'streams-report' (races are logged)
     autograd_device_threads: bool  # backward on autograd's per-device threads (as on a card), not the caller's
+    plan_record: pathlib.Path | None  # SUPA_PLAN_RECORD: write this rank's memory and collectives to DIR/rank-R.json
+    plan_simulate: bool  # SUPA_PLAN_SIMULATE: bccl groups are a planned world (set by `python -m supa_emu.plan`)
 
 
 def _flag(name: str, default: bool = False) -> bool:
@@ -164,6 +166,17 @@ def sanitize_mode() -> str:
     return _choice("SUPA_EMU_SANITIZE", "off", SANITIZE_MODES)
 
 
+def _plan_record() -> pathlib.Path | None:
+    raw = os.environ.get("SUPA_PLAN_RECORD", "").strip()
+    if not raw:
+        return None
+    path = pathlib.Path(raw)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"SUPA_PLAN_RECORD={raw!r} is a file; accepted: a directory (created if missing) "
+                          f"that receives one rank-R.json per rank")
+    return path
+
+
 def load() -> EmulatorConfig:
     """Read and validate every variable; raises ConfigError on the first bad one."""
     profile_name = os.environ.get("SUPA_EMU_PROFILE", DEFAULT_PROFILE).strip().upper()
@@ -192,4 +205,6 @@ def load() -> EmulatorConfig:
         allocator_conf=_allocator_conf(),
         sanitize=sanitize_mode(),
         autograd_device_threads=_flag("SUPA_EMU_AUTOGRAD_DEVICE_THREADS"),
+        plan_record=_plan_record(),
+        plan_simulate=_flag("SUPA_PLAN_SIMULATE"),
     )

@@ -43,6 +43,25 @@ __all__ = [
 
 
 def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
+    from supa_emu import activation
+
+    settings = activation.config()
+    if settings.plan_simulate or settings.plan_record is not None:
+        # The planner's world and recorder (supa_emu/plan), imported only when asked for.
+        from supa_emu.plan import rank_record, uniform_group
+
+        rank_record.start(settings.plan_record, backend_options.group_rank)
+        if settings.plan_simulate:
+            return uniform_group.create(backend_options, pg_options)
+    core_share.at_first_group(backend_options.group_size)
+    return ProcessGroupBCCL(
+        backend_options.store, backend_options.group_rank, backend_options.group_size,
+        group_options(backend_options, pg_options)
+    )
+
+
+def group_options(backend_options, pg_options=None) -> ProcessGroupBCCL.Options:
+    """The options of a new bccl group: the caller's (or the defaults) with what c10d decided."""
     if pg_options is None:
         pg_options = ProcessGroupBCCL.Options()
     elif not isinstance(pg_options, ProcessGroupBCCL.Options):
@@ -60,10 +79,7 @@ def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
         pg_options.split_from = parent
         pg_options.split_color = c10d_backend.split_color(pg_options.global_ranks_in_group)
         parent.count_split()
-    core_share.at_first_group(backend_options.group_size)
-    return ProcessGroupBCCL(
-        backend_options.store, backend_options.group_rank, backend_options.group_size, pg_options
-    )
+    return pg_options
 
 
 def _bound_default_group() -> "ProcessGroupBCCL | None":

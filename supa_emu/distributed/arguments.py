@@ -8,6 +8,7 @@ wrong devices, layouts and sizes, as the device backends raise them).
 from typing import List, Sequence
 
 import torch
+import torch.distributed
 
 from . import host_memory
 
@@ -32,6 +33,21 @@ def single(tensors: Sequence[torch.Tensor], role: str) -> torch.Tensor:
         raise ValueError(f"bccl: expects exactly one {role} tensor per call, got {len(tensors)}")
     require_device(tensors, role)
     return tensors[0]
+
+
+def reduce_kind(op) -> torch.distributed.ReduceOp.RedOpType:
+    """The reduction of a ReduceOp or of its RedOpType."""
+    if isinstance(op, torch.distributed.ReduceOp.RedOpType):
+        return op
+    return op.op
+
+
+def check_reduce_op(kind, dtype: torch.dtype) -> None:
+    # Checked before the agreement step: a collective that may start early must not fail after it.
+    if kind == torch.distributed.ReduceOp.RedOpType.PREMUL_SUM:
+        raise ValueError("bccl: ReduceOp.PREMUL_SUM is not supported")
+    if kind == torch.distributed.ReduceOp.RedOpType.AVG and dtype == torch.bool:
+        raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
 
 
 def check_dtypes(a: torch.Tensor, b: torch.Tensor, operation: str) -> None:

@@ -160,9 +160,7 @@ class C10dBackend:
         self._splits += 1
         self._split_count += 1
         prefix = f"bccl/split/{self._splits}/"
-        self._store.set(f"{prefix}member/{self.rank()}", json.dumps(mine))
-        posted = [json.loads(self._store.get(f"{prefix}member/{r}")) for r in range(self.size())]
-        _check_split(posted, self.size())
+        self._agree_on_split(prefix, mine)
         if mine is None:
             return None
         options = copy.deepcopy(opts if opts is not None else self.options)
@@ -177,6 +175,12 @@ class C10dBackend:
         if group_desc:
             child._set_group_desc(group_desc)
         return child
+
+    def _agree_on_split(self, prefix: str, mine: Optional[List[int]]) -> None:
+        """Posts the subgroup this rank joins and raises ValueError unless all ranks' posts fit."""
+        self._store.set(f"{prefix}member/{self.rank()}", json.dumps(mine))
+        posted = [json.loads(self._store.get(f"{prefix}member/{r}")) for r in range(self.size())]
+        check_split(posted, self.size())
 
     # ---- sequence numbers -----------------------------------------------------------------------
     def _set_sequence_number_for_group(self) -> None:
@@ -218,7 +222,7 @@ def split_color(members: Sequence[int]) -> int:
     return hash(tuple(members)) & 0x7FFFFFFF
 
 
-def _check_split(posted: List[Optional[List[int]]], size: int) -> None:
+def check_split(posted: List[Optional[List[int]]], size: int) -> None:
     """Raise ValueError unless the subgroups the ranks posted partition (part of) the parent group."""
     for rank, members in enumerate(posted):
         if members is None:

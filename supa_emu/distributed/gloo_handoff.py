@@ -24,6 +24,9 @@ from supa_emu.supa import _native
 # Past this many held works, every call scans them all (not just the oldest) for finished ones.
 _FULL_SCAN_AT = 256
 _EXIT_WAIT_S = 30.0
+# How long a waited work's parts may stay with gloo's worker after they completed (it lets go of
+# them right after marking them done; past this, they are released later, as any other work).
+_RELEASE_WAIT_S = 0.05
 
 _held: Deque[dist.Work] = collections.deque()
 _lock = threading.Lock()
@@ -44,6 +47,26 @@ def hold(works: Iterable[dist.Work]) -> None:
 def release_finished() -> None:
     """Release the held works gloo is done with (and with them the device memory they kept)."""
     with _lock:
+        _release_finished()
+
+
+def release_now(works: Iterable[dist.Work]) -> None:
+    """Release `works` (completed) as soon as gloo's worker has let go of them, and any other finished works.
+
+    Called when a work is waited for, so that the device memory its views keep goes back at that
+    point of the program, not whenever a later collective finds gloo done with it: the memory a
+    rank peaks at must not depend on thread timing (the planner compares it to the byte).
+    """
+    use_count = _native()._work_use_count
+    deadline = time.monotonic() + _RELEASE_WAIT_S
+    with _lock:
+        for work in works:
+            if not any(held is work for held in _held):
+                continue  # not gloo's (a combined bccl work), or released already
+            while use_count(work) > 1 and time.monotonic() < deadline:  # 1: Python's (ours, the caller's)
+                time.sleep(0)
+            if use_count(work) == 1:
+                _held.remove(work)
         _release_finished()
 
 

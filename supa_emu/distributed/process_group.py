@@ -14,10 +14,10 @@ Where gloo lacks an operation, or has a slow one, it is composed from gloo opera
   - all_reduce_coalesced of mixed dtypes and the *_coalesced tensor variants (absent on gloo's
     backend): one gloo operation per tensor, in flight together, completing as one work.
 Point-to-point operations are not signature-checked (peers are not in lockstep).
-Argument checks live in arguments.py, the agreement step in signatures.py, the all-to-all based
-compositions and the stand-in for refused collectives in composed.py; this module is the dispatch
-to gloo, one method per c10d collective entry point, which is why it stays one class of a little
-over 400 lines.
+Each call's checked operands come from operands.py (shared with the planner's group), the
+agreement step from signatures.py, the all-to-all based compositions and the stand-in for refused
+collectives from composed.py; this module is the dispatch to gloo, one method per c10d collective
+entry point, which is why it stays one class of a little over 400 lines.
 """
 
 import sys
@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import composed, gloo_handoff, host_memory, signature_exchange, signatures
+from . import call_record, composed, gloo_handoff, host_memory, operands, signature_exchange, signatures
+from .arguments import check_dtypes, check_sizes, numel as _numel, pairs, require_device, single
+from .arguments import check_reduce_op as _check_reduce_op, reduce_kind as _reduce_kind
 from .c10d_backend import DEFAULT_TIMEOUT, C10dBackend
-from .arguments import (
-    check_chunk, check_dtypes, check_sizes, numel as _numel, pairs, per_rank_list, require_device, root_list, single,
-    split_counts)
 from .host_memory import HostCall
 from supa_emu.supa import _sanitizer_switch as _sanitizer
 from .work import BCCLWork, combine
@@ -46,14 +45,6 @@ _PER_OPERATION_OPTIONS = {
 }
 
 
-def _check_reduce_op(kind: _RedOp, dtype: torch.dtype) -> None:
-    # Checked before the agreement step: a collective that may start early must not fail after it.
-    if kind == _RedOp.PREMUL_SUM:
-        raise ValueError("bccl: ReduceOp.PREMUL_SUM is not supported")
-    if kind == _RedOp.AVG and dtype == torch.bool:
-        raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
-
-
 def _flat(view: torch.Tensor) -> torch.Tensor:
     # gloo wants flat buffers; views of contiguous buffers reshape without copying.
     return view if view.dim() == 1 else view.view(-1)
@@ -63,12 +54,6 @@ def _gather_signature(operation: str, outputs, inputs) -> List[int]:
     return signatures.make(
         operation, inputs[0].dtype if inputs else None, numel_in=sum(_numel(inputs)),
         numel_out=sum(_numel(outputs)), shape_digest=signatures.digest(_numel(inputs)))
-
-
-def _reduce_kind(op) -> _RedOp:
-    if isinstance(op, _RedOp):
-        return op
-    return op.op
 
 
 class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
@@ -124,6 +109,8 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         if collective and self._coalesced is None:
             self._sequence += 1  # a coalesced block counts once, at its start
         gloo_handoff.hold(parts)
+        if call_record.active():
+            call_record.note_call(self.size(), call, sys._getframe(1))
         work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors, self._agreement, ticket)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
@@ -180,16 +167,14 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         check_dtypes(output, input, operation)
         return _flat(call.view(output, read=False)), _flat(call.view(input, write=False))
 
+    def _pairs_operands(self, outputs, inputs, operation: str, call: HostCall, gather: bool):
+        """`_pair_operands` of every output/input pair of a tensor-list all_gather or reduce_scatter."""
+        return [self._pair_operands(output, input, operation, call, gather)
+                for output, input in pairs(outputs, inputs, operation)]
+
     # ---- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        if not isinstance(opts, dist.AllreduceOptions):
-            op, opts = opts, dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM if op is None else op
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        tensor = single(tensors, "input")
-        kind = _reduce_kind(opts.reduceOp)
-        _check_reduce_op(kind, tensor.dtype)
+        tensor, kind, opts = operands.all_reduce(tensors, opts)
         ticket = self._agreement.agree(
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         call = HostCall()
@@ -239,9 +224,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        output = single(outputs, "output")
-        inputs = per_rank_list(input_lists, self.size(), "reduce_scatter", "input")
-        check_chunk(output, inputs[self.rank()], "reduce_scatter", "output", "input list entry")
+        output, inputs = operands.reduce_scatter(outputs, input_lists, self.size(), self.rank())
         kind = _reduce_kind(opts.reduceOp)
         self._agreement.agree(
             signatures.make(
@@ -268,8 +251,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         call = HostCall()
-        operands = [self._pair_operands(output, input, operation, call, False)
-                    for output, input in pairs(outputs, inputs, operation)]
+        views = self._pairs_operands(outputs, inputs, operation, call, False)
         kind = _reduce_kind(opts.reduceOp)
         if outputs:
             _check_reduce_op(kind, outputs[0].dtype)
@@ -282,7 +264,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
             early=operation == "reduce_scatter_tensor",
         )
         parts = []
-        for output, (out_view, in_view) in zip(outputs, operands):
+        for output, (out_view, in_view) in zip(outputs, views):
             if composed.reduces_locally(kind, output.dtype):
                 parts.append(composed.reduce_scatter(self._gloo, out_view, in_view, kind, call, opts.timeout))
                 continue
@@ -292,12 +274,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
 
     # ---- data movement --------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
-        if not isinstance(opts, dist.BroadcastOptions):
-            root, opts = opts, dist.BroadcastOptions()
-            opts.rootRank = 0 if root is None else root
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        tensor = single(tensors, "tensor")
+        tensor, opts = operands.broadcast(tensors, opts)
         ticket = self._agreement.agree(
             signatures.make("broadcast", tensor.dtype, root=opts.rootRank, numel_in=tensor.numel()), early=True)
         call = HostCall()
@@ -306,11 +283,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
-        input = single(inputs, "input")
-        outputs = per_rank_list(output_lists, self.size(), "all_gather", "output")
-        check_chunk(input, outputs[self.rank()], "all_gather", "input", "output list entry")
-        for output in outputs:
-            check_dtypes(output, input, "all_gather")
+        input, outputs = operands.all_gather(output_lists, inputs, self.size(), self.rank())
         sizes = _numel(outputs)
         self._agreement.agree(signatures.make("all_gather", input.dtype, shape_digest=signatures.digest(sizes)))
         call = HostCall()
@@ -353,11 +326,10 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
     def _all_gather_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else AllgatherOptions()
         call = HostCall()
-        operands = [self._pair_operands(output, input, operation, call, True)
-                    for output, input in pairs(outputs, inputs, operation)]
+        views = self._pairs_operands(outputs, inputs, operation, call, True)
         ticket = self._agreement.agree(
             _gather_signature(operation, outputs, inputs), early=operation == "all_gather_into_tensor")
-        parts = [host_memory.start_all_gather(self._gloo, output, input, opts) for output, input in operands]
+        parts = [host_memory.start_all_gather(self._gloo, output, input, opts) for output, input in views]
         return self._finish(parts, call, outputs, ticket)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
@@ -376,10 +348,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         return work
 
     def gather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.GatherOptions()
-        input = single(inputs, "input")
-        is_root = self.rank() == opts.rootRank
-        outputs = root_list(output_lists, is_root, input, self.size(), "gather", "output")
+        input, outputs, is_root, opts = operands.gather(output_lists, inputs, opts, self.size(), self.rank())
         self._agreement.agree(signatures.make("gather", input.dtype, root=opts.rootRank, numel_in=input.numel()))
         call = HostCall()
         out_views = [[call.view(t, read=False) for t in outputs]] if is_root else []
@@ -387,10 +356,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         return self._finish([part], call, outputs)
 
     def scatter(self, outputs, input_lists, opts=None):
-        opts = opts if opts is not None else dist.ScatterOptions()
-        output = single(outputs, "output")
-        is_root = self.rank() == opts.rootRank
-        inputs = root_list(input_lists, is_root, output, self.size(), "scatter", "input")
+        output, inputs, is_root, opts = operands.scatter(outputs, input_lists, opts, self.size(), self.rank())
         self._agreement.agree(signatures.make("scatter", output.dtype, root=opts.rootRank, numel_out=output.numel()))
         call = HostCall()
         in_views = [[call.view(t, write=False) for t in inputs]] if is_root else []
@@ -399,12 +365,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
 
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
-        if len(outputs) != self.size() or len(inputs) != self.size():
-            raise ValueError(f"bccl: all_to_all needs {self.size()} input and output tensors")
-        require_device(outputs, "output")
-        require_device(inputs, "input")
-        for output, input in zip(outputs, inputs):
-            check_dtypes(output, input, "all_to_all")
+        operands.all_to_all(outputs, inputs, self.size())
         self._agreement.agree_all_to_all("all_to_all", inputs[0].dtype, _numel(inputs), _numel(outputs))
         call = HostCall()
         out_views = [call.view(t, read=False) for t in outputs]
@@ -426,11 +387,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
-        require_device([output], "output")
-        require_device([input], "input")
-        check_dtypes(output, input, "all_to_all_single")
-        send = split_counts(input, input_split_sizes, self.size(), "input")
-        receive = split_counts(output, output_split_sizes, self.size(), "output")
+        send, receive = operands.all_to_all_single(output, input, output_split_sizes, input_split_sizes, self.size())
         self._agreement.agree_all_to_all("all_to_all_single", input.dtype, send, receive)
         call = HostCall()
         part = self._gloo.alltoall_base(
@@ -465,7 +422,9 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         tensor = single(tensors, "tensor")
         call = HostCall()
         part = self._gloo.recv_anysource([call.view(tensor, read=False)], tag)
-        return self._finish([part], call, [tensor], collective=False)
+        work = self._finish([part], call, [tensor], collective=False)
+        work._keeps_parts = True  # source_rank() asks the gloo part, after the wait
+        return work
 
     # ---- coalescing (torch.distributed._coalescing_manager with a device) ------------------
     def _start_coalescing(self, device=None) -> None:

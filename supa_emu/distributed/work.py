@@ -35,6 +35,7 @@ class BCCLWork(dist.Work):
         # signatures.Agreement) is checked against them here, before and after waiting for gloo.
         self._agreement, self._ticket = agreement, ticket
         self._parts = list(parts)
+        self._keeps_parts = False  # True: a recv from any source, whose gloo part knows the sender
         self._epilogue = epilogue
         self._outputs = list(outputs)
         # The host views do not own device memory: the device tensors must outlive gloo's use.
@@ -78,9 +79,13 @@ class BCCLWork(dist.Work):
         if mismatch is not None:
             self._fail(mismatch)  # the outputs hold what a stand-in sent: not a result
         self._complete()
-        # The parts are done: unless a gloo worker still holds them, their memory goes back now
-        # rather than at the next collective.
-        gloo_handoff.release_finished()
+        if self._keeps_parts:
+            gloo_handoff.release_finished()
+        else:
+            # The parts are done: the device memory their views keep goes back now, at this point
+            # of the program, rather than when gloo, a later collective or this handle lets go.
+            parts, self._parts = self._parts, []
+            gloo_handoff.release_now(parts)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
             sanitizer.work_waited(self)

@@ -1,0 +1,108 @@
+"""`python -m supa_emu.plan --world-size N [--rank R]... [--cards-per-host K] [--json OUT] [--plot OUT] -- SCRIPT [ARGS...]`
+
+Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each in its own process
+that plays that rank of an N-card world (see supa_emu/plan/__init__.py), one after the other,
+then prints each rank's peak memory and collectives and writes the JSON report and the plot.
+Exit status: 0 when every planned rank ran to the end, 1 when one failed (out of memory
+included: the report says where), 2 for bad arguments.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from supa_emu.plan import plot, report
+
+MAX_CARDS_PER_HOST = 64  # SUPA_EMU_DEVICE_COUNT's limit
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m supa_emu.plan", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--world-size", type=int, required=True, help="cards in the planned job (N)")
+    parser.add_argument("--rank", type=int, action="append", dest="ranks",
+                        help="a rank to play (repeatable); default N-1; rank 0 is always played, first")
+    parser.add_argument("--cards-per-host", type=int, help="cards per host (LOCAL_WORLD_SIZE); default min(N, 8)")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--plot", help="write the memory chart here (.svg, or .html with a table)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    n = args.world_size
+    if n < 1:
+        raise UsageError(f"--world-size {n}: a world has at least 1 rank")
+    # Rank 0 is always played, first: later ranks take the values it broadcasts (uniform_group).
+    args.ranks = sorted(set(args.ranks or [n - 1]) | {0})
+    outside = [r for r in args.ranks if not 0 <= r < n]
+    if outside:
+        raise UsageError(f"--rank {outside[0]} is outside the world of {n} ranks (0 to {n - 1})")
+    args.cards_per_host = args.cards_per_host or min(n, 8)
+    if not 1 <= args.cards_per_host <= MAX_CARDS_PER_HOST:
+        raise UsageError(f"--cards-per-host {args.cards_per_host}: accepted 1 to {MAX_CARDS_PER_HOST}")
+    if args.plot and not args.plot.endswith(plot.SUFFIXES):
+        raise UsageError(f"--plot {args.plot}: the chart is SVG, written as .svg or .html (a .png needs "
+                         f"matplotlib, which the project does not depend on)")
+    if not command:
+        raise UsageError("no script: give it after --, e.g. -- examples/train_gpt.py --config CONFIG")
+    if not os.path.isfile(command[0]):
+        raise UsageError(f"{command[0]}: no such script")
+    args.script, args.script_args = command[0], command[1:]
+    return args
+
+
+def rank_environment(rank: int, world_size: int, cards_per_host: int) -> dict:
+    """What a launcher (torchrun) gives rank `rank`, plus the planner's switches."""
+    host, local_rank = divmod(rank, cards_per_host)
+    local_world = min(cards_per_host, world_size - host * cards_per_host)
+    env = dict(os.environ)
+    env.pop("SUPA_PLAN_RECORD", None)
+    env.update({
+        "SUPA_EMULATE": "1", "SUPA_PLAN_SIMULATE": "1", "SUPA_EMU_DEVICE_COUNT": str(cards_per_host),
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(host), "NODE_RANK": str(host),
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",  # the rank process hosts the store and sets the port it got
+    })
+    return env
+
+
+def run_rank(rank: int, args, values: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="supa_emu-plan-") as directory:
+        path = os.path.join(directory, "rank.json")
+        command = [sys.executable, "-m", "supa_emu.plan.rank_process", path, values, args.script, *args.script_args]
+        result = subprocess.run(command, env=rank_environment(rank, args.world_size, args.cards_per_host))
+        if os.path.exists(path):
+            with open(path) as record:
+                return json.load(record)
+    return report.lost_rank(rank, result.returncode)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+    except UsageError as error:
+        print(f"plan: error: {error}", file=sys.stderr)
+        return 2
+    records = {}
+    with tempfile.TemporaryDirectory(prefix="supa_emu-plan-") as shared:
+        for rank in args.ranks:
+            print(f"plan: rank {rank} of {args.world_size}: {args.script} {' '.join(args.script_args)}", flush=True)
+            records[rank] = run_rank(rank, args, os.path.join(shared, "root_values.pt"))
+    full = report.build(args.world_size, args.cards_per_host, args.script, args.script_args, records)
+    print(report.text(full), flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(full, out, indent=1)
+    if args.plot:
+        plot.write(full, args.plot)
+    return 1 if any(r["failure"] for r in records.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

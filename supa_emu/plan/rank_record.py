@@ -1,0 +1,138 @@
+"""One rank's record for the planner: its card's memory over time, the peak's phase, its collectives.
+
+The memory figures come from the card's own allocation history (torch.supa.memory's
+`_record_memory_history`, the one a real run records): the running sum of its alloc and free
+events is the allocated-bytes statistic, event by event, so the peak found here is the
+allocator's peak even when the script resets the peak statistics. Recording starts with the
+first bccl group (or, in the planner's rank process, before the script runs); memory allocated
+before that is the baseline. A real run records the same way under SUPA_PLAN_RECORD=DIR, which
+writes DIR/rank-R.json at exit.
+"""
+
+import atexit
+import json
+import os
+import pathlib
+import time
+from typing import Optional
+
+import torch
+
+from supa_emu.distributed import call_record
+
+TIMELINE_POINTS = 600
+
+_state: Optional[dict] = None
+
+
+def start(directory: Optional[pathlib.Path], rank: int) -> None:
+    """Starts recording (once per process); with a directory, the record is written there at exit."""
+    global _state
+    if _state is not None:
+        return
+    call_record.start()
+    devices = range(torch.supa.device_count())
+    _state = {
+        "directory": directory, "rank": rank, "started": time.time(),
+        "baseline": {d: (torch.supa.memory_allocated(d), torch.supa.memory_reserved(d),
+                         torch.supa.max_memory_allocated(d), torch.supa.max_memory_reserved(d)) for d in devices},
+    }
+    torch.supa.memory._record_memory_history("all", context="alloc", stacks="python")
+    if directory is not None:
+        atexit.register(_write_at_exit)
+
+
+def started() -> bool:
+    return _state is not None
+
+
+def _write_at_exit() -> None:
+    path = pathlib.Path(_state["directory"])
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"rank-{_state['rank']}.json").write_text(json.dumps(record()))
+
+
+# Frames that tell which part of a training step an allocation belongs to: (file part, function, phase).
+_PHASES = (
+    ("deepspeed/__init__.py", "initialize", "initialize"),
+    ("deepspeed/runtime/engine.py", "forward", "forward"),
+    ("deepspeed/runtime/engine.py", "backward", "backward"),
+    ("deepspeed/runtime/engine.py", "step", "step"),
+    ("deepspeed/runtime/zero/", "step", "optimizer"),
+    ("deepspeed/runtime/bf16_optimizer.py", "step", "optimizer"),
+    ("deepspeed/runtime/fp16/", "step", "optimizer"),
+    ("torch/optim/", "step", "optimizer"),
+    ("torch/autograd/", "backward", "backward"),
+    ("torch/nn/modules/module.py", "_call_impl", "forward"),
+)
+
+
+def _phase(frames) -> tuple:
+    """(phase, innermost frame of the script) of a Python stack (innermost frame first)."""
+    phase = None
+    for frame in reversed(frames):  # outermost first: the innermost match is the most specific
+        filename = frame["filename"].replace(os.sep, "/")
+        for part, function, name in _PHASES:
+            if part in filename and frame["name"] == function and not (phase == "optimizer" and name == "step"):
+                phase = name
+    if phase is None and frames and frames[-1]["name"] != "<module>":
+        phase = "backward"  # a stack that does not start in the script ran on autograd's device thread
+    location = next((f"{f['filename']}:{f['line']} ({f['name']})" for f in frames
+                     if "site-packages" not in f["filename"] and "/supa_emu/" not in f["filename"]), None)
+    return phase or "unknown", location
+
+
+def _device_events(snapshot) -> tuple:
+    """(device index, its trace) of the card this rank used: the one with the most traffic."""
+    traces = snapshot["device_traces"]
+    if not traces:
+        return torch.supa.current_device(), []
+    device = max(range(len(traces)), key=lambda d: (len(traces[d]), d == torch.supa.current_device()))
+    return device, traces[device]
+
+
+def record(failure: Optional[dict] = None) -> dict:
+    """This rank's record so far (see the planner's report for the keys)."""
+    snapshot = torch.supa.memory._snapshot()
+    device, events = _device_events(snapshot)
+    allocated, reserved, base_peak, base_peak_reserved = _state["baseline"].get(device, (0, 0, 0, 0))
+    peak, peak_reserved, peak_event = max(allocated, base_peak), max(reserved, base_peak_reserved), None
+    t0 = _state["started"] * 1e6
+    points, ooms = [], []
+    for index, event in enumerate(events):
+        action, size = event["action"], event["size"]
+        if action == "alloc":
+            allocated += size
+        elif action == "free_completed":
+            allocated -= size
+        elif action == "segment_alloc":
+            reserved += size
+        elif action == "segment_free":
+            reserved -= size
+        elif action == "oom":
+            ooms.append({"requested_bytes": size, "allocated": allocated, "reserved": reserved,
+                         "time_s": (event["time_us"] - t0) / 1e6})
+        if allocated > peak:
+            peak, peak_event = allocated, event
+        peak_reserved = max(peak_reserved, reserved)
+        points.append((index, (event["time_us"] - t0) / 1e6, allocated, reserved))
+    phase, location = _phase(peak_event["frames"]) if peak_event is not None else ("before recording", None)
+    capacity = torch.supa.mem_get_info(device)[1]
+    return {
+        "rank": _state["rank"], "device": device, "capacity": capacity,
+        "peak_allocated": peak, "peak_reserved": peak_reserved,
+        "peak_phase": phase, "peak_location": location,
+        "oom": bool(ooms) or peak_reserved > capacity, "oom_events": ooms,
+        "timeline": _thin(points, TIMELINE_POINTS),
+        "collectives": call_record.collectives(),
+        "value_dependent": call_record.value_dependent(),
+        "failure": failure,
+    }
+
+
+def _thin(points, limit: int) -> list:
+    """At most `limit` points, keeping the highest allocation of each stretch (the peak survives)."""
+    if len(points) <= limit:
+        return [list(p) for p in points]
+    stretch = -(-len(points) // limit)
+    return [list(max(points[i:i + stretch], key=lambda p: p[2])) for i in range(0, len(points), stretch)]

@@ -1,0 +1,47 @@
+"""The planner's report: the ranks' records put together, as JSON and as a table for people.
+
+JSON keys: world_size, cards_per_host, script, args, capacity, ranks -> "R" -> {peak_allocated,
+peak_reserved, peak_phase, peak_location, capacity, oom, oom_events, timeline ([event index,
+seconds since recording started, allocated, reserved] points), collectives ([{op, group_size,
+dtype, bytes, count}]), value_dependent, failure ({error, traceback} or null)}.
+"""
+
+from typing import Dict
+
+from supa_emu.plan.plot import _size
+
+
+def lost_rank(rank: int, returncode: int) -> dict:
+    """The record of a rank process that ended before writing its own (killed, crashed)."""
+    return {"rank": rank, "device": None, "capacity": 0, "peak_allocated": 0, "peak_reserved": 0,
+            "peak_phase": "unknown", "peak_location": None, "oom": False, "oom_events": [], "timeline": [],
+            "collectives": [], "value_dependent": [],
+            "failure": {"error": f"the rank process ended with status {returncode} before writing its record",
+                        "traceback": None}}
+
+
+def build(world_size: int, cards_per_host: int, script: str, args, records: Dict[int, dict]) -> dict:
+    return {"world_size": world_size, "cards_per_host": cards_per_host, "script": script, "args": list(args),
+            "capacity": max(r["capacity"] for r in records.values()),
+            "ranks": {str(rank): record for rank, record in sorted(records.items())}}
+
+
+def text(report: dict) -> str:
+    lines = [f"plan of {report['script']} on {report['world_size']} cards "
+             f"({report['cards_per_host']} per host, {_size(report['capacity'])} each)",
+             f"{'rank':>5}  {'peak allocated':>15}  {'peak reserved':>14}  {'phase of the peak':<18}  "
+             f"{'OOM':<3}  {'collective calls':>16}  {'bytes sent/received':>19}"]
+    for rank, r in report["ranks"].items():
+        calls = sum(c["count"] for c in r["collectives"])
+        volume = sum(c["count"] * c["bytes"] for c in r["collectives"])
+        lines.append(f"{rank:>5}  {_size(r['peak_allocated']):>15}  {_size(r['peak_reserved']):>14}  "
+                     f"{r['peak_phase']:<18}  {'yes' if r['oom'] else 'no':<3}  {calls:>16}  {_size(volume):>19}")
+    for rank, r in report["ranks"].items():
+        for oom in r["oom_events"]:
+            lines.append(f"rank {rank}: out of memory asking for {_size(oom['requested_bytes'])} with "
+                         f"{_size(oom['allocated'])} allocated, {_size(oom['reserved'])} reserved")
+        if r["failure"]:
+            lines.append(f"rank {rank} failed: {r['failure']['error']}")
+        for note in r["value_dependent"]:
+            lines.append(f"rank {rank}: depends on other ranks' values ({note['count']}x): {note['what']}")
+    return "\n".join(lines)

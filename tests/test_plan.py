@@ -1,0 +1,310 @@
+"""The planner (`python -m supa_emu.plan`): one process plays a rank of an N-card world.
+
+The reference for memory and collectives is the real job: the same script run as N processes by
+torchrun, recorded by the same recorder (SUPA_PLAN_RECORD). A planned rank must match the real
+rank's peak allocated and peak reserved bytes to the byte and issue the same collectives. The uniform-rank rule
+itself is checked against plain PyTorch arithmetic.
+"""
+
+import json
+import pathlib
+import textwrap
+
+import pytest
+from conftest import free_port, run_python
+
+from supa_emu.plan.__main__ import main as plan_main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GPT = ROOT / "examples" / "train_gpt.py"
+CONFIGS = ROOT / "examples" / "configs"
+# A model whose parameters and optimizer states show what each ZeRO stage partitions.
+GPT_ARGS = ["--vocab", "256", "--seq-len", "16", "--dim", "64", "--layers", "2", "--heads", "4", "--steps", "3",
+            "--log-format", "json"]
+
+pytestmark = pytest.mark.emulation_only
+
+CASES = {
+    "zero0": [str(GPT), "--config", str(CONFIGS / "zero0.json"), *GPT_ARGS],
+    "zero1": [str(GPT), "--config", str(CONFIGS / "zero1.json"), *GPT_ARGS],
+    "zero2": [str(GPT), "--config", str(CONFIGS / "zero2.json"), *GPT_ARGS],
+    "zero3": [str(GPT), "--config", str(CONFIGS / "zero3.json"), *GPT_ARGS],
+    "zero3_offload_param": [str(GPT), "--config", str(CONFIGS / "zero3_offload_param.json"), *GPT_ARGS],
+    "zero2_offload_optimizer": [str(GPT), "--config", str(CONFIGS / "zero2_offload_optimizer.json"), *GPT_ARGS],
+    "hf_trainer_zero2": [str(ROOT / "examples" / "train_hf_trainer.py"), "--deepspeed-stage", "2", "--steps", "2"],
+    "ddp": [str(ROOT / "examples" / "train_cuda_ddp.py"), "--steps", "3"],
+}
+
+
+def real_run(command, world_size, record_dir):
+    """The script as a real `world_size`-process torchrun job, each rank recorded to record_dir."""
+    launcher = ["--nproc-per-node", str(world_size), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    run_python(f"""
+        from torch.distributed.run import main
+        main({launcher + list(command)!r})
+        """, env={"SUPA_PLAN_RECORD": str(record_dir)}, timeout=900)
+    return {rank: json.loads((record_dir / f"rank-{rank}.json").read_text()) for rank in range(world_size)}
+
+
+def plan(command, world_size, out, *options, check=True):
+    """The planner's report of `command` (ranks 0 and N-1 unless `options` say otherwise)."""
+    result = run_python(f"""
+        import sys
+        from supa_emu.plan.__main__ import main
+        sys.exit(main({["--world-size", str(world_size), "--json", str(out), *options, "--", *command]!r}))
+        """, timeout=900, check=check)
+    return json.loads(out.read_text()) if out.exists() else None, result
+
+
+# ------------------------------------------------------------------------------------------------
+# Exactness against the real job
+# ------------------------------------------------------------------------------------------------
+def _assert_same_as_real(case, world_size, tmp_path):
+    real = real_run(CASES[case], world_size, tmp_path / "real")
+    report, _ = plan(CASES[case], world_size, tmp_path / "plan.json")
+    assert report["world_size"] == world_size
+    assert sorted(report["ranks"]) == sorted({"0", str(world_size - 1)})
+    for rank, planned in report["ranks"].items():
+        actual = real[int(rank)]
+        assert planned["failure"] is None, planned["failure"]
+        assert planned["peak_allocated"] == actual["peak_allocated"], f"rank {rank}"
+        assert planned["peak_reserved"] == actual["peak_reserved"], f"rank {rank}"
+        assert planned["collectives"] == actual["collectives"], f"rank {rank}"
+        assert planned["peak_allocated"] > 0 and planned["collectives"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["zero2", "zero3", "ddp"])
+def test_planned_rank_matches_the_real_two_rank_job(case, tmp_path):
+    _assert_same_as_real(case, 2, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["zero0", "zero1", "zero3_offload_param", "zero2_offload_optimizer",
+                                  "hf_trainer_zero2"])
+def test_planned_rank_matches_the_real_two_rank_job_more_setups(case, tmp_path):
+    _assert_same_as_real(case, 2, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_planned_rank_matches_the_real_four_rank_job(case, tmp_path):
+    _assert_same_as_real(case, 4, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# The uniform-rank rule
+# ------------------------------------------------------------------------------------------------
+COLLECTIVES_SCRIPT = """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("bccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.supa.set_device(int(os.environ["LOCAL_RANK"]))
+    local = torch.arange(4, dtype=torch.float32, device="supa") + rank
+    out = {"rank": rank, "world": world, "backend": dist.get_backend()}
+    for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX)):
+        t = local.clone(); dist.all_reduce(t, op=op); out[name] = t.tolist()
+    gathered = torch.empty(4 * world, device="supa"); dist.all_gather_into_tensor(gathered, local)
+    out["all_gather_into_tensor"] = gathered.tolist()
+    chunk = torch.empty(1, device="supa"); dist.reduce_scatter_tensor(chunk, torch.arange(world, dtype=torch.float32, device="supa"))
+    out["reduce_scatter_tensor"] = chunk.tolist()
+    parts = [torch.empty(4, device="supa") for _ in range(world)]; dist.all_gather(parts, local)
+    out["all_gather"] = [p.tolist() for p in parts]
+    b = local.clone(); dist.broadcast(b, src=0); out["broadcast"] = b.tolist()
+    dist.barrier()
+    sub = dist.new_group([0, world - 1])
+    t = local.clone(); dist.all_reduce(t, group=sub); out["subgroup_sum"] = t.tolist()
+    with open(sys.argv[1] + f".{rank}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
+    script = tmp_path / "collectives.py"
+    script.write_text(textwrap.dedent(COLLECTIVES_SCRIPT))
+    world = 4
+    report, _ = plan([str(script), str(tmp_path / "out")], world, tmp_path / "plan.json")
+    for rank in (0, world - 1):
+        out = json.loads((tmp_path / f"out.{rank}").read_text())
+        local = [float(i + rank) for i in range(4)]
+        assert (out["rank"], out["world"], out["backend"]) == (rank, world, "bccl")
+        assert out["sum"] == [v * world for v in local]
+        assert out["avg"] == local and out["max"] == local
+        assert out["all_gather_into_tensor"] == local * world
+        assert out["reduce_scatter_tensor"] == [float(rank * world)]
+        assert out["all_gather"] == [local] * world
+        # Small broadcasts carry the root's value, taken from rank 0 (played first): as in a real job.
+        assert out["broadcast"] == [0.0, 1.0, 2.0, 3.0]
+        assert out["subgroup_sum"] == [v * 2 for v in local]
+        calls = {(c["op"], c["group_size"]): c for c in report["ranks"][str(rank)]["collectives"]}
+        assert calls[("all_reduce", world)]["count"] == 3 and calls[("all_reduce", world)]["bytes"] == 16
+        assert calls[("all_gather_into_tensor", world)]["bytes"] == 16 * world
+        assert calls[("reduce_scatter_tensor", world)]["bytes"] == 4 * world
+        assert calls[("all_reduce", 2)]["count"] == 1
+        assert calls[("barrier", world)]["bytes"] == 0
+
+
+BOUND_MESH_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("bccl", device_id=torch.device("supa", int(os.environ["LOCAL_RANK"])))
+mesh = init_device_mesh("supa", (2, 2), mesh_dim_names=("dp", "tp"))  # subgroups by split_group
+tp = mesh.get_group("tp")
+x = torch.full((3,), float(rank + 1), device="supa")
+dist.all_reduce(x, group=tp)
+with open(sys.argv[1] + f".{rank}", "w") as f:
+    json.dump({"tp_size": tp.size(), "tp_sum": x.tolist(), "splits": dist.group.WORLD.comm_split_count()}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_device_bound_world_splits_into_uniform_subgroups(tmp_path):
+    # init_process_group(device_id=...) binds the world, and DeviceMesh then splits it: in a planned
+    # world the split needs no other rank's post (a real bccl split waits for all of them).
+    script = tmp_path / "mesh.py"
+    script.write_text(textwrap.dedent(BOUND_MESH_SCRIPT))
+    report, _ = plan([str(script), str(tmp_path / "out")], 4, tmp_path / "plan.json")
+    for rank in (0, 3):
+        out = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert out["tp_size"] == 2 and out["tp_sum"] == [2.0 * (rank + 1)] * 3
+        assert out["splits"] == 2  # the mesh's two dimensions
+        calls = {(c["op"], c["group_size"]) for c in report["ranks"][str(rank)]["collectives"]}
+        assert ("all_reduce", 2) in calls
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_rank_is_a_result_with_the_failed_allocation(tmp_path):
+    script = tmp_path / "oom.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        dist.init_process_group("bccl")
+        keep = torch.empty(40 << 20, dtype=torch.uint8, device="supa")
+        more = torch.empty(40 << 20, dtype=torch.uint8, device="supa")
+    """))
+    out = tmp_path / "plan.json"
+    result = run_python(f"""
+        import os, sys
+        os.environ["SUPA_EMU_MEMORY"] = "64MiB"
+        from supa_emu.plan.__main__ import main
+        sys.exit(main(["--world-size", "2", "--json", {str(out)!r}, "--", {str(script)!r}]))
+        """, check=False, timeout=600)
+    assert result.returncode == 1
+    report = json.loads(out.read_text())
+    for rank in ("0", "1"):
+        entry = report["ranks"][rank]
+        assert entry["oom"] and entry["capacity"] == 64 << 20
+        (event,) = entry["oom_events"]
+        # Sizes as the allocator counts them: rounded up to its 512-byte blocks.
+        assert event["requested_bytes"] == event["allocated"] == (40 << 20) + 512
+        assert "OutOfMemoryError" in entry["failure"]["error"]
+    assert "out of memory asking for 40 MiB with 40 MiB allocated" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_failing_rank_is_reported_and_the_others_still_run(tmp_path):
+    script = tmp_path / "fails_last.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        dist.init_process_group("bccl")
+        if dist.get_rank() == dist.get_world_size() - 1:
+            raise ValueError("the last rank has no data")
+        dist.barrier()
+    """))
+    report, result = plan([str(script)], 3, tmp_path / "plan.json", check=False)
+    assert result.returncode == 1
+    assert report["ranks"]["0"]["failure"] is None
+    failure = report["ranks"]["2"]["failure"]
+    assert failure["error"] == "ValueError: the last rank has no data"
+    assert "fails_last.py" in failure["traceback"]
+    assert "rank 2 failed: ValueError: the last rank has no data" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body, message", [
+    ("import torch\nx = torch.ones(2, device='supa')\n", "never initialises a process group"),
+    ("import torch.multiprocessing as mp, torch.distributed as dist\n"
+     "def run(i):\n    dist.init_process_group('bccl', rank=i, world_size=2)\n"
+     "if __name__ == '__main__':\n    mp.spawn(run, nprocs=2)\n", "spawns its own ranks"),
+    ("import torch.distributed as dist\ndist.init_process_group('gloo')\n", "gloo group"),
+])
+def test_scripts_a_planned_world_cannot_run_fail_with_one_line(tmp_path, body, message):
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    report, result = plan([str(script)], 2, tmp_path / "plan.json", "--rank", "0", check=False)
+    assert result.returncode == 1
+    assert message in report["ranks"]["0"]["failure"]["error"]
+
+
+@pytest.mark.parametrize("size", [3, 4])
+@pytest.mark.parametrize("op", ["SUM", "PRODUCT", "AVG", "MIN", "MAX", "BAND", "BOR", "BXOR"])
+def test_uniform_reduction_is_the_reduction_of_n_equal_copies(op, size):
+    import functools
+    import torch
+    import torch.distributed as dist
+    from supa_emu.plan.uniform_group import _reduce_uniform
+
+    local = torch.tensor([1, -2, 3, 0, 7], dtype=torch.int64)
+    copies = [local.clone() for _ in range(size)]
+    combine = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum,
+               "BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+    if op == "AVG":
+        expected = torch.div(functools.reduce(torch.add, copies), size, rounding_mode="trunc")
+    else:
+        expected = functools.reduce(combine[op], copies)
+    result = local.clone()
+    _reduce_uniform(result, getattr(dist.ReduceOp.RedOpType, op), size)
+    assert torch.equal(result, expected)
+
+
+def test_plan_record_names_a_directory(tmp_path, monkeypatch):
+    from supa_emu import config
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("SUPA_PLAN_RECORD", str(tmp_path / "a_file"))
+    with pytest.raises(config.ConfigError, match="SUPA_PLAN_RECORD=.* is a file"):
+        config.load()
+    monkeypatch.setenv("SUPA_PLAN_RECORD", str(tmp_path / "records"))
+    assert config.load().plan_record == tmp_path / "records"
+
+
+# ------------------------------------------------------------------------------------------------
+# The command's arguments (fast)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "0", "--", str(GPT)], "--world-size 0: a world has at least 1 rank"),
+    (["--world-size", "4", "--rank", "4", "--", str(GPT)], "--rank 4 is outside the world of 4 ranks (0 to 3)"),
+    (["--world-size", "4", "--rank", "-1", "--", str(GPT)], "--rank -1 is outside the world of 4 ranks"),
+    (["--world-size", "4", "--plot", "out.png", "--", str(GPT)], "needs matplotlib"),
+    (["--world-size", "4", "--", "no/such/script.py"], "no/such/script.py: no such script"),
+    (["--world-size", "4"], "no script"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_plot_draws_each_rank_and_the_capacity(tmp_path):
+    from supa_emu.plan import plot
+
+    rank = {"peak_allocated": 3 << 20, "peak_reserved": 4 << 20, "peak_phase": "forward", "oom": False,
+            "failure": None, "collectives": [], "timeline": [[0, 0.0, 0, 0], [1, 0.5, 3 << 20, 4 << 20], [2, 0.7, 1 << 20, 4 << 20]]}
+    report = {"world_size": 8, "script": "train.py", "capacity": 5 << 20, "ranks": {"0": rank, "7": rank}}
+    chart = plot.svg(report)
+    assert chart.count("<polyline") == 4
+    assert "capacity 5 MiB" in chart and "rank 7: peak 3 MiB allocated (forward)" in chart
+    plot.write(report, str(tmp_path / "plan.html"))
+    assert "<svg" in (tmp_path / "plan.html").read_text()
+    far = dict(report, capacity=64 << 30)
+    assert "above the chart" in plot.svg(far)
+
