@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import composed, gloo_handoff, host_memory, signature_exchange, signatures
+from . import composed, gloo_handoff, host_memory, self_p2p, signature_exchange, signatures
 from .arguments import (
     check_chunk, check_dtypes, check_sizes, numel as _numel, pairs, per_rank_list, require_device, root_list, single,
     split_counts)
@@ -92,6 +92,7 @@ class ProcessGroupBCCL(dist.ProcessGroup):
             signature_exchange.create(store, rank, size, timeout, self._label), rank, size, self._label,
             self._stand_in)
         self._coalesced: Optional[List[BCCLWork]] = None
+        self._to_self = self_p2p.SelfMailbox(self._label)
 
     # ---- identity ----------------------------------------------------------------------------
     # c10d keeps a group's name in its c10d Backends, which this whole-group plugin has none of;
@@ -458,12 +459,16 @@ class ProcessGroupBCCL(dist.ProcessGroup):
 
     def send(self, tensors, dst_rank, tag=0):
         tensor = single(tensors, "tensor")
+        if dst_rank == self.rank():
+            return self._to_self.send(tensor, tag)  # gloo has no connection to its own rank
         call = HostCall()
         part = self._gloo.send([call.view(tensor, write=False)], dst_rank, tag)
         return self._finish([part], call)
 
     def recv(self, tensors, src_rank, tag=0):
         tensor = single(tensors, "tensor")
+        if src_rank == self.rank():
+            return self._to_self.recv(tensor, tag)
         call = HostCall()
         part = self._gloo.recv([call.view(tensor, read=False)], src_rank, tag)
         return self._finish([part], call, [tensor])
