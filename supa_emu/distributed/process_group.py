@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import composed, gloo_handoff, host_memory, self_p2p, signature_exchange, signatures
+from . import composed, gloo_handoff, host_memory, profiling, self_p2p, signature_exchange, signatures
 from .arguments import (
     check_chunk, check_dtypes, check_sizes, numel as _numel, pairs, per_rank_list, require_device, root_list, single,
     split_counts)
@@ -135,6 +135,9 @@ class ProcessGroupBCCL(dist.ProcessGroup):
     # ---- shared steps --------------------------------------------------------------------------
     def _finish(self, parts, call: HostCall, outputs: Sequence[torch.Tensor] = (), ticket=None) -> BCCLWork:
         gloo_handoff.hold(parts)
+        record = profiling.open_range(BACKEND_NAME, sys._getframe(1).f_code.co_name)
+        if record is not None:
+            profiling.close_on_completion(record, parts)
         work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors, self._agreement, ticket)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
