@@ -72,7 +72,9 @@ def _make_test_class():
             super().setUp()
             self._start_processes(torch.multiprocessing.get_context(start_method).Process)
 
+    # Spawned ranks unpickle the class by module and name (module-level __getattr__ below).
     TorchDistributedBase.__module__ = __name__
+    TorchDistributedBase.__qualname__ = _CLASS_NAME
     return TorchDistributedBase
 
 
