@@ -6,6 +6,7 @@ files run on a real card; `emulation_only` marks those that test the emulator it
 
 import atexit
 import fcntl
+import json
 import os
 import pathlib
 import socket
@@ -99,6 +100,15 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, check: 
     if check and result.returncode != 0:
         raise AssertionError(f"subprocess failed ({result.returncode}):\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result
+
+
+def run_scenario(code: str, env: dict | None = None, timeout: float = 300):
+    """Runs `code` with run_python and returns what it printed as JSON on a line 'RESULT <json>'."""
+    result = run_python(code, env=env, timeout=timeout)
+    for line in result.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"no RESULT line in the output:\n{result.stdout}\n{result.stderr}")
 
 
 def free_port() -> int:

@@ -6,10 +6,8 @@ One fresh process with a group of one rank; DDP's use of the events runs in torc
 test_ddp_profiling_torch_profiler (test_torch_distributed.py).
 """
 
-import json
-
 import pytest
-from conftest import free_port, run_python
+from conftest import free_port, run_scenario
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
@@ -36,9 +34,7 @@ _SCENARIO = """
 
 @pytest.fixture(scope="module")
 def events():
-    result = run_python(_SCENARIO.format(port=free_port()), env={"SUPA_EMULATE": "1"}, timeout=300)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return run_scenario(_SCENARIO.format(port=free_port()), env={"SUPA_EMULATE": "1"})
 
 
 def test_one_event_per_collective_while_recording(events):

@@ -5,10 +5,8 @@ exchange with other ranks inside a batch_isend_irecv runs in torch's own
 test_batch_isend_irecv_nccl / _self_nccl (test_torch_distributed.py).
 """
 
-import json
-
 import pytest
-from conftest import free_port, run_python
+from conftest import free_port, run_scenario
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
@@ -57,9 +55,7 @@ _SCENARIO = """
 
 @pytest.fixture(scope="module")
 def outcome():
-    result = run_python(_SCENARIO.format(port=free_port()), env={"SUPA_EMULATE": "1"}, timeout=300)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return run_scenario(_SCENARIO.format(port=free_port()), env={"SUPA_EMULATE": "1"})
 
 
 def test_batch_exchange_with_itself_delivers_the_data_as_sent(outcome):

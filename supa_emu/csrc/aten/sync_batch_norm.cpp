@@ -9,23 +9,13 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <tuple>
 #include <vector>
 
 namespace supa {
 namespace {
 
 using at::Tensor;
-
-Tensor optional_arg(const c10::IValue& value) {
-  return value.isNone() ? Tensor() : value.toTensor();
-}
-
-void replace_args(torch::jit::Stack* stack, size_t num_args, std::vector<Tensor> results) {
-  torch::jit::drop(*stack, num_args);
-  for (Tensor& t : results) {
-    stack->emplace_back(std::move(t));
-  }
-}
 
 // Every dimension but the channel dimension (1): the dimensions the statistics reduce over.
 std::vector<int64_t> reduced_dims(const Tensor& input, const char* op) {
@@ -58,15 +48,15 @@ void channel_stats(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const Tensor wide = input.to(accumulate_type(input));
   const Tensor mean = wide.mean(dims);
   const Tensor var = wide.var(dims, /*correction=*/0);
-  replace_args(stack, 2, {mean, var.add(eps).rsqrt()});
+  push_results(stack, 2, {mean, var.add(eps).rsqrt()});
 }
 
 // batch_norm_elemt(input, weight, bias, mean, invstd, eps) -> output
 void normalize(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, 6);
   const Tensor input = args[0].toTensor();
-  const Tensor weight = optional_arg(args[1]);
-  const Tensor bias = optional_arg(args[2]);
+  const Tensor weight = optional_tensor(args[1]);
+  const Tensor bias = optional_tensor(args[2]);
   const Tensor mean = args[3].toTensor();
   const Tensor invstd = args[4].toTensor();
   Tensor scale = invstd;
@@ -79,7 +69,7 @@ void normalize(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     shift = shift.add(bias);
   }
   Tensor output = at::addcmul(per_channel(shift, input), input, per_channel(scale, input));
-  replace_args(stack, 6, {output.to(input.scalar_type()).contiguous(input.suggest_memory_format())});
+  push_results(stack, 6, {output.to(input.scalar_type()).contiguous(input.suggest_memory_format())});
 }
 
 // batch_norm_gather_stats_with_counts(input, mean, invstd, running_mean, running_var, momentum,
@@ -89,8 +79,8 @@ void gather_stats_with_counts(const c10::OperatorHandle&, torch::jit::Stack* sta
   auto args = torch::jit::last(*stack, 8);
   const Tensor means = args[1].toTensor();
   const Tensor invstds = args[2].toTensor();
-  Tensor running_mean = optional_arg(args[3]);
-  Tensor running_var = optional_arg(args[4]);
+  Tensor running_mean = optional_tensor(args[3]);
+  Tensor running_var = optional_tensor(args[4]);
   const double momentum = args[5].toDouble();
   const double eps = args[6].toDouble();
   const Tensor counts = args[7].toTensor().to(means.scalar_type()).reshape({-1, 1});
@@ -111,18 +101,19 @@ void gather_stats_with_counts(const c10::OperatorHandle&, torch::jit::Stack* sta
     const Tensor unbiased = spread.div(total.sub(1));
     running_var.mul_(1 - momentum).add_(unbiased.to(running_var.scalar_type()), momentum);
   }
-  replace_args(stack, 8, {mean, var.add(eps).rsqrt()});
+  push_results(stack, 8, {mean, var.add(eps).rsqrt()});
+}
+
+// The leading arguments both backward operators share: (grad_out, input, mean, invstd, weight).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_operands(c10::ArrayRef<c10::IValue> args) {
+  return {args[0].toTensor(), args[1].toTensor(), args[2].toTensor(), args[3].toTensor(), optional_tensor(args[4])};
 }
 
 // batch_norm_backward_reduce(grad_out, input, mean, invstd, weight, input_g, weight_g, bias_g)
 //   -> (sum_dy, sum_dy_xmu, grad_weight, grad_bias)
 void backward_reduce(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, 8);
-  const Tensor grad_out = args[0].toTensor();
-  const Tensor input = args[1].toTensor();
-  const Tensor mean = args[2].toTensor();
-  const Tensor invstd = args[3].toTensor();
-  const Tensor weight = optional_arg(args[4]);
+  const auto [grad_out, input, mean, invstd, weight] = backward_operands(args);
   const bool input_g = args[5].toBool();
   const bool weight_g = args[6].toBool();
   const bool bias_g = args[7].toBool();
@@ -132,7 +123,7 @@ void backward_reduce(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const Tensor sum_dy = dy.sum(dims);
   const Tensor sum_dy_xmu = dy.mul(input.to(acc).sub(per_channel(mean, input))).sum(dims);
   const c10::ScalarType param_type = weight.defined() ? weight.scalar_type() : input.scalar_type();
-  replace_args(stack, 8, {
+  push_results(stack, 8, {
       input_g ? sum_dy : Tensor(),
       input_g ? sum_dy_xmu : Tensor(),
       weight_g ? sum_dy_xmu.mul(invstd).to(param_type) : Tensor(),
@@ -144,11 +135,7 @@ void backward_reduce(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 //   -> grad_input, with sum_dy and sum_dy_xmu summed over the group and count its ranks' counts.
 void backward_elemt(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, 8);
-  const Tensor grad_out = args[0].toTensor();
-  const Tensor input = args[1].toTensor();
-  const Tensor mean = args[2].toTensor();
-  const Tensor invstd = args[3].toTensor();
-  const Tensor weight = optional_arg(args[4]);
+  const auto [grad_out, input, mean, invstd, weight] = backward_operands(args);
   const Tensor sum_dy = args[5].toTensor();
   const Tensor sum_dy_xmu = args[6].toTensor();
   const Tensor total = args[7].toTensor().sum().to(sum_dy.scalar_type());
@@ -161,7 +148,7 @@ void backward_elemt(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   }
   const Tensor xmu = input.to(acc).sub(per_channel(mean, input));
   Tensor grad_input = grad_out.to(acc).sub(mean_dy).sub(xmu.mul(projection)).mul(per_channel(scale, input));
-  replace_args(stack, 8, {grad_input.to(input.scalar_type()).contiguous(input.suggest_memory_format())});
+  push_results(stack, 8, {grad_input.to(input.scalar_type()).contiguous(input.suggest_memory_format())});
 }
 
 template <HostKernel kernel>
