@@ -15,9 +15,11 @@ from torch._C._dynamo import eval_frame
 
 
 def run_eagerly(*classes: type) -> None:
-    """Mark every method and property of `classes` (their own, not inherited) to run uncompiled."""
+    """Mark every method and property of `classes` and of their bases from this package to run
+    uncompiled (torch's own bases are C++ or torch's code, which dynamo handles itself)."""
     eager = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
-    for cls in classes:
+    ours = {base for cls in classes for base in cls.__mro__ if base.__module__.startswith("supa_emu.")}
+    for cls in ours:
         for attribute in vars(cls).values():
             if isinstance(attribute, (staticmethod, classmethod)):
                 attribute = attribute.__func__
