@@ -53,7 +53,7 @@ def _sources() -> list[pathlib.Path]:
 # a unit each so that they compile in parallel with it. bccl's files join the bindings, which
 # parse the c10d headers they need anyway. A new .cpp file joins "runtime".
 _UNIT_FILES = {
-    "bindings": ("module.cpp", "bccl/all_gather.cpp", "bccl/signature_board.cpp"),
+    "bindings": ("module.cpp", "bccl/all_gather.cpp", "bccl/signature_board.cpp", "bccl/reducer_timer.cpp"),
     "autocast": ("aten/autocast.cpp",),
 }
 

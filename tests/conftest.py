@@ -103,6 +103,15 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, check: 
     return result
 
 
+def run_scenario(code: str, env: dict | None = None, timeout: float = 300):
+    """Runs `code` with run_python and returns what it printed as JSON on a line 'RESULT <json>'."""
+    result = run_python(code, env=env, timeout=timeout)
+    for line in result.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"no RESULT line in the output:\n{result.stdout}\n{result.stderr}")
+
+
 def free_port() -> int:
     """A loopback port that was free a moment ago (for a rendezvous the test starts next)."""
     with socket.socket() as sock:

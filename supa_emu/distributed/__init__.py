@@ -26,7 +26,7 @@ from torch.distributed import distributed_c10d
 
 from supa_emu import core_share
 
-from . import c10d_backend, host_memory
+from . import c10d_backend, compile_boundary, host_memory
 from .process_group import BACKEND_NAME, DEFAULT_TIMEOUT, ProcessGroupBCCL
 from .signature_exchange import CollectiveMismatchError
 from .work import BCCLWork
@@ -106,6 +106,7 @@ def is_registered() -> bool:
 
 def register() -> None:
     """Make `init_process_group("bccl")` available; calling it again changes nothing."""
+    compile_boundary.run_eagerly(ProcessGroupBCCL, ProcessGroupBCCL.Options, BCCLWork)
     if not is_registered():
         dist.Backend.register_backend(
             BACKEND_NAME, _create_process_group, extended_api=True, devices=[host_memory.DEVICE_TYPE]

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import call_record, composed, gloo_handoff, host_memory, operands, signature_exchange, signatures
+from . import (call_record, composed, gloo_handoff, host_memory, operands, profiling, self_p2p, signature_exchange,
+               signatures)
 from .arguments import check_dtypes, check_sizes, numel as _numel, pairs, require_device, single
 from .arguments import check_reduce_op as _check_reduce_op, reduce_kind as _reduce_kind
 from .c10d_backend import DEFAULT_TIMEOUT, C10dBackend
@@ -72,6 +73,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
             self._stand_in)
         self._coalesced: Optional[List[BCCLWork]] = None
         self._init_backend_state()
+        self._to_self = self_p2p.SelfMailbox(self._label)
 
     # ---- identity ----------------------------------------------------------------------------
     # c10d keeps a group's name in its c10d Backends, which this whole-group plugin has none of;
@@ -111,6 +113,9 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         gloo_handoff.hold(parts)
         if call_record.active():
             call_record.note_call(self.size(), call, sys._getframe(1))
+        record = profiling.open_range(BACKEND_NAME, sys._getframe(1).f_code.co_name)
+        if record is not None:
+            profiling.close_on_completion(record, parts)
         work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors, self._agreement, ticket)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
@@ -408,12 +413,16 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
 
     def send(self, tensors, dst_rank, tag=0):
         tensor = single(tensors, "tensor")
+        if dst_rank == self.rank():
+            return self._to_self.send(tensor, tag)  # gloo has no connection to its own rank
         call = HostCall()
         part = self._gloo.send([call.view(tensor, write=False)], dst_rank, tag)
         return self._finish([part], call, collective=False)
 
     def recv(self, tensors, src_rank, tag=0):
         tensor = single(tensors, "tensor")
+        if src_rank == self.rank():
+            return self._to_self.recv(tensor, tag)
         call = HostCall()
         part = self._gloo.recv([call.view(tensor, read=False)], src_rank, tag)
         return self._finish([part], call, [tensor], collective=False)

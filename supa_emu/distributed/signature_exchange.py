@@ -142,9 +142,10 @@ class SharedMemoryBoard:
                     f"{self._rank} was waiting for it to {what}"
                 )
             if time.monotonic() >= deadline:
+                # NCCL's watchdog words a timeout this way; tools and tests match on it.
                 raise dist.DistBackendError(
-                    f"bccl: timed out after {self._timeout} on group {self._label}: rank "
-                    f"{self._rank} waited for rank {rank} to {what}"
+                    f"bccl: caught collective operation timeout: timed out after {self._timeout} on group "
+                    f"{self._label}: rank {self._rank} waited for rank {rank} to {what}"
                 )
 
     def _publish(self, index: int, value: int) -> None:

@@ -6,8 +6,17 @@ exchange). `wait()` waits for the parts in the caller's thread and runs the epil
 keeps a collective's latency at gloo's own; a future (`get_future()`, used by DDP-style hooks and
 by C++ callers through the process-group trampoline) is built only when asked for, chained on the
 parts' futures so it completes, epilogue included, without anyone calling wait().
+
+C++ code may hold a work after Python dropped it: DDP's reducer keeps the handle of its forward-pass
+all_reduce and, in backward, waits for it and reads its future. pybind11's trampoline finds these
+methods only while the Python object lives; without it the call lands in c10d's base
+`Work::wait`, which nothing completes, and hangs. So a work dropped before anyone waited for it
+or asked for its future keeps itself alive (`__del__`) until one of those happens, among the most
+recent `_Orphans.LIMIT` such works (a program that never waits for its async collectives must not
+keep their tensors forever).
 """
 
+import collections
 import datetime
 import threading
 from typing import Callable, List, Optional, Sequence
@@ -18,6 +27,29 @@ import torch.distributed as dist
 from supa_emu.supa import _sanitizer_switch as _sanitizer
 
 from . import gloo_handoff
+
+
+class _Orphans:
+    """Works whose Python handle was dropped before anyone waited for them, oldest first."""
+
+    LIMIT = 256
+
+    def __init__(self):
+        self._works: "collections.OrderedDict[int, BCCLWork]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def adopt(self, work: "BCCLWork") -> None:
+        with self._lock:
+            self._works[id(work)] = work
+            while len(self._works) > self.LIMIT:
+                self._works.popitem(last=False)
+
+    def release(self, work: "BCCLWork") -> None:
+        with self._lock:
+            self._works.pop(id(work), None)
+
+
+_orphans = _Orphans()
 
 
 class BCCLWork(dist.Work):
@@ -45,6 +77,12 @@ class BCCLWork(dist.Work):
         self._done = False
         self._error: Optional[BaseException] = None
         self._future: Optional[torch.futures.Future] = None
+        self._waited = False
+
+    def __del__(self):
+        # Python finalises an object once: a work adopted here is freed for good when released.
+        if not getattr(self, "_waited", True) and self._future is None and _orphans is not None:
+            _orphans.adopt(self)
 
     def _complete(self) -> List[torch.Tensor]:
         """Run the epilogue once all parts have finished; later calls report the same outcome."""
@@ -62,6 +100,7 @@ class BCCLWork(dist.Work):
         return self._outputs
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._waited = True  # an orphan stays adopted: a C++ holder may ask for the future next
         # The peers' signatures first: a dead or stalled peer is reported as such, not as gloo's hang.
         mismatch = self._agreement.settle(self._ticket) if self._ticket is not None else None
         try:
@@ -133,6 +172,8 @@ class BCCLWork(dist.Work):
         return None
 
     def get_future(self) -> torch.futures.Future:
+        # From here the future's callback holds this work until it completes.
+        _orphans.release(self)
         with self._lock:
             if self._future is not None:
                 return self._future

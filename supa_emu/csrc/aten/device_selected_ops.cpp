@@ -28,16 +28,6 @@ namespace {
 
 using at::Tensor;
 
-Tensor optional_tensor(const c10::IValue& value) {
-  return value.isNone() ? Tensor() : value.toTensor();
-}
-
-void push_results(torch::jit::Stack* stack, size_t num_args, std::initializer_list<Tensor> results) {
-  torch::jit::drop(*stack, num_args);
-  for (const Tensor& t : results) {
-    stack->emplace_back(t);
-  }
-}
 
 // The arguments both fused cells take: (input_gates, hidden_gates, state, input_bias?, hidden_bias?).
 struct CellInputs {

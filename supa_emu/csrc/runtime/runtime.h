@@ -265,5 +265,16 @@ void run_cpu_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // CPU kernel because PyTorch only calls them for GPUs.
 using HostKernel = void (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 void run_host_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel);
+// For host kernels: an optional tensor argument (undefined when None), and the step that
+// replaces the `num_args` arguments on the stack with the kernel's results.
+inline at::Tensor optional_tensor(const c10::IValue& value) {
+  return value.isNone() ? at::Tensor() : value.toTensor();
+}
+inline void push_results(torch::jit::Stack* stack, size_t num_args, std::initializer_list<at::Tensor> results) {
+  torch::jit::drop(*stack, num_args);
+  for (const at::Tensor& t : results) {
+    stack->emplace_back(t);
+  }
+}
 
 }  // namespace supa

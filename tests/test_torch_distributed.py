@@ -1,0 +1,130 @@
+"""PyTorch's own distributed test base on emulated cards: torch's `_DistTestBase` with
+BACKEND=nccl under transfer_to_supa ('nccl' is bccl, 'cuda' the emulated cards), world size 2.
+
+The reference is the same base on gloo with CPU tensors and the emulator off, recorded in
+torch_distributed_gloo.json by `SUPA_EMULATE=0 python tests/torch_distributed_driver.py
+--backend gloo --write-gloo-table` (it involves nothing of this project, so its outcomes change
+only with torch, whose version the table records). What must hold on the emulated cards:
+- no test fails, except those listed in torch_distributed_expectations.AWAITING (pieces still
+  being built; each must fail until its piece lands, then leave the table);
+- a test skips only for a reason the base itself gives for NCCL on any machine
+  (BASE_SKIP_REASONS), or because it is in EXPECTED_SKIPS (it needs what a CPU host or
+  transfer_to_supa cannot give) and is not run at all;
+- so every test that passes on gloo passes here, or is one the base does not run on NCCL
+  (CPU-tensor tests), and then its `_cuda` twin passes here unless the base skips that for NCCL
+  too (world size, sparse tensors).
+The fast tier runs REPRESENTATIVE; the whole base is `slow` (CI).
+"""
+
+import json
+import os
+import pathlib
+import re
+import sys
+
+import pytest
+from conftest import run_python
+
+import torch_distributed_expectations as expectations
+from torch_distributed_driver import GLOO_TABLE
+
+pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+
+DRIVER = pathlib.Path(__file__).resolve().parent / "torch_distributed_driver.py"
+
+
+def _run_base(tmp_path, names=()) -> dict:
+    out = tmp_path / "outcomes.json"
+    argv = ["--backend", "nccl", "--out", str(out), *names]
+    # The driver's own process (not pytest's): torch's base reads BACKEND & co. at import, and the
+    # ranks are forked from a process that has not touched a card.
+    code = f"""
+        import sys
+        sys.path.insert(0, {str(DRIVER.parent)!r})
+        import torch_distributed_driver
+        if __name__ == "__main__":
+            sys.exit(torch_distributed_driver.main({argv!r}))
+    """
+    result = run_python(code, env={"SUPA_EMULATE": "1", "SUPA_EMU_TRANSFER": "1"}, timeout=3600, check=False)
+    if not out.exists():
+        raise AssertionError(f"the driver wrote no outcomes ({result.returncode}):\n{result.stdout}\n{result.stderr[-20000:]}")
+    outcomes = json.loads(out.read_text())
+    summary = [line for line in result.stdout.splitlines() if line.startswith("torch distributed base")]
+    print(*summary, sep="\n")
+    return outcomes
+
+
+def _base_skip(reason: str) -> bool:
+    return any(re.search(pattern, reason) for pattern in expectations.BASE_SKIP_REASONS)
+
+
+def _problems(outcomes: dict) -> list:
+    problems = []
+    for name, record in sorted(outcomes.items()):
+        outcome, detail = record["outcome"], record["detail"]
+        if name in expectations.AWAITING:
+            if outcome == "pass":
+                problems.append(f"{name} passes now: remove it from AWAITING ({expectations.AWAITING[name]})")
+            continue
+        if outcome in ("fail", "error"):
+            problems.append(f"{name} {outcome}s:\n{detail}")
+        elif outcome == "skip" and not _base_skip(detail):
+            problems.append(f"{name} skipped for a reason the base does not give for NCCL everywhere: {detail!r}")
+    return problems
+
+
+def test_tables_are_consistent():
+    import torch
+
+    gloo = json.loads(GLOO_TABLE.read_text())
+    assert gloo["torch"] == torch.__version__, (
+        f"{GLOO_TABLE.name} was recorded with torch {gloo['torch']}, this is {torch.__version__}: "
+        f"regenerate it with `{gloo['command']}`")
+    assert not gloo["failed"], gloo["failed"]
+    overlap = set(expectations.EXPECTED_SKIPS) & set(expectations.AWAITING)
+    assert not overlap, overlap
+    assert not set(expectations.REPRESENTATIVE) & (set(expectations.EXPECTED_SKIPS) | set(expectations.AWAITING))
+    for table in (expectations.EXPECTED_SKIPS, expectations.AWAITING):
+        assert all(reason.strip() for reason in table.values())
+
+
+@pytest.mark.emulation_only
+def test_representative_subset_passes(tmp_path):
+    outcomes = _run_base(tmp_path, expectations.REPRESENTATIVE)
+    assert sorted(outcomes) == sorted(expectations.REPRESENTATIVE)
+    failed = {name: record for name, record in outcomes.items() if record["outcome"] != "pass"}
+    assert not failed, json.dumps(failed, indent=1)
+
+
+@pytest.mark.slow
+@pytest.mark.emulation_only
+def test_whole_base(tmp_path):
+    names = [name for name in _all_test_names(tmp_path) if name not in expectations.EXPECTED_SKIPS]
+    outcomes = _run_base(tmp_path, names)
+    assert sorted(outcomes) == sorted(names)
+    problems = _problems(outcomes)
+    gloo_passed = json.loads(GLOO_TABLE.read_text())["passed"]
+    for name in gloo_passed:
+        record = outcomes.get(name)
+        if record is None:
+            if name not in expectations.EXPECTED_SKIPS:
+                problems.append(f"{name} passes on gloo but is missing here")
+            continue
+        twin = outcomes.get(f"{name}_cuda")
+        if record["outcome"] == "skip" and twin is not None and f"{name}_cuda" not in expectations.AWAITING:
+            if twin["outcome"] != "pass" and not (twin["outcome"] == "skip" and _base_skip(twin["detail"])):
+                problems.append(f"{name} passes on gloo, is skipped for NCCL by the base, and its twin "
+                                f"{name}_cuda neither passes nor is skipped by the base: {twin['detail']!r}")
+    assert not problems, "\n\n".join(problems)
+
+
+def _all_test_names(tmp_path) -> list:
+    code = f"""
+        import json, sys
+        sys.path.insert(0, {str(DRIVER.parent)!r})
+        import torch_distributed_driver as driver
+        driver.configure("nccl")
+        print(json.dumps(driver.test_names()))
+    """
+    result = run_python(code, env={"SUPA_EMULATE": "1"})
+    return json.loads(result.stdout.strip().splitlines()[-1])
