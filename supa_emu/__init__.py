@@ -5,7 +5,7 @@ This module is what PyTorch's backend autoload imports at the end of `import tor
 unless SUPA_EMULATE asks for emulation, nothing else of the package is imported.
 """
 
-import os
+from supa_emu.switches import emulation_wanted
 
 __all__ = ["activate"]
 
@@ -16,7 +16,7 @@ def _autoload() -> None:
     Then, as the real package's autoload does, applies transfer_to_supa (CUDA names mean the
     SUPA card) unless SUPA_EMU_TRANSFER turns that off.
     """
-    if os.environ.get("SUPA_EMULATE", "0").strip() in ("", "0"):
+    if not emulation_wanted():
         return  # the common case costs one dictionary lookup
     try:
         from supa_emu.config import emulation_requested  # validates the value
