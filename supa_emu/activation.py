@@ -47,8 +47,8 @@ def config():
 def activate() -> bool:
     global _active
     # torch first, outside the lock: under SUPA_EMULATE=1 its backend autoload calls activate()
-    # itself, which must find the lock free (an explicit supa_emu.activate() before any
-    # `import torch` used to deadlock here); this call then returns what that one decided.
+    # itself, which must find the lock free (else an explicit supa_emu.activate() before any
+    # `import torch` would wait on itself); this call then returns what that one decided.
     import torch  # noqa: F401
 
     with _lock:

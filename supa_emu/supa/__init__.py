@@ -1,4 +1,4 @@
-"""`torch.supa`: device management and lazy initialisation of the emulated SUPA runtime (torch.cuda's __init__ counterpart; its length is that public surface).
+"""`torch.supa`: device management and lazy initialisation of the emulated SUPA runtime (torch.cuda's __init__ counterpart).
 
 This package is what `torch._register_device_module('supa', ...)` installs. Its layout follows
 `torch.cuda` so a reader finds each concern where they expect it: device selection and lazy
@@ -416,9 +416,9 @@ from .amp import (  # noqa: E402,F401
     autocast, custom_bwd, custom_fwd, get_amp_supported_dtype, get_autocast_dtype,
     get_autocast_gpu_dtype, is_autocast_enabled, set_autocast_dtype, set_autocast_enabled)
 
-# The package's own exports, as the real torch_supa lists them: device management and lazy
-# init (private names included), five submodules and five of amp's names. The rest of
-# `__all__` is the submodules' `__all__`; together they are the real package's 103 names.
+# The package's own exports, as the real torch_supa lists them (docs/real_stack.md, "The
+# torch.supa namespace"): device management and lazy init (private names included), five
+# submodules and five of amp's names. The submodules' `__all__` give the rest of the 103.
 _PACKAGE_NAMES = [
     "_is_compiled", "_is_in_bad_fork", "_lazy_call", "_lazy_init", "_sleep",
     "can_device_access_peer", "check_error", "current_blas_handle", "current_device",
