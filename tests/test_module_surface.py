@@ -40,6 +40,11 @@ def check(*names):
     return register
 
 
+def _block_allocated(address):
+    return any(block["address"] == address and block["state"] == "active_allocated"
+               for seg in torch.supa.memory_snapshot() for block in seg["blocks"])
+
+
 def _segment_of(address):
     return next(seg for seg in torch.supa.memory_snapshot()
                 if seg["address"] <= address < seg["address"] + seg["total_size"])
@@ -354,7 +359,7 @@ def _cache_release(name):
         assert torch.supa.max_memory_cached() == torch.supa.max_memory_reserved()
     del block
     torch.supa.empty_cache()
-    assert torch.supa.memory_reserved() == base
+    assert torch.supa.memory_reserved() <= base  # (other tests' garbage may have gone too)
 
 
 @check("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "reset_max_memory_allocated",
@@ -425,20 +430,19 @@ def _ipc_collect(name):
     # unpickling open the sender's memory as another process would.
     from torch.multiprocessing import reductions
 
-    base = torch.supa.memory_allocated(0)
     sent = torch.ones(1024, device="supa:0")
-    size = torch.supa.memory_allocated(0) - base
+    address = sent.data_ptr()
     message = multiprocessing.reduction.ForkingPickler.dumps(sent)
     reductions.shared_cache.clear()
     received = pickle.loads(message)
-    assert received.data_ptr() != sent.data_ptr()
+    assert received.data_ptr() != address and received.tolist() == [1.0] * 1024
     del sent
     torch.supa.ipc_collect()
-    assert torch.supa.memory_allocated(0) - base == size  # the receiver still holds it
+    assert _block_allocated(address)  # the receiver still holds it
     del received
-    assert torch.supa.memory_allocated(0) - base == size  # released, not yet collected
+    assert _block_allocated(address)  # released, not yet collected
     torch.supa.ipc_collect()
-    assert torch.supa.memory_allocated(0) == base
+    assert not _block_allocated(address)
 
 
 @check("MemPool", "use_mem_pool")
