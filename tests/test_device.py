@@ -20,12 +20,7 @@ PROPERTY_FIELDS = {
 multi_device = pytest.mark.skipif(torch.supa.device_count() < 2, reason="needs two SUPA devices")
 
 
-@pytest.fixture(autouse=True)
-def restore_device():
-    torch.supa.init()
-    prev = torch.supa.current_device()
-    yield
-    torch.supa.set_device(prev)
+pytestmark = pytest.mark.usefixtures("restore_supa_device")
 
 
 def test_module_is_registered_as_torch_supa():

@@ -13,31 +13,14 @@ import torch
 
 supa = pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
+from conftest import behaviour_table
+
+pytestmark = pytest.mark.usefixtures("restore_supa_device")
+
 REAL_PACKAGE_NAME_COUNT = 103  # len(torch_supa.supa.__all__) of the real package
 MiB = 1 << 20
 
-multi_device = pytest.mark.skipif(torch.supa.device_count() < 2, reason="needs two SUPA devices")
-
-
-@pytest.fixture(autouse=True)
-def restore_device():
-    torch.supa.init()
-    prev = torch.supa.current_device()
-    yield
-    torch.supa.set_device(prev)
-
-
-CHECKS = {}
-
-
-def check(*names):
-
-    def register(fn):
-        for name in names:
-            CHECKS[name] = fn
-        return fn
-
-    return register
+CHECKS, check = behaviour_table()
 
 
 def _block_allocated(address):
