@@ -553,7 +553,8 @@ def test_name_behaves(name):
 
 def test_submodule_all_lists_hold_no_private_names():
     for module in (torch.supa.memory, torch.supa.random, torch.supa.streams, torch.supa.graphs,
-                   torch.supa.tensor_types, torch.supa.amp, torch.supa.brtx, torch.supa.profiler):
+                   torch.supa.tensor_types, torch.supa.amp, torch.supa.brtx, torch.supa.profiler,
+                   torch.supa.bccl):
         assert [n for n in module.__all__ if n.startswith("_")] == [], module.__name__
 
 
