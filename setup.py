@@ -6,9 +6,10 @@ folders), but install as `supa_deepspeed.accelerator` and `supa_deepspeed.op_bui
 DeepSpeed checkout puts its own top-level `accelerator` and `op_builder` on sys.path, and a
 second package under either name would shadow one or the other.
 
-The .pth line runs at interpreter start-up. With SUPA_EMULATE off it costs one environment
-lookup; with it on, it lets `import torch_supa` work as the first import of a script (before
-torch), as with the real package, by appending a finder that yields to a real torch_supa.
+The .pth line runs at interpreter start-up. With SUPA_EMULATE unset it costs one environment
+lookup; set, `supa_emu.switches` (which imports only `os`) reads it. On, the line lets
+`import torch_supa` work as the first import of a script (before torch), as with the real
+package, by appending a finder that yields to a real torch_supa.
 """
 
 import pathlib
@@ -18,8 +19,9 @@ from setuptools.command.build_py import build_py
 
 PTH_NAME = "supa_emu.pth"
 PTH_LINE = (
-    'import os; os.environ.get("SUPA_EMULATE", "0").strip().lower() in ("", "0", "false", "no", "off") '
-    'or __import__("supa_emu.import_hooks").import_hooks.install_startup_finder()\n'
+    'import os; "SUPA_EMULATE" not in os.environ '
+    'or __import__("supa_emu.switches").switches.emulation_wanted() '
+    'and __import__("supa_emu.import_hooks").import_hooks.install_startup_finder()\n'
 )
 
 

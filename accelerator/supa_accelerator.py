@@ -1,4 +1,4 @@
-"""DeepSpeed's accelerator interface for Biren SUPA GPUs, implemented on `torch.supa` (one class, all ~65 interface methods in its order, hence its length).
+"""DeepSpeed's accelerator interface for Biren SUPA GPUs, implemented on `torch.supa`, one method per interface method in the interface's order.
 
 Every answer comes from `torch.supa.*` or public torch APIs, so the class behaves the same on a
 real card and on anything else that provides `torch.supa` (such as this project's emulator).

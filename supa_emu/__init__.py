@@ -16,8 +16,12 @@ def _autoload() -> None:
     Then, as the real package's autoload does, applies transfer_to_supa (CUDA names mean the
     SUPA card) unless SUPA_EMU_TRANSFER turns that off.
     """
-    if os.environ.get("SUPA_EMULATE", "0").strip() in ("", "0"):
+    if "SUPA_EMULATE" not in os.environ:
         return  # the common case costs one dictionary lookup
+    from supa_emu.switches import emulation_wanted
+
+    if not emulation_wanted():
+        return
     try:
         from supa_emu.config import emulation_requested  # validates the value
 

@@ -13,6 +13,8 @@ import logging
 import threading
 import warnings
 
+from supa_emu.device_type import DEVICE_TYPE
+
 log = logging.getLogger("supa_emu")
 
 _lock = threading.Lock()
@@ -45,8 +47,8 @@ def config():
 def activate() -> bool:
     global _active
     # torch first, outside the lock: under SUPA_EMULATE=1 its backend autoload calls activate()
-    # itself, which must find the lock free (an explicit supa_emu.activate() before any
-    # `import torch` used to deadlock here); this call then returns what that one decided.
+    # itself, which must find the lock free (else an explicit supa_emu.activate() before any
+    # `import torch` would wait on itself); this call then returns what that one decided.
     import torch  # noqa: F401
 
     with _lock:
@@ -73,12 +75,12 @@ def _register() -> None:
     if beyond_host is not None:
         warnings.warn(beyond_host, RuntimeWarning, stacklevel=2)
     core = native.load(cfg.cache_dir, cfg.cache_dir_from_env)
-    torch.utils.rename_privateuse1_backend("supa")
+    torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
     core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion)
 
     from supa_emu import supa as supa_module
 
-    torch._register_device_module("supa", supa_module)
+    torch._register_device_module(DEVICE_TYPE, supa_module)
     if cfg.allocator_conf:
         from supa_emu.supa import _allocator_config
 

@@ -11,12 +11,10 @@ import os
 import pathlib
 import re
 
-from supa_emu import allocator_settings
+from supa_emu import allocator_settings, switches
 from supa_emu.device_profile import DEFAULT_PROFILE, PROFILES, DeviceProfile
 
 MAX_DEVICES = 64
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
           "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -52,12 +50,10 @@ def _flag(name: str, default: bool = False) -> bool:
     raw = os.environ.get(name)
     if raw is None:
         return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a valid switch; accepted values: 1/0, true/false, yes/no, on/off")
+    value = switches.parse(raw)
+    if value is None:
+        raise ConfigError(f"{name}={raw!r} is not a valid switch; accepted values: 1/0, true/false, yes/no, on/off")
+    return value
 
 
 # The real transfer_to_supa reads BRTB_TRANSFER_SILENCE itself and accepts these spellings

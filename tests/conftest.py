@@ -194,3 +194,31 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def python_subprocess():
     return run_python
+
+
+def behaviour_table():
+    """A `{name: check}` table and the decorator that fills it (`@check("a", "b")` registers the
+    function as the check of both names), for tests that give every name of an API a check."""
+    checks = {}
+
+    def check(*names):
+
+        def register(fn):
+            for name in names:
+                checks[name] = fn
+            return fn
+
+        return register
+
+    return checks, check
+
+
+@pytest.fixture
+def restore_supa_device():
+    """Initialises torch.supa and makes the device current before the test current again after it."""
+    import torch
+
+    torch.supa.init()
+    previous = torch.supa.current_device()
+    yield
+    torch.supa.set_device(previous)

@@ -24,6 +24,8 @@ from supa_deepspeed import accelerator
 from supa_deepspeed.accelerator import deepspeed_selection
 from supa_deepspeed.accelerator.supa_accelerator import SUPA_Accelerator
 
+from conftest import behaviour_table
+
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
@@ -71,17 +73,7 @@ def test_package_import_is_free_and_offers_no_deepspeed_names():
 # ---------------------------------------------------------------------------------------------
 # Every interface method answers sensibly
 
-CHECKS = {}
-
-
-def check(*names):
-
-    def register(fn):
-        for name in names:
-            CHECKS[name] = fn
-        return fn
-
-    return register
+CHECKS, check = behaviour_table()
 
 
 @check("is_synchronized_device", "use_host_timers", "resolves_data_dependency", "handles_memory_backpressure")

@@ -1,6 +1,6 @@
-"""The switching contract (design §2): when the emulator activates, when it stands down,
-and what `import torch_supa` / `import torch_supa_ext` give. Each case runs in a fresh
-interpreter, because activation happens once, at `import torch`."""
+"""When the emulator activates (SUPA_EMULATE at `import torch`), when it stands down (a real
+torch_supa is installed), and what `import torch_supa` / `import torch_supa_ext` give. Each case
+runs in a fresh interpreter, because activation happens once, at `import torch`."""
 
 import pytest
 
@@ -34,7 +34,8 @@ def test_import_torch_activates_the_device():
 
 @pytest.mark.parametrize("emulate", ["1", None])
 def test_explicit_activate_before_importing_torch(emulate):
-    """Under SUPA_EMULATE=1, torch's autoload activates from inside activate() (this deadlocked)."""
+    """activate() before `import torch`: under SUPA_EMULATE=1, torch's autoload re-enters activate()
+    from inside it, and both calls agree without waiting on each other."""
     out = run_python("""
         import supa_emu
         print(supa_emu.activate())
@@ -45,7 +46,8 @@ def test_explicit_activate_before_importing_torch(emulate):
 
 
 def test_native_module_imported_before_torch():
-    """Importing it no longer imports torch half-way through it (autoload then found it incomplete)."""
+    """`supa_emu.native` imported before torch does not import torch half-way through itself, where
+    torch's autoload would find it incomplete."""
     out = run_python("""
         from supa_emu import native
         import torch

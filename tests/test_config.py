@@ -1,5 +1,7 @@
 """Parsing and validation of the SUPA_* variables (supa_emu.config)."""
 
+import os
+
 import pytest
 
 from supa_emu import config
@@ -89,3 +91,39 @@ def test_memory_beyond_the_host_is_flagged_only_when_asked_for(monkeypatch):
 def test_switches(monkeypatch, raw, expected):
     monkeypatch.setenv("SUPA_EMULATE", raw)
     assert config.emulation_requested() is expected
+
+
+@pytest.mark.parametrize("raw, expected", [(None, False), ("", False), ("off", False), (" No ", False),
+                                           ("1", True), ("Yes", True), ("maybe", True)])
+def test_emulation_wanted_lets_only_off_spellings_stand_down(monkeypatch, raw, expected):
+    # A value that is no switch counts as wanted, so activation reaches config.load(), which rejects it.
+    from supa_emu import switches
+
+    if raw is None:
+        monkeypatch.delenv("SUPA_EMULATE", raising=False)
+    else:
+        monkeypatch.setenv("SUPA_EMULATE", raw)
+    assert switches.emulation_wanted() is expected
+    if raw == "maybe":
+        with pytest.raises(config.ConfigError, match="SUPA_EMULATE='maybe' is not a valid switch"):
+            config.load()
+
+
+@pytest.mark.parametrize("raw, installs_finder", [(None, False), ("0", False), ("off", False), ("1", True)])
+def test_startup_line_installs_the_finder_only_when_emulation_is_wanted(raw, installs_finder):
+    """setup.py's .pth line, run at start-up without site (and without torch)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    setup_source = (repo / "setup.py").read_text()
+    pth_line = setup_source.split("PTH_LINE = ", 1)[1].split("\n)\n", 1)[0] + "\n)"
+    probe = (eval(pth_line) + "import sys; print(any(type(f).__module__ == 'supa_emu.import_hooks' for f in "
+             "sys.meta_path), 'torch' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "SUPA_EMULATE"}
+    if raw is not None:
+        env["SUPA_EMULATE"] = raw
+    env["PYTHONPATH"] = str(repo)
+    out = subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == [str(installs_finder), "False"], out.stderr

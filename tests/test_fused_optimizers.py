@@ -175,9 +175,16 @@ def test_adam_noop_flag_skips_the_step(adam_ops, adam_path, device, dtype):
     assert not torch.equal(p[0], before[0])
 
 
-def test_adam_empty_lists_are_a_no_op(adam_ops):
-    adam_ops.multi_tensor_adam(CHUNK, torch.zeros(1, dtype=torch.int32), [[], [], [], []], 1e-2, 0.9, 0.999, 1e-8, 1,
-                               1, 1, 0.0)
+def test_adam_empty_group_is_a_no_op_and_unequal_lists_raise(adam_ops):
+    flag = torch.zeros(1, dtype=torch.int32)
+    assert adam_ops.multi_tensor_adam(CHUNK, flag, [[], [], [], []], 1e-2, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0) is None
+    assert flag.tolist() == [0]
+    p = torch.ones(3)
+    m, v, g = torch.zeros(3), torch.zeros(3), torch.ones(3)
+    for lists in ([[g], [], [], []], [[g], [p], [m], []]):  # a gradient or a state tensor without its pair
+        with pytest.raises(RuntimeError, match="Size mismatch among tensor lists"):
+            adam_ops.multi_tensor_adam(CHUNK, flag, lists, 1e-2, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    assert torch.equal(p, torch.ones(3)) and torch.equal(m, torch.zeros(3))
 
 
 # ---- Lion -------------------------------------------------------------------------------------

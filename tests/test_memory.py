@@ -605,3 +605,30 @@ def test_custom_allocators_are_rejected_clearly():
         torch.supa.SUPAPluggableAllocator("/tmp/alloc.so", "my_malloc", "my_free")
     with pytest.raises(NotImplementedError, match="does not load custom allocator"):
         torch.supa.change_current_allocator(object())
+
+
+def test_caching_allocator_alloc_checks_its_stream_and_warns_it_is_not_tied_to_one():
+    device = last_device()
+    with torch.supa.device(device):
+        current = torch.supa.current_stream()
+        side = torch.supa.Stream()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current stream, as object or handle: nothing to say
+        for stream in (None, current, current.supa_stream):
+            torch.supa.caching_allocator_delete(torch.supa.caching_allocator_alloc(MiB, device, stream))
+    with pytest.warns(UserWarning, match="does not tie blocks to streams"):
+        address = torch.supa.caching_allocator_alloc(MiB, device, side)
+    torch.supa.caching_allocator_delete(address)
+    if device > 0:
+        with pytest.raises(ValueError, match=f"the stream is on supa:{device}, the allocation on supa:0"):
+            torch.supa.caching_allocator_alloc(MiB, 0, side)
+
+
+def test_snapshot_checks_its_device_and_covers_every_device():
+    block = torch.empty(MiB, dtype=torch.uint8, device=f"supa:{last_device()}")
+    segments = torch.supa._snapshot(0)["segments"]
+    assert any(seg["address"] == block.data_ptr() for seg in segments)
+    with pytest.raises(AssertionError, match="Invalid device id"):
+        torch.supa._snapshot(torch.supa.device_count())
+    with pytest.raises(ValueError, match="Expected a supa device"):
+        torch.supa._snapshot("cpu")

@@ -118,7 +118,8 @@ def test_damage_is_detected_before_loading(seeded_cache, how):
 @pytest.mark.emulation_only
 @pytest.mark.parametrize("how", ["truncated", "random bytes", "emptied"])
 def test_damaged_library_is_reported_once_and_relinked(seeded_cache, how):
-    """The three ways a damaged library used to kill `import torch` (bus error, C++ terminate, ImportError)."""
+    """A truncated, overwritten or emptied core library (which loading would turn into a bus error, a
+    C++ terminate or an ImportError) is reported in one line and relinked; `import torch` works."""
     DAMAGE[how](_library(seeded_cache))
     result = _run(seeded_cache)
     assert result.returncode == 0, result.stderr

@@ -109,7 +109,7 @@ def test_float64_from_cpu_is_refused_like_the_real_copy_kernel():
         torch.ones(2, dtype=torch.float64).to(DEV)
 
 
-# The rule lives in the copy kernel (reference §17.16): float64 data that comes FROM THE HOST
+# The rule lives in the copy kernel (docs/real_stack.md, "Float64"): float64 data that comes FROM THE HOST
 # into a supa float64 tensor is refused; float64 made on the device is not a copy from the host.
 _F64 = torch.float64
 _HOST_TO_DEVICE_FLOAT64 = {
@@ -281,8 +281,8 @@ def test_copying_a_lazily_conjugated_fft_result_does_not_crash(python_subprocess
 
 
 def test_zero_tensors_from_autograd_have_no_memory_and_read_as_zeros():
-    # sgn's backward returns an efficient zero tensor; making it from the CPU one used to read
-    # through its null data pointer (a crash in the autograd thread).
+    # sgn's backward returns an efficient zero tensor, which has no memory: making the device
+    # one from a CPU one must not read through its null data pointer (in the autograd thread).
     x = torch.randn(4, device=DEV, requires_grad=True)
     torch.sgn(x).sum().backward()
     assert x.grad.device == DEV and x.grad.cpu().tolist() == [0.0] * 4

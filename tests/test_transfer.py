@@ -172,6 +172,17 @@ def test_specially_mapped_names():
     assert torch.cuda.is_tf32_supported()
 
 
+def test_transfer_copies_the_names_of_torch_supa_all_and_the_private_memory_names():
+    from supa_emu.torch_supa.contrib import transfer_to_supa
+
+    # Two lists kept apart on purpose (what torch.supa exports, what the transfer puts onto
+    # torch.cuda); on the real stack they are the same 103 names.
+    assert sorted(transfer_to_supa.CUDA_NAMES) == sorted(torch.supa.__all__)
+    for name in ("_record_memory_history", "_snapshot", "_set_allocator_settings"):
+        assert getattr(torch.cuda.memory, name) is getattr(torch.supa.memory, name)
+    assert torch.cuda._get_device_index is not torch.supa._get_device_index  # unlisted: CUDA's own
+
+
 def test_cuda_submodules_answer_for_supa():
     x = torch.ones(1024, device="cuda")
     assert torch.cuda.memory.memory_allocated() == torch.supa.memory_allocated() > 0

@@ -124,9 +124,10 @@ def adam_fallback(noop_flag, grads, params, exp_avgs, exp_avg_sqs, lr, beta1, be
 def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction,
                       weight_decay):
     """DeepSpeed's call: tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]."""
+    multi_tensor.check_lists(tensor_lists)
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists
     if not params:
-        return
+        return  # an empty parameter group: nothing to update
     kernel = supa_kernels.usable_kernel('multi_tensor_adam', params[0].device, _probe_ext_kernel)
     if kernel is not None:
         kernel(chunk_size, noop_flag, grads, params, exp_avgs, exp_avg_sqs, lr, beta1, beta2, epsilon, step, mode,

@@ -45,9 +45,10 @@ def lion_fallback(noop_flag, grads, params, exp_avgs, lr, beta1, beta2, step, we
 @torch.no_grad()  # DeepSpeed hands over bf16 Parameters themselves, outside no_grad
 def multi_tensor_lion(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, step, weight_decay):
     """DeepSpeed's call: tensor_lists = [grads, params, exp_avgs]."""
+    multi_tensor.check_lists(tensor_lists)
     grads, params, exp_avgs = tensor_lists
     if not params:
-        return
+        return  # an empty parameter group: nothing to update
     kernel = supa_kernels.usable_kernel('multi_tensor_lion', params[0].device, _probe_ext_kernel)
     if kernel is not None:
         kernel(chunk_size, noop_flag, grads, params, exp_avgs, lr, beta1, beta2, step, weight_decay)

@@ -1,4 +1,4 @@
-"""Helpers the multi-tensor optimizer fallbacks share: fp32 working copies and the noop flag.
+"""Helpers the multi-tensor optimizer ops share: list checks, fp32 working copies, the noop flag.
 
 DeepSpeed's fused kernels load fp16/bf16 values, do all arithmetic in fp32 and round once on
 store. A chain of `torch._foreach_*` ops on 16-bit tensors would round after every op instead, so
@@ -8,6 +8,13 @@ the fallbacks compute on fp32 copies of 16-bit lists and write the results back 
 import torch
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_lists(tensor_lists):
+    """Raise RuntimeError("Size mismatch among tensor lists") unless every list has the same
+    length, as DeepSpeed's multi_tensor_apply does; an empty group (all lists empty) is valid."""
+    if len({len(tensors) for tensors in tensor_lists}) > 1:
+        raise RuntimeError(f"Size mismatch among tensor lists: lengths {[len(t) for t in tensor_lists]}")
 
 
 def as_fp32(tensors):

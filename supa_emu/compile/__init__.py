@@ -16,6 +16,8 @@ import importlib.machinery
 import sys
 from typing import Any
 
+from supa_emu.device_type import DEVICE_TYPE
+
 _DYNAMO_DEVICE_INTERFACE = "torch._dynamo.device_interface"
 
 # The names Inductor's init_backend_registration looks up on the PrivateUse1 device module.
@@ -29,7 +31,7 @@ def codegen_class(name: str) -> Any:
     return inductor_backend.CODEGEN_CLASSES[name]
 
 
-def register_device_interface(device_type: str = "supa") -> None:
+def register_device_interface(device_type: str = DEVICE_TYPE) -> None:
     """Registers `SupaInterface` with Dynamo for `device_type` and `device_type:<i>`.
 
     Also meant for transfer_to_supa, which calls it with "cuda" so that Dynamo answers CUDA
@@ -105,4 +107,4 @@ def _install_import_hook() -> None:
 
 def install() -> None:
     """Called at activation: arranges the lazy registrations; imports nothing of torch._dynamo."""
-    register_device_interface("supa")
+    register_device_interface(DEVICE_TYPE)

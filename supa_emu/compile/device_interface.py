@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.device_interface import (
     DeviceInterface, caching_worker_current_devices, caching_worker_device_properties)
 
-_DEVICE_TYPE = "supa"
+from supa_emu.device_type import DEVICE_TYPE
 
 
 def _index_of(device: Any) -> int:
@@ -22,8 +22,8 @@ def _index_of(device: Any) -> int:
     if isinstance(device, str):
         device = torch.device(device)
     if isinstance(device, torch.device):
-        if device.type != _DEVICE_TYPE:
-            raise ValueError(f"expected a '{_DEVICE_TYPE}' device, got '{device}'")
+        if device.type != DEVICE_TYPE:
+            raise ValueError(f"expected a '{DEVICE_TYPE}' device, got '{device}'")
         return torch.supa.current_device() if device.index is None else device.index
     return int(device)
 
@@ -38,21 +38,21 @@ class SupaInterface(DeviceInterface):
 
         @staticmethod
         def set_device(device: int) -> None:
-            caching_worker_current_devices[_DEVICE_TYPE] = device
+            caching_worker_current_devices[DEVICE_TYPE] = device
 
         @staticmethod
         def current_device() -> int:
-            if _DEVICE_TYPE in caching_worker_current_devices:
-                return caching_worker_current_devices[_DEVICE_TYPE]
+            if DEVICE_TYPE in caching_worker_current_devices:
+                return caching_worker_current_devices[DEVICE_TYPE]
             return torch.supa.current_device()
 
         @staticmethod
         def get_device_properties(device: Any = None) -> Any:
             index = SupaInterface.Worker.current_device() if device is None else _index_of(device)
-            if _DEVICE_TYPE not in caching_worker_device_properties:
-                caching_worker_device_properties[_DEVICE_TYPE] = [
+            if DEVICE_TYPE not in caching_worker_device_properties:
+                caching_worker_device_properties[DEVICE_TYPE] = [
                     torch.supa.get_device_properties(i) for i in range(torch.supa.device_count())]
-            return caching_worker_device_properties[_DEVICE_TYPE][index]
+            return caching_worker_device_properties[DEVICE_TYPE][index]
 
     current_device = staticmethod(torch.supa.current_device)
     set_device = staticmethod(torch.supa.set_device)

@@ -21,8 +21,7 @@ from torch._inductor.codegen.wrapper_fxir import WrapperFxCodegen
 from torch._inductor.virtualized import V
 
 from supa_emu.compile import inductor_patches
-
-DEVICE_TYPE = "supa"
+from supa_emu.device_type import DEVICE_TYPE
 _CPU = torch.device("cpu")
 
 

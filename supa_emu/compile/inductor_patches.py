@@ -16,7 +16,7 @@ import functools
 
 from torch._inductor import ir, scheduler
 
-DEVICE_TYPE = "supa"
+from supa_emu.device_type import DEVICE_TYPE
 _applied = False
 
 

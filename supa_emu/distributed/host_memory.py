@@ -11,9 +11,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from supa_emu.device_type import DEVICE_TYPE
 from supa_emu.supa import _native
-
-DEVICE_TYPE = "supa"
 
 
 def host_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""ProcessGroupBCCL: torch.distributed collectives on emulated device tensors, run by gloo on host views (one method per c10d entry point, hence its length).
+"""ProcessGroupBCCL: torch.distributed collectives on emulated device tensors, run by gloo on host views, one method per c10d entry point.
 
 Each call checks that its tensors live on the device, agrees with its peers on what is being run
 (see signatures.py), then hands gloo CPU views that alias the device tensors' memory, so data moves

@@ -19,6 +19,8 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
 
+from supa_emu.device_type import DEVICE_TYPE
+
 __all__ = ["rebuild_supa_event", "rebuild_supa_tensor"]
 
 # torch's own reductions, for everything that is not on supa.
@@ -56,7 +58,7 @@ def _share_supa_(self: torch.UntypedStorage) -> tuple[int, int, int]:
     takes over in `_new_shared_supa` or drops with `_release_ipc_counter_supa`. `fd` belongs
     to the storage and is valid while the storage lives; it is -1 for an empty storage.
     """
-    if self.device.type != "supa":
+    if self.device.type != DEVICE_TYPE:
         raise RuntimeError(f"_share_supa_: only available on SUPA, got a storage on {self.device}")
     fd, nbytes = _native()._ipc_export(self)
     return self.device.index, fd, nbytes
@@ -84,7 +86,7 @@ def rebuild_supa_tensor(tensor_cls, size, stride, storage_offset, dtype, device,
                         requires_grad, conj, neg):
     """Receiver side of `reduce_tensor`: the tensor over the sender's memory on `supa:<device>`."""
     if handle is None:
-        storage = torch.UntypedStorage(0, device=torch.device("supa", device))
+        storage = torch.UntypedStorage(0, device=torch.device(DEVICE_TYPE, device))
     else:
         fd = handle.detach()
         try:
@@ -113,7 +115,7 @@ def rebuild_supa_tensor(tensor_cls, size, stride, storage_offset, dtype, device,
 def reduce_tensor(tensor: torch.Tensor):
     """Pickle a tensor for another process: strided supa tensors by shared memory, the rest by
     torch's own reduction (sparse and nested tensors come back here for their parts)."""
-    if tensor.device.type != "supa" or tensor.layout != torch.strided or tensor.is_nested:
+    if tensor.device.type != DEVICE_TYPE or tensor.layout != torch.strided or tensor.is_nested:
         return _torch_reduce_tensor(tensor)
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError(_NON_LEAF)
@@ -133,7 +135,7 @@ def reduce_tensor(tensor: torch.Tensor):
 
 def reduce_storage(storage):
     """Storages travel inside tensors only (their dtype and geometry are the tensor's)."""
-    if storage.device.type == "supa":
+    if storage.device.type == DEVICE_TYPE:
         raise RuntimeError(_STORAGE)
     return _torch_reduce_storage(storage)
 

@@ -1,4 +1,4 @@
-"""`torch.supa`: device management and lazy initialisation of the emulated SUPA runtime (torch.cuda's __init__ counterpart; its length is that public surface).
+"""`torch.supa`: device management and lazy initialisation of the emulated SUPA runtime (torch.cuda's __init__ counterpart).
 
 This package is what `torch._register_device_module('supa', ...)` installs. Its layout follows
 `torch.cuda` so a reader finds each concern where they expect it: device selection and lazy
@@ -20,6 +20,7 @@ from typing import Any, Callable, Union
 import torch
 
 from supa_emu import native as _native_build
+from supa_emu.device_type import DEVICE_TYPE
 
 _DeviceLike = Union[torch.device, str, int, None]
 
@@ -27,8 +28,11 @@ _DeviceLike = Union[torch.device, str, int, None]
 # Lazy initialisation state. The public view of "initialised" is `is_initialized()` (and the
 # module attribute `_initialized`, served by `__getattr__` below like the real package does).
 _init_done = False
-_is_internal_in_bad_fork = False  # the real package never sets it; kept for the API contract
 _queued_calls: list[tuple[Callable[[], Any], list[str]]] = []
+# Seeding is memory-less: only the latest `manual_seed` ("seed") and the latest
+# `manual_seed_all` ("seed_all") call matter. They run after the other queued calls, in the
+# order they were last made (the dict's insertion order), as torch.cuda runs them.
+_queued_seeds: dict[str, tuple[Callable[[], Any], list[str]]] = {}
 _tls = threading.local()
 _initialization_lock = threading.Lock()
 
@@ -73,21 +77,44 @@ def _is_compiled() -> bool:
 
 
 def _is_in_bad_fork() -> bool:
-    """Always False: like the real stack, no fork hook ever marks the runtime unusable."""
-    return _is_internal_in_bad_fork
+    """False: a process forked from an initialised one keeps using the cards.
+
+    torch.cuda marks a forked child "bad" because a CUDA context does not survive fork; the
+    real torch_supa registers no fork hook, and the emulator's devices, whose memory is the
+    process's own, work in the child (docs/real_stack.md, "Lazy initialisation and fork").
+    """
+    return False
 
 
 def is_initialized() -> bool:
-    """True once `_lazy_init()` has completed (and the process is not a bad fork)."""
-    return _init_done and not _is_in_bad_fork()
+    """True once `_lazy_init()` has made the runtime usable."""
+    return _init_done
 
 
 def _lazy_call(callable: Callable[[], Any], **kwargs: Any) -> None:
-    """Run `callable` now if the runtime is initialised, else queue it for `_lazy_init()`."""
+    """Run `callable` now if the runtime is initialised, else queue it for `_lazy_init()`.
+
+    `seed=True` / `seed_all=True` mark a `manual_seed` / `manual_seed_all` call: a later call
+    of the same kind replaces it in the queue, and both run after every other queued call.
+    Any other keyword raises TypeError.
+    """
+    unknown = sorted(set(kwargs) - {"seed", "seed_all"})
+    if unknown:
+        raise TypeError(f"_lazy_call() got unexpected keyword arguments {unknown}; accepted: seed, seed_all")
     if is_initialized():
         callable()
-    else:
-        _queued_calls.append((callable, traceback.format_stack()))
+        return
+    origin = traceback.format_stack()
+    with _initialization_lock:
+        if not is_initialized():
+            kind = "seed_all" if kwargs.get("seed_all") else "seed" if kwargs.get("seed") else None
+            if kind is None:
+                _queued_calls.append((callable, origin))
+            else:
+                _queued_seeds.pop(kind, None)
+                _queued_seeds[kind] = (callable, origin)
+            return
+    callable()  # initialisation finished while this call waited for the lock
 
 
 def init() -> None:
@@ -102,16 +129,12 @@ def _lazy_init() -> None:
     DeferredSupaCallError when a queued call fails.
     """
     global _init_done, default_generators
-    # is_initialized(), spelled out: this runs before nearly every torch.supa call.
-    if (_init_done and not _is_internal_in_bad_fork) or getattr(_tls, "is_initializing", False):
+    # Checked before the lock: this runs before nearly every torch.supa call.
+    if _init_done or getattr(_tls, "is_initializing", False):
         return
     with _initialization_lock:
-        if is_initialized():
+        if _init_done:
             return
-        if _is_in_bad_fork():
-            raise RuntimeError(
-                "Cannot re-initialize SUPA in forked subprocess. To use SUPA with "
-                "multiprocessing, you must use the 'spawn' start method")
         native = _native()
         if native._device_count() <= 0:
             raise RuntimeError("No BIREN GPUs are available")
@@ -120,7 +143,9 @@ def _lazy_init() -> None:
         _tls.is_initializing = True
         # The runtime itself is usable from here on; queued calls see an initialised module.
         _init_done = True
-        calls, _queued_calls[:] = list(_queued_calls), []
+        calls = [*_queued_calls, *_queued_seeds.values()]
+        _queued_calls.clear()
+        _queued_seeds.clear()
         try:
             for queued, origin in calls:
                 try:
@@ -170,11 +195,11 @@ def _get_device_index(device: Any, optional: bool = False, allow_cpu: bool = Fal
         device = torch.device(device)
     if isinstance(device, torch.device):
         if allow_cpu:
-            if device.type not in ("supa", "cpu"):
+            if device.type not in (DEVICE_TYPE, "cpu"):
                 raise ValueError(f"Expected a supa or cpu device, but got: {device}")
             if device.type == "cpu":
                 return -1
-        elif device.type != "supa":
+        elif device.type != DEVICE_TYPE:
             raise ValueError(f"Expected a supa device, but got: {device}")
         if device.index is not None:
             return device.index
@@ -200,7 +225,11 @@ def set_device(device: _DeviceLike) -> None:
 
 
 def _exchange_device(device: int) -> int:
-    """Make `device` current and return the previous index; a negative index returns -1 untouched."""
+    """Make `device` current and return the previous index; a negative index returns -1 untouched.
+
+    The one device-switch primitive: `device`, `_DeviceGuard` and Dynamo's tracing of them all
+    switch through it and `_maybe_exchange_device`.
+    """
     if device < 0:
         return -1
     _lazy_init()
@@ -212,35 +241,6 @@ def _maybe_exchange_device(device: int) -> int:
     if device < 0:
         return -1
     return int(_native()._exchange_device(device))
-
-
-class _DeviceContext:
-    """Context manager that makes a device current and restores the previous one on exit.
-
-    `device(-1)` is a no-op; `device(None)` selects the current device.
-    """
-
-    def __init__(self, device: _DeviceLike) -> None:
-        self.idx = _get_device_index(device, optional=True)
-        self.prev_idx = -1
-
-    def __enter__(self) -> None:
-        if self.idx == -1:
-            return
-        _lazy_init()
-        native = _native()
-        self.prev_idx = int(native._get_device())
-        if self.prev_idx != self.idx:
-            native._set_device(self.idx)
-
-    def __exit__(self, *exc_info: Any) -> bool:
-        if self.idx != -1 and self.prev_idx != self.idx:
-            _native()._set_device(self.prev_idx)
-        return False
-
-
-device = _DeviceContext
-device.__name__ = device.__qualname__ = "device"
 
 
 class _DeviceGuard:
@@ -256,6 +256,27 @@ class _DeviceGuard:
     def __exit__(self, *exc_info: Any) -> bool:
         self.idx = _maybe_exchange_device(self.prev_idx)
         return False
+
+
+class _DeviceContext(_DeviceGuard):
+    """Context manager that makes a device current and restores the previous one on exit.
+
+    `device(-1)` is a no-op; `device(None)` selects the current device. Another negative index
+    is rejected by the runtime on entry, as the real package's `device` passes it on.
+    """
+
+    def __init__(self, device: _DeviceLike) -> None:
+        super().__init__(_get_device_index(device, optional=True))
+
+    def __enter__(self) -> None:
+        if self.idx < -1:
+            _lazy_init()
+            _native()._set_device(self.idx)  # raises: invalid device ordinal
+        super().__enter__()
+
+
+device = _DeviceContext
+device.__name__ = device.__qualname__ = "device"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +342,7 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 @functools.lru_cache(maxsize=16)
 def _probe_bf16(idx: int) -> bool:
     try:
-        torch.tensor([1.0], dtype=torch.bfloat16, device=torch.device("supa", idx))
+        torch.tensor([1.0], dtype=torch.bfloat16, device=torch.device(DEVICE_TYPE, idx))
     except Exception:
         return False
     return True
@@ -386,41 +407,27 @@ from ._device_properties import _SupaDeviceProperties, _SUuuid, _device_properti
 from .memory import *  # noqa: E402,F401,F403
 from .memory import _record_memory_history, _set_allocator_settings, _snapshot  # noqa: E402,F401
 from .random import *  # noqa: E402,F401,F403
-from .streams import (  # noqa: E402,F401
-    Event, ExternalStream, Stream, StreamContext, current_stream, default_stream, set_stream, stream)
-from .graphs import (  # noqa: E402,F401
-    SUPAGraph, graph, graph_pool_handle, is_current_stream_capturing, make_graphed_callables)
+from .streams import *  # noqa: E402,F401,F403
+from .graphs import *  # noqa: E402,F401,F403
 from .tensor_types import *  # noqa: E402,F401,F403
 from .tensor_types import _SupaBase  # noqa: E402,F401
-from . import amp, bccl, brtx, graphs, memory, profiler, random, streams  # noqa: E402,F401
+from . import amp, bccl, brtx, graphs, memory, profiler, random, streams, tensor_types  # noqa: E402,F401
 from .amp import (  # noqa: E402,F401
     autocast, custom_bwd, custom_fwd, get_amp_supported_dtype, get_autocast_dtype,
     get_autocast_gpu_dtype, is_autocast_enabled, set_autocast_dtype, set_autocast_enabled)
 
-__all__ = [
-    # legacy storages and tensor types
-    "BFloat16Storage", "BFloat16Tensor", "BoolStorage", "BoolTensor", "ByteStorage", "ByteTensor",
-    "CharStorage", "CharTensor", "ComplexDoubleStorage", "ComplexFloatStorage", "DoubleStorage",
-    "DoubleTensor", "FloatStorage", "FloatTensor", "HalfStorage", "HalfTensor", "IntStorage",
-    "IntTensor", "LongStorage", "LongTensor", "ShortStorage", "ShortTensor",
-    # streams, events, pools, graphs
-    "Event", "ExternalStream", "MemPool", "MemPoolContext", "SUPAGraph", "Stream", "StreamContext",
-    # init and device management
-    "_is_compiled", "_is_in_bad_fork", "_lazy_call", "_lazy_init", "_sleep", "amp", "bccl",
-    "caching_allocator_alloc", "caching_allocator_delete", "caching_allocator_enable",
+# The package's own exports, as the real torch_supa lists them (docs/real_stack.md, "The
+# torch.supa namespace"): device management and lazy init (private names included), five
+# submodules and five of amp's names. The submodules' `__all__` give the rest of the 103.
+_PACKAGE_NAMES = [
+    "_is_compiled", "_is_in_bad_fork", "_lazy_call", "_lazy_init", "_sleep",
     "can_device_access_peer", "check_error", "current_blas_handle", "current_device",
-    "current_stream", "SUPAPluggableAllocator", "change_current_allocator", "default_generators",
-    "default_stream", "device", "device_count", "empty_cache", "ipc_collect",
-    "get_allocator_backend", "get_amp_supported_dtype", "get_autocast_dtype", "get_device_name",
-    "get_device_properties", "get_per_process_memory_fraction", "get_rng_state",
-    "get_rng_state_all", "graph", "graph_pool_handle", "init", "initial_seed",
-    "is_autocast_enabled", "is_available", "is_bf16_supported", "is_current_stream_capturing",
-    "is_initialized", "make_graphed_callables", "manual_seed", "manual_seed_all",
-    "max_memory_allocated", "max_memory_cached", "max_memory_reserved", "mem_get_info",
-    "memory_allocated", "memory_cached", "memory_reserved", "memory_snapshot", "memory_stats",
-    "memory_stats_as_nested_dict", "memory_summary", "profiler", "random",
-    "reset_accumulated_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
-    "reset_peak_memory_stats", "seed", "seed_all", "set_autocast_dtype", "set_autocast_enabled",
-    "set_device", "set_per_process_memory_fraction", "set_rng_state", "set_rng_state_all",
-    "set_stream", "stream", "supart", "synchronize", "use_mem_pool", "brtx",
+    "default_generators", "device", "device_count", "get_device_name", "get_device_properties",
+    "init", "is_available", "is_bf16_supported", "is_initialized", "set_device", "supart",
+    "synchronize",
+    "amp", "bccl", "brtx", "profiler", "random",
+    "get_amp_supported_dtype", "get_autocast_dtype", "is_autocast_enabled", "set_autocast_dtype",
+    "set_autocast_enabled",
 ]
+__all__ = [*_PACKAGE_NAMES, *memory.__all__, *random.__all__, *streams.__all__, *graphs.__all__,
+           *tensor_types.__all__]

@@ -38,6 +38,8 @@ import torch
 from torch.autograd.variable import Variable
 from torch.utils._python_dispatch import _disable_current_modes
 
+from supa_emu.device_type import DEVICE_TYPE
+
 _logger = logging.getLogger("supa_emu")
 _kept = []  # the tiny graphs' tensors (leaf, output, incoming gradient), never freed by a device thread
 
@@ -52,7 +54,7 @@ def _finish_pending_backwards() -> None:
         # multithreading on, so that the tiny graphs reach the device threads whoever used them.
         with torch.enable_grad(), _disable_current_modes(), torch.autograd.set_multithreading_enabled(True):
             for index in range(device_count()):
-                device = torch.device("supa", index)
+                device = torch.device(DEVICE_TYPE, index)
                 leaf = torch.zeros((), device=device, requires_grad=True)
                 output, gradient = leaf.sum(), torch.ones((), device=device)
                 _kept.extend((leaf, output, gradient))

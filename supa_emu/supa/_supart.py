@@ -1,7 +1,8 @@
 """The SUPA runtime-API surface (`torch.supa.supart()`), answered by the emulator.
 
-The real object is a C submodule wrapping libsupart. Here there is no driver: calls that
-would talk to hardware succeed trivially, and memory queries come from the emulated allocator.
+The real object is a C submodule wrapping libsupart. Here there is no driver: page-locking
+succeeds (emulated cards read host memory directly), memory queries come from the emulated
+allocator, and raw stream handles, which nothing here could back, raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ def supaHostUnregister(ptr: int) -> supaError:
     return supaError.success
 
 
+_NO_RAW_STREAMS = ("{name}: the emulator does not model raw runtime streams (there is no handle to write "
+                   "to or release); create streams with torch.supa.Stream() instead")
+
+
 def supaStreamCreate(ptr: int) -> supaError:
-    """Raw stream creation is not needed by the emulator (streams come from torch.supa.Stream)."""
-    return supaError.success
+    """Raw stream creation through a handle pointer: not modelled, raises NotImplementedError."""
+    raise NotImplementedError(_NO_RAW_STREAMS.format(name="supaStreamCreate"))
 
 
 def supaStreamDestroy(ptr: int) -> supaError:
-    """Counterpart of `supaStreamCreate`; nothing to release."""
-    return supaError.success
+    """Counterpart of `supaStreamCreate`: not modelled, raises NotImplementedError."""
+    raise NotImplementedError(_NO_RAW_STREAMS.format(name="supaStreamDestroy"))
 
 
 def supaMemGetInfo(device: int) -> tuple[int, int]:

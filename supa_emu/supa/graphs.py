@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from supa_emu.device_type import DEVICE_TYPE
+
 from . import _lazy_init, _native, _sanitizer_switch, empty_cache, synchronize
 
 __all__ = ["is_current_stream_capturing", "graph_pool_handle", "SUPAGraph", "graph",
@@ -218,7 +220,7 @@ def make_graphed_callables(callables: Union[Callable[..., Any], tuple[Callable[.
     Raises RuntimeError when autocast with caching is enabled, AssertionError for Modules with
     hooks or trainable buffers and for non-Tensor sample args.
     """
-    if torch.is_autocast_enabled("supa") and torch.is_autocast_cache_enabled():
+    if torch.is_autocast_enabled(DEVICE_TYPE) and torch.is_autocast_cache_enabled():
         raise RuntimeError(
             "make_graphed_callables does not support the autocast caching. Please set `cache_enabled=False`.")
     from .streams import Stream, stream as stream_ctx

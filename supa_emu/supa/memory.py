@@ -28,14 +28,13 @@ from ._memory_history import _dump_snapshot, _record_memory_history, _snapshot, 
 _DeviceLike = Union[torch.device, str, int, None]
 
 __all__ = [
-    "_record_memory_history", "_snapshot",
     "caching_allocator_alloc", "caching_allocator_delete", "caching_allocator_enable",
     "get_per_process_memory_fraction", "set_per_process_memory_fraction", "empty_cache",
     "ipc_collect", "memory_stats", "memory_stats_as_nested_dict", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "memory_cached", "max_memory_cached", "memory_snapshot", "memory_summary", "mem_get_info",
-    "_set_allocator_settings", "get_allocator_backend", "change_current_allocator", "MemPool",
+    "get_allocator_backend", "change_current_allocator", "MemPool",
     "MemPoolContext", "use_mem_pool", "SUPAPluggableAllocator",
 ]
 
@@ -46,21 +45,34 @@ def caching_allocator_alloc(size: int, device: _DeviceLike = None, stream: Any =
     """Allocate `size` bytes on `device` (default: current) and return the address as an int.
 
     `stream` may be a `torch.supa.Stream` or an int stream handle (default: the current stream).
-    Raises TypeError for any other stream type, torch.OutOfMemoryError when the card is full.
+    Raises TypeError for any other stream type, ValueError for a Stream of another device,
+    torch.OutOfMemoryError when the card is full. The emulator's allocator keeps one cache per
+    device, not one per stream (work runs synchronously, so no stream still uses a freed block):
+    a stream other than the device's current one is accepted with a warning that the block is
+    not tied to it (docs/real_stack.md, "Caching allocator").
     """
     from .streams import Stream, current_stream
 
     if device is None:
         device = current_device()
     idx = _get_device_index(device)
+    current = current_stream(idx).supa_stream
     if stream is None:
-        stream = current_stream(idx)
+        stream = current
     if isinstance(stream, Stream):
+        if stream.device_index != idx:
+            raise ValueError(f"caching_allocator_alloc: the stream is on supa:{stream.device_index}, "
+                             f"the allocation on supa:{idx}; pass a stream of supa:{idx}")
         stream = stream.supa_stream
     if not isinstance(stream, int):
         raise TypeError(
             "Invalid type for stream argument, must be `torch.supa.Stream` or `int` representing a "
             "pointer to a existing stream")
+    if stream != current:
+        warnings.warn(
+            f"torch.supa.caching_allocator_alloc(stream={stream:#x}): the emulator's caching allocator "
+            "does not tie blocks to streams (one cache per device); once freed, this block can serve an "
+            "allocation on any stream", UserWarning, stacklevel=2)
     with _device_ctx(idx):
         return int(_native()._raw_alloc(int(size), idx))
 

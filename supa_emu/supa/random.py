@@ -11,6 +11,8 @@ from typing import Iterable, Union
 
 import torch
 
+from supa_emu.device_type import DEVICE_TYPE
+
 from . import _get_device_index, _lazy_call, _lazy_init, current_device, device_count
 
 __all__ = [
@@ -26,7 +28,7 @@ def _generators() -> tuple[torch.Generator, ...]:
     return sys.modules[__package__].default_generators
 
 
-def get_rng_state(device: _DeviceLike = "supa") -> torch.Tensor:
+def get_rng_state(device: _DeviceLike = DEVICE_TYPE) -> torch.Tensor:
     """The RNG state of `device` (default: current) as a uint8 CPU tensor. Initialises the runtime."""
     _lazy_init()
     return _generators()[_get_device_index(device, optional=True)].get_state()
@@ -37,7 +39,7 @@ def get_rng_state_all() -> list[torch.Tensor]:
     return [get_rng_state(i) for i in range(device_count())]
 
 
-def set_rng_state(new_state: torch.Tensor, device: _DeviceLike = "supa") -> None:
+def set_rng_state(new_state: torch.Tensor, device: _DeviceLike = DEVICE_TYPE) -> None:
     """Restore `device`'s RNG state from `get_rng_state` output (deferred until initialisation)."""
     state = new_state.clone(memory_format=torch.contiguous_format)
 
@@ -54,24 +56,26 @@ def set_rng_state_all(new_states: Iterable[torch.Tensor]) -> None:
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the current device's generator (deferred until initialisation)."""
+    """Seed the current device's generator (deferred until initialisation; then only the
+    latest such call runs, after the other deferred calls)."""
     seed = int(seed)
 
     def apply() -> None:
         _generators()[current_device()].manual_seed(seed)
 
-    _lazy_call(apply)
+    _lazy_call(apply, seed=True)
 
 
 def manual_seed_all(seed: int) -> None:
-    """Seed every device's generator (deferred until initialisation). `torch.manual_seed` calls this."""
+    """Seed every device's generator (deferred until initialisation; then only the latest such
+    call runs, after the other deferred calls). `torch.manual_seed` calls this."""
     seed = int(seed)
 
     def apply() -> None:
         for gen in _generators():
             gen.manual_seed(seed)
 
-    _lazy_call(apply)
+    _lazy_call(apply, seed_all=True)
 
 
 def seed() -> None:

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from supa_emu.device_type import DEVICE_TYPE
+
 from . import _get_device_index, _lazy_init, _gpu_trace, _native
 from . import device as _device_ctx
 
@@ -56,7 +58,7 @@ class Stream(torch.Stream):
         _lazy_init()
         idx = _get_device_index(device, optional=True)
         with _device_ctx(idx):
-            self = super().__new__(cls, device=torch.device("supa", idx), priority=priority)
+            self = super().__new__(cls, device=torch.device(DEVICE_TYPE, idx), priority=priority)
         _gpu_trace.StreamCreationCallbacks.fire_callbacks(self.supa_stream)
         return self
 
@@ -135,7 +137,7 @@ class Event(torch.Event):
 
     def __new__(cls, enable_timing: bool = False, blocking: bool = False,
                 interprocess: bool = False) -> "Event":
-        self = super().__new__(cls, device=torch.device("supa"), enable_timing=enable_timing,
+        self = super().__new__(cls, device=torch.device(DEVICE_TYPE), enable_timing=enable_timing,
                                blocking=blocking, interprocess=interprocess)
         # The only flag the core does not keep: torch.Event has no interprocess events.
         self._interprocess = bool(interprocess)

@@ -13,6 +13,8 @@ import torch
 from torch._utils import classproperty
 from torch.storage import _LegacyStorage, _warn_typed_storage_removal
 
+from supa_emu.device_type import DEVICE_TYPE
+
 from . import _lazy_init, current_device, device_count
 from . import device as _device_ctx
 
@@ -64,7 +66,7 @@ class _SupaTensorType(type):
         return False
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return (isinstance(obj, torch.Tensor) and obj.device.type == "supa"
+        return (isinstance(obj, torch.Tensor) and obj.device.type == DEVICE_TYPE
                 and obj.layout == torch.strided and obj.dtype == cls._dtype)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -81,7 +83,7 @@ class _SupaTensorType(type):
             raise TypeError(f"type 'torch.supa.{cls.__name__}' not available. Torch not compiled with supa enabled.")
         _lazy_init()
         # Tensor.new applies the legacy constructor rules for the template's dtype and device.
-        template = torch.empty(0, dtype=cls._dtype, device=torch.device("supa", current_device()))
+        template = torch.empty(0, dtype=cls._dtype, device=torch.device(DEVICE_TYPE, current_device()))
         return template.new(*args, **kwargs)
 
     def __repr__(cls) -> str:

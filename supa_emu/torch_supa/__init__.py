@@ -1,6 +1,7 @@
 """The emulated `torch_supa` package: what `import torch_supa` gives under emulation.
 
-Importing it does what importing the real package does (reference §1.2-1.3): it turns PyTorch's
+Importing it does what importing the real package does (docs/real_stack.md, "Device registration
+and autoload"): it turns PyTorch's
 backend autoload off before importing torch (so a script that starts with `import torch_supa`
 gets the native `supa` device only, without the CUDA transfer), makes sure the device is
 registered, and offers `_autoload()`, which applies `torch_supa.contrib.transfer_to_supa` and

@@ -7,12 +7,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from supa_emu.device_type import DEVICE_TYPE
+
 __all__ = [
     "autocast", "custom_fwd", "custom_bwd", "get_amp_supported_dtype", "get_autocast_gpu_dtype",
     "is_autocast_enabled", "set_autocast_enabled", "get_autocast_dtype", "set_autocast_dtype",
 ]
 
-_DEVICE = "supa"
 
 
 class autocast(torch.amp.autocast_mode.autocast):
@@ -24,10 +25,10 @@ class autocast(torch.amp.autocast_mode.autocast):
                  cache_enabled: bool = True) -> None:
         if torch._jit_internal.is_scripting():
             self._enabled = enabled
-            self.device = _DEVICE
+            self.device = DEVICE_TYPE
             self.fast_dtype = dtype
             return
-        super().__init__(_DEVICE, enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
+        super().__init__(DEVICE_TYPE, enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
 
     def __enter__(self) -> "autocast":
         if torch._jit_internal.is_scripting():
@@ -54,13 +55,13 @@ def custom_fwd(fwd: Optional[Callable[..., Any]] = None, *, cast_inputs: Optiona
     """
     if fwd is None:
         return functools.partial(custom_fwd, cast_inputs=cast_inputs)
-    return torch.amp.custom_fwd(fwd, device_type=_DEVICE, cast_inputs=cast_inputs)
+    return torch.amp.custom_fwd(fwd, device_type=DEVICE_TYPE, cast_inputs=cast_inputs)
 
 
 def custom_bwd(bwd: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator for `backward` of a custom autograd Function: runs it in the autocast state its
     forward ran in."""
-    return torch.amp.custom_bwd(bwd, device_type=_DEVICE)
+    return torch.amp.custom_bwd(bwd, device_type=DEVICE_TYPE)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -70,26 +71,26 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 
 def is_autocast_enabled() -> bool:
     """True inside an enabled supa autocast region."""
-    return torch.is_autocast_enabled(_DEVICE)
+    return torch.is_autocast_enabled(DEVICE_TYPE)
 
 
 def set_autocast_enabled(enable: bool) -> None:
     """Turn supa autocast on or off for the current thread. Raises TypeError for a non-bool."""
     if not isinstance(enable, bool):
         raise TypeError(f"enabled must be a bool (got {type(enable).__name__})")
-    torch.set_autocast_enabled(_DEVICE, enable)
+    torch.set_autocast_enabled(DEVICE_TYPE, enable)
 
 
 def get_autocast_dtype() -> torch.dtype:
     """The dtype supa autocast casts to (float16 unless changed)."""
-    return torch.get_autocast_dtype(_DEVICE)
+    return torch.get_autocast_dtype(DEVICE_TYPE)
 
 
 def set_autocast_dtype(dtype: torch.dtype) -> None:
     """Set the dtype supa autocast casts to. Raises TypeError unless given a torch.dtype."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"enabled must be a torch.dtype (got {type(dtype).__name__})")
-    torch.set_autocast_dtype(_DEVICE, dtype)
+    torch.set_autocast_dtype(DEVICE_TYPE, dtype)
 
 
 def get_autocast_gpu_dtype() -> torch.dtype:

@@ -7,6 +7,8 @@ from typing import Optional, Union
 
 import torch
 
+from supa_emu.device_type import DEVICE_TYPE
+
 from .common import amp_definitely_not_available
 
 __all__ = ["GradScaler"]
@@ -25,7 +27,7 @@ class GradScaler(torch.amp.GradScaler):
             warnings.warn("torch.supa.amp.GradScaler is enabled, but SUPA is not available.  Disabling.",
                           stacklevel=2)
             enabled = False
-        super().__init__("supa", init_scale=init_scale, growth_factor=growth_factor,
+        super().__init__(DEVICE_TYPE, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
@@ -48,7 +50,7 @@ class GradScaler(torch.amp.GradScaler):
                       "requires_grad=False.")
             if not isinstance(new_scale, torch.Tensor):
                 raise AssertionError(reason)
-            if new_scale.device.type != "supa" or new_scale.numel() != 1 or new_scale.requires_grad:
+            if new_scale.device.type != DEVICE_TYPE or new_scale.numel() != 1 or new_scale.requires_grad:
                 raise AssertionError(reason)
             # The scale is 0-dim; accept any 1-element shape (e.g. [1]) as the reference does.
             new_scale = new_scale.reshape(())

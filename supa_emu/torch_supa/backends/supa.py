@@ -1,6 +1,6 @@
 """`torch_supa.backends.supa`: whether SUPA support is built, and the preferred BLAS library.
 
-The transfer copies both onto `torch.backends.cuda` (reference §12, §13 item 7).
+The transfer copies both onto `torch.backends.cuda` (docs/real_stack.md, "torch.backends.supa").
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """transfer_to_supa: CUDA-named code runs on SUPA cards (`import torch_supa.contrib.transfer_to_supa`).
 
-Importing this module applies the transfer once, as the real module does (reference §13):
-"cuda" device strings mean "supa"; `torch.cuda.*` answers for the SUPA cards (the names of
-`torch.supa.__all__` are copied onto the existing `torch.cuda` module, so CUDA's other helpers
-call supa's through their module globals); `.cuda()` and `is_cuda` mean supa; autocast, nvtx,
+Importing this module applies the transfer once, as the real module does (docs/real_stack.md,
+"transfer_to_supa"): "cuda" device strings mean "supa"; `torch.cuda.*` answers for the SUPA
+cards (the names of `CUDA_NAMES` are copied onto the existing `torch.cuda` module, so CUDA's
+other helpers call supa's through their module globals); `.cuda()` and `is_cuda` mean supa; autocast, nvtx,
 CUDA graphs and the profiler's CUDA activity map to their SUPA counterparts; "nccl" becomes
 "bccl" in torch.distributed; checkpoints tagged "cuda:N" load onto supa:N.
 
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import supa_emu.supa as supa
 from supa_emu import activation
+from supa_emu.device_type import DEVICE_TYPE
 from supa_emu.distributed import DEFAULT_TIMEOUT, ProcessGroupBCCL
 
 __all__: list[str] = []
@@ -54,9 +55,49 @@ _JIT_WARNING = ("torch.jit.script and torch.jit.script_method will be disabled b
                 "which currently does not support them; scripted functions run as plain Python.")
 
 
-def _copy_public_names(destination: types.ModuleType, source: types.ModuleType) -> None:
-    """The real `_apply_patches` rule: keep the destination module object, copy source.__all__ onto it."""
-    for name in source.__all__:
+# What the real module copies onto torch.cuda: the real torch.supa.__all__, private names
+# included (docs/real_stack.md, "transfer_to_supa"). torch.cuda's other names stay CUDA's.
+CUDA_NAMES = (
+    # legacy storages and tensor types
+    "BFloat16Storage", "BFloat16Tensor", "BoolStorage", "BoolTensor", "ByteStorage", "ByteTensor",
+    "CharStorage", "CharTensor", "ComplexDoubleStorage", "ComplexFloatStorage", "DoubleStorage",
+    "DoubleTensor", "FloatStorage", "FloatTensor", "HalfStorage", "HalfTensor", "IntStorage",
+    "IntTensor", "LongStorage", "LongTensor", "ShortStorage", "ShortTensor",
+    # streams, events, pools, graphs
+    "Event", "ExternalStream", "MemPool", "MemPoolContext", "SUPAGraph", "Stream", "StreamContext",
+    "current_stream", "default_stream", "set_stream", "stream", "graph", "graph_pool_handle",
+    "is_current_stream_capturing", "make_graphed_callables",
+    # initialisation and devices
+    "_is_compiled", "_is_in_bad_fork", "_lazy_call", "_lazy_init", "_sleep", "init",
+    "is_initialized", "is_available", "device_count", "current_device", "set_device", "device",
+    "can_device_access_peer", "check_error", "current_blas_handle", "get_device_name",
+    "get_device_properties", "is_bf16_supported", "supart", "synchronize",
+    # memory
+    "caching_allocator_alloc", "caching_allocator_delete", "caching_allocator_enable",
+    "SUPAPluggableAllocator", "change_current_allocator", "empty_cache", "ipc_collect",
+    "get_allocator_backend", "get_per_process_memory_fraction", "set_per_process_memory_fraction",
+    "max_memory_allocated", "max_memory_cached", "max_memory_reserved", "mem_get_info",
+    "memory_allocated", "memory_cached", "memory_reserved", "memory_snapshot", "memory_stats",
+    "memory_stats_as_nested_dict", "memory_summary", "reset_accumulated_memory_stats",
+    "reset_max_memory_allocated", "reset_max_memory_cached", "reset_peak_memory_stats",
+    "use_mem_pool",
+    # random
+    "default_generators", "get_rng_state", "get_rng_state_all", "initial_seed", "manual_seed",
+    "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all",
+    # autocast
+    "get_amp_supported_dtype", "get_autocast_dtype", "is_autocast_enabled", "set_autocast_dtype",
+    "set_autocast_enabled",
+    # submodules
+    "amp", "bccl", "brtx", "profiler", "random",
+)
+# The real torch.supa.memory.__all__ also lists these, so torch.cuda.memory gets them too.
+CUDA_MEMORY_PRIVATE_NAMES = ("_record_memory_history", "_snapshot", "_set_allocator_settings")
+
+
+def _copy_names(destination: types.ModuleType, source: types.ModuleType, names=None) -> None:
+    """The real `_apply_patches` rule: keep the destination module object and copy `names`
+    (default: source.__all__) onto it."""
+    for name in source.__all__ if names is None else names:
         setattr(destination, name, getattr(source, name))
 
 
@@ -101,10 +142,11 @@ def _patch_cuda_namespace() -> None:
     from supa_emu.supa.amp import autocast_mode, common, grad_scaler
 
     cuda = torch.cuda
-    _copy_public_names(cuda, supa)
-    for destination, source in ((cuda.amp, amp), (cuda.memory, memory), (cuda.random, random),
+    _copy_names(cuda, supa, CUDA_NAMES)
+    _copy_names(cuda.memory, memory, (*memory.__all__, *CUDA_MEMORY_PRIVATE_NAMES))
+    for destination, source in ((cuda.amp, amp), (cuda.random, random),
                                 (cuda.amp.autocast_mode, autocast_mode), (cuda.nccl, bccl)):
-        _copy_public_names(destination, source)
+        _copy_names(destination, source)
     # Modules the real package replaces wholesale (its versions have no __all__).
     for name, module in (("common", common), ("grad_scaler", grad_scaler)):
         setattr(cuda.amp, name, module)
@@ -182,17 +224,17 @@ def _patch_backends_and_profiler() -> None:
     # runtime, as the real package registers its device interface for "cuda" too.
     compile_support.register_device_interface("cuda")
 
-    _copy_public_names(torch.backends.cuda, supa_backend)
+    _copy_names(torch.backends.cuda, supa_backend)
     # The profiler's CUDA activity means the device activity of the SUPA backend.
     torch.profiler.ProfilerActivity.CUDA = torch.profiler.ProfilerActivity.PrivateUse1
-    torch._utils._get_available_device_type = lambda: "supa" if supa.is_available() else None
+    torch._utils._get_available_device_type = lambda: DEVICE_TYPE if supa.is_available() else None
 
 
 # ---- tensors, modules, autocast, TorchScript ---------------------------------------------------
 
 def _cuda_to_supa(value):
     if isinstance(value, str) and value.startswith("cuda"):
-        return "supa" + value[4:]
+        return DEVICE_TYPE + value[4:]
     return value
 
 
@@ -241,7 +283,7 @@ def _default_device_supa(function):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if not any(isinstance(a, str) for a in args) and "device_type" not in kwargs:
-            args = ("supa", *args)
+            args = (DEVICE_TYPE, *args)
         return function(*args, **kwargs)
 
     return wrapper
@@ -259,7 +301,7 @@ def _identity(original):
 
 def _restore_cuda_location(storage, location: str):
     if location.startswith("cuda"):
-        return torch.serialization._deserialize("privateuse1", storage, "supa" + location[4:])
+        return torch.serialization._deserialize("privateuse1", storage, DEVICE_TYPE + location[4:])
     return None
 
 
