@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from supa_emu.device_type import DEVICE_TYPE
 from supa_emu.supa import _bccl_kernels as kernels
 
 __all__ = ["is_available", "version", "unique_id", "init_rank", "all_reduce", "reduce", "broadcast",
@@ -59,7 +60,7 @@ def is_available(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether `tensors` can go to a collective: dense, contiguous supa tensors on distinct cards."""
     devices = set()
     for tensor in tensors:
-        if tensor.is_sparse or not tensor.is_contiguous() or tensor.device.type != "supa":
+        if tensor.is_sparse or not tensor.is_contiguous() or tensor.device.type != DEVICE_TYPE:
             return False
         if tensor.get_device() in devices:
             return False
@@ -203,13 +204,13 @@ def _unpack(inputs: list[torch.Tensor], streams: Any, comms: Any) -> Optional[li
     if streams is not None:
         streams = list(streams) if isinstance(streams, collections.abc.Iterable) else streams
         if not isinstance(streams, list) or any(
-                s is not None and not (isinstance(s, torch.Stream) and s.device.type == "supa") for s in streams):
+                s is not None and not (isinstance(s, torch.Stream) and s.device.type == DEVICE_TYPE) for s in streams):
             raise TypeError("bccl: streams must be a sequence of torch.supa.Stream or None, one per input")
         if len(streams) != len(inputs):
             raise RuntimeError(f"number of streams ({len(streams)}) is not equal to number of inputs "
                                f"({len(inputs)})")
         for position, (stream, tensor) in enumerate(zip(streams, inputs)):
-            if stream is not None and tensor.device.type == "supa" and stream.device != tensor.device:
+            if stream is not None and tensor.device.type == DEVICE_TYPE and stream.device != tensor.device:
                 raise RuntimeError(f"bccl: stream {position} is on {stream.device}, but input {position} "
                                    f"is on {tensor.device}; give each input a stream of its card")
     if comms is None:
@@ -241,7 +242,7 @@ def _check_communicators(inputs: list[torch.Tensor], comms: list[Communicator]) 
                            f"{sorted(comm.rank for comm in comms)} were passed; a single-process collective "
                            "needs every rank, once (the missing ones would be waited for forever)")
     for position, (comm, tensor) in enumerate(zip(comms, inputs)):
-        if tensor.device.type == "supa" and comm.device != tensor.get_device():
+        if tensor.device.type == DEVICE_TYPE and comm.device != tensor.get_device():
             raise RuntimeError(f"{_INVALID_ARGUMENT}: comms[{position}] was made on supa:{comm.device}, but "
                                f"input {position} is on {tensor.device}")
 
@@ -252,7 +253,7 @@ def _check_root(root: int, inputs: list[torch.Tensor]) -> None:
 
 
 def _check_tensor(tensor: torch.Tensor, what: str, dtype: torch.dtype) -> None:
-    if tensor.device.type != "supa" or tensor.is_sparse:
+    if tensor.device.type != DEVICE_TYPE or tensor.is_sparse:
         raise RuntimeError(f"input and output elements have to be dense supa tensors; {what} is a "
                            f"{tensor.layout} tensor on {tensor.device}")
     if tensor.dtype != dtype:

@@ -19,13 +19,14 @@ from typing import Optional, Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _reorder_tensors_as, _take_tensors, _unflatten_dense_tensors
 
+from supa_emu.device_type import DEVICE_TYPE
 from supa_emu.supa import bccl
 
 __all__ = ["broadcast", "broadcast_out", "broadcast_coalesced", "scatter", "scatter_out", "gather", "gather_out"]
 
 
 def _device(index: int) -> torch.device:
-    return torch.device("cpu") if index < 0 else torch.device("supa", index)
+    return torch.device("cpu") if index < 0 else torch.device(DEVICE_TYPE, index)
 
 
 def broadcast(tensor: torch.Tensor, devices: Sequence[int]) -> list[torch.Tensor]:
