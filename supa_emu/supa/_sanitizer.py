@@ -96,7 +96,7 @@ class SupaSanitizer:
         self._dispatch = _Dispatch(self)
         self._dispatch.__enter__()
         self.enabled = True
-        _sanitizer_switch.set_active(self)
+        _sanitizer_switch.add(self)
 
     def summary(self) -> str:
         """One line: how much was checked and how many races were reported (report-only mode)."""
@@ -109,7 +109,7 @@ class SupaSanitizer:
         if not self.enabled:
             return
         self.enabled = False
-        _sanitizer_switch.set_active(None)
+        _sanitizer_switch.remove(self)
         self._dispatch.__exit__(None, None, None)
         self._dispatch = None
         for registry, callback in self._callbacks:

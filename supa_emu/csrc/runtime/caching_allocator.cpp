@@ -259,6 +259,7 @@ void report_block(void* ptr, bool allocated) {
 
 void free_block(void* ptr) {
   report_block(ptr, false);
+  memcheck_block_freed(ptr);
   const auto stack = memory_event_stack();
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_blocks.find(ptr);
@@ -472,6 +473,15 @@ c10::DeviceIndex device_of_ptr(const void* ptr) {
   return it == g_blocks.end() ? -1 : it->second->device;
 }
 
+std::optional<LiveBlock> live_block(const void* ptr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_blocks.find(const_cast<void*>(ptr));
+  if (it == g_blocks.end()) {
+    return std::nullopt;
+  }
+  return LiveBlock{it->second->allocated, it->second->requested};
+}
+
 void set_memory_fraction(double fraction, c10::DeviceIndex device) {
   TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "Invalid fraction value: ", fraction, ". Allowed range: 0~1");
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -544,6 +554,7 @@ void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
     if (keep > 0 && storage->data() != nullptr) {
       std::memcpy(ptr, storage->data(), keep);
     }
+    memcheck_resized(storage->data(), ptr, storage->data() != nullptr ? keep : 0, nbytes);
   }
   storage->set_data_ptr_noswap(std::move(fresh));
   storage->set_nbytes(nbytes);
