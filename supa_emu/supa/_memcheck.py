@@ -71,6 +71,7 @@ class MemoryChecker:
         self.enabled = False
         self.strict = False
         self.warned_sites: set = set()  # allocation sites already reported (warning mode)
+        self.checked = 0  # operators whose operands were checked
         self._specs: Dict[Any, OpSpec] = {}
         self._dispatch: Optional[_Dispatch] = None
         self._lock = threading.Lock()
@@ -113,6 +114,7 @@ class MemoryChecker:
                 continue
             split_tensors(value, writes if is_write else reads)
         if reads or writes:
+            self.checked += 1
             fault = self._core._memcheck_operands(reads, writes)
             if fault is not None:
                 self._report(spec.name, fault, reads, writes, args, kwargs, spec)

@@ -45,8 +45,9 @@ std::pair<int64_t, int64_t> extent_of(const at::Tensor& t) {
 }
 
 bool checkable(const at::Tensor& t) {
+  // A ZeroTensor (autograd's efficient zeros) has no memory and reads none.
   return t.defined() && t.layout() == c10::kStrided && t.device().type() == kSupa && t.has_storage() &&
-         t.numel() > 0;
+         t.numel() > 0 && !t._is_zerotensor();
 }
 
 void add_written(Tracked& tracked, size_t lo, size_t hi) {
