@@ -292,13 +292,11 @@ def test_streams_and_memory_run_together(python_subprocess):
             v.sum()
         except torch.supa._memcheck.IllegalAddressError:
             print("memory")
-        s = torch.supa.Stream()
-        x = torch.ones(8, device="supa")
-        s.wait_stream(torch.supa.current_stream())
-        with torch.supa.stream(s):
-            x.add_(1)
+        side = torch.supa.Stream()
+        with torch.supa.stream(side):  # written on the side stream, read on the default one unordered
+            y = torch.zeros(8, device="supa")
         try:
-            x.sum()
+            y.mul(2)
         except torch.supa._sanitizer.StreamRaceError:
             print("streams")
         print(len(_sanitizer_switch.active().tools))

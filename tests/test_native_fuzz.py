@@ -60,7 +60,9 @@ def _data(rng: random.Random, shape, dtype) -> torch.Tensor:
 
 def _same(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     got = got.cpu()
-    if got.shape != expected.shape or got.dtype != expected.dtype or not torch.equal(got, expected):
+    # Bit for bit (NaN included: a storage reinterpreted as another dtype may hold them).
+    if (got.shape != expected.shape or got.dtype != expected.dtype
+            or not torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))):
         raise WrongResult(f"{what}: got {got!r}, expected {expected!r}")
 
 
@@ -76,7 +78,9 @@ def _extent(size, stride, offset) -> int:
 def case_allocation(rng, checked):
     shape, dtype, device = _shape(rng), rng.choice(DTYPES), _device(rng)
     if rng.random() < 0.05:
-        shape = [1 << rng.choice([31, 40, 62])]  # more than any card holds, or than an int64 of bytes
+        # More than any card holds, or than an int64 of bytes (not merely more than the host has:
+        # a card may be configured larger than the host's memory, and filling it would be killed).
+        shape = [1 << rng.choice([40, 62])]
     maker = rng.choice(["empty", "zeros", "full", "empty_strided"])
     if maker == "empty_strided":
         stride = [rng.choice([0, 1, 2, 7]) for _ in shape]

@@ -86,18 +86,15 @@ class MemoryChecker:
         self._core._memcheck_enable(True)
         self.warned_sites = set()
         self._dispatch = _Dispatch(self)
-        self._dispatch.__enter__()
+        _sanitizer_switch.start(self, self._dispatch)
         self.enabled = True
-        _sanitizer_switch.add(self)
 
     def disable(self) -> None:
-        if not self.enabled:
-            return
-        self.enabled = False
-        _sanitizer_switch.remove(self)
-        self._dispatch.__exit__(None, None, None)
-        self._dispatch = None
-        self._core._memcheck_enable(False)
+        if self.enabled:
+            self.enabled = False
+            _sanitizer_switch.stop(self, self._dispatch)
+            self._dispatch = None
+            self._core._memcheck_enable(False)
 
     # ---- operators -----------------------------------------------------------------------------
     def _run(self, func, args, kwargs):

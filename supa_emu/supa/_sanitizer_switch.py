@@ -46,3 +46,14 @@ def remove(tool: Any) -> None:
 def _update() -> None:
     global _active
     _active = None if not _tools else _tools[0] if len(_tools) == 1 else _Each(_tools)
+
+
+def start(tool: Any, mode: Any) -> None:
+    """Enters `tool`'s dispatch mode (it sees every operator from now on) and lets hooks reach it."""
+    mode.__enter__()
+    add(tool)
+
+
+def stop(tool: Any, mode: Any) -> None:
+    remove(tool)
+    mode.__exit__(None, None, None)

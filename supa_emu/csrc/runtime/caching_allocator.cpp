@@ -39,6 +39,7 @@ constexpr size_t kMinBlockSize = 512;       // and rounds to 512-byte blocks
 constexpr size_t kSmallSize = 1 << 20;      // blocks below 1 MiB belong to the small pool
 constexpr size_t kLargeBuffer = 20 << 20;   // an oversize block serves requests up to this much smaller
 constexpr size_t kRoundUpStart = 1 << 20;   // roundup_power2_divisions intervals start at 1 MiB
+constexpr size_t kLargestRequest = size_t{1} << 60;  // (a negative size cast to size_t is far above it)
 
 // Allocator settings that change what is reserved and counted (`_set_allocator_settings`).
 struct AllocatorKnobs {
@@ -312,6 +313,10 @@ std::multimap<size_t, Block*>::iterator find_cached(DeviceMemory& mem, size_t si
 }
 
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
+  if (nbytes > kLargestRequest) {  // more than any card holds; rounding it up would wrap around
+    std::lock_guard<std::mutex> lock(g_mutex);
+    raise_oom(memory_of(device), device, nbytes);
+  }
   const size_t size = round_size(nbytes);
   const auto stack = memory_event_stack();
   const c10::MempoolId_t pool = allocation_pool(device);

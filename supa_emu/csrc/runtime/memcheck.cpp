@@ -114,6 +114,11 @@ int64_t first_unwritten_element(const Tracked& tracked, const at::Tensor& t) {
   }
 }
 
+// The tracked block `t` lives in, or g_tracked.end() (the caller holds g_tracked_mutex).
+std::unordered_map<const void*, Tracked>::iterator tracked_of(const at::Tensor& t) {
+  return checkable(t) ? g_tracked.find(t.storage().unsafeGetStorageImpl()->data()) : g_tracked.end();
+}
+
 }  // namespace
 
 void memcheck_set_enabled(bool enabled) {
@@ -160,10 +165,7 @@ MemcheckFault memcheck_operands(const std::vector<at::Tensor>& reads, const std:
   std::lock_guard<std::mutex> lock(g_tracked_mutex);
   for (size_t i = 0; i < reads.size(); ++i) {
     const at::Tensor& t = reads[i];
-    if (!checkable(t)) {
-      continue;
-    }
-    const auto it = g_tracked.find(t.storage().unsafeGetStorageImpl()->data());
+    const auto it = tracked_of(t);
     if (it == g_tracked.end()) {
       continue;
     }
@@ -193,10 +195,7 @@ void memcheck_written(const std::vector<at::Tensor>& tensors) {
   }
   std::lock_guard<std::mutex> lock(g_tracked_mutex);
   for (const at::Tensor& t : tensors) {
-    if (!checkable(t)) {
-      continue;
-    }
-    const auto it = g_tracked.find(t.storage().unsafeGetStorageImpl()->data());
+    const auto it = tracked_of(t);
     if (it == g_tracked.end()) {
       continue;
     }
