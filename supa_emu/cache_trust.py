@@ -25,7 +25,7 @@ def problem(path: pathlib.Path, check_owner: bool = True, euid: Optional[int] = 
     (whoever creates it is this process)."""
     try:
         info = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # creating it will fail with its own clear error
         return None
     euid = os.geteuid() if euid is None else euid
     mode = stat.S_IMODE(info.st_mode)
