@@ -175,6 +175,22 @@ def test_a_storage_grown_by_set_reports_its_new_bytes(strict):
     assert t.sum().item() == 6.0  # the kept prefix stays written
 
 
+def test_a_graph_capture_reads_nothing_yet(strict):
+    """A capture only records kernels on a card: a static input filled before replay is fine."""
+    static = torch.empty(4, device="supa")
+    graph = torch.supa.SUPAGraph()
+    with torch.supa.graph(graph):
+        out = static * 2
+    static.copy_(torch.arange(4.0))
+    graph.replay()
+    assert out.tolist() == [0.0, 2.0, 4.0, 6.0]
+    with pytest.raises(_memcheck.IllegalAddressError):  # bounds are still checked while capturing
+        view = static[2:]
+        static.untyped_storage().resize_(8)
+        with torch.supa.graph(torch.supa.SUPAGraph()):
+            view * 2
+
+
 def test_collective_outputs_count_as_written(python_subprocess):
     result = python_subprocess("""
         import os, torch, torch.distributed as dist
