@@ -107,7 +107,12 @@ def _register() -> None:
         from supa_emu.supa import _autograd_threads
 
         _autograd_threads.run_backward_on_the_calling_thread()
-    if cfg.sanitize != "off":
+    streams, memory = config.sanitize_streams(cfg.sanitize), config.sanitize_memory(cfg.sanitize)
+    if streams is not None:
         from supa_emu.supa import _sanitizer
 
-        _sanitizer.enable_supa_sanitizer(report_only=cfg.sanitize == "streams-report")
+        _sanitizer.enable_supa_sanitizer(report_only=streams == "streams-report")
+    if memory is not None:
+        from supa_emu.supa import _memcheck
+
+        _memcheck.enable_memory_checker(strict=memory == "memory-strict")

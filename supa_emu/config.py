@@ -40,7 +40,7 @@ class EmulatorConfig:
     cache_dir_from_env: bool  # SUPA_EMU_CACHE_DIR chose it (error texts name the variable then)
     deepspeed_accelerator: str  # 'project' | 'builtin'
     allocator_conf: str  # PYTORCH_SUPA_ALLOC_CONF, validated; applied when the devices are created
-    sanitize: str  # 'off' | 'streams' (races raise) | 'streams-report' (races are logged)
+    sanitize: str  # 'off' or comma-joined: 'streams' | 'streams-report', 'memory' | 'memory-strict'
     autograd_device_threads: bool  # backward on autograd's per-device threads (as on a card), not the caller's
     plan_record: pathlib.Path | None  # SUPA_PLAN_RECORD: write this rank's memory and collectives to DIR/rank-R.json
     plan_simulate: bool  # SUPA_PLAN_SIMULATE: bccl groups are a planned world (set by `python -m supa_emu.plan`)
@@ -155,11 +155,35 @@ def _allocator_conf() -> str:
 
 
 SANITIZE_MODES = ("off", "streams", "streams-report")
+# The memory checker's modes; either may be combined with a stream mode ("streams,memory").
+MEMCHECK_MODES = ("memory", "memory-strict")
 
 
 def sanitize_mode() -> str:
-    """Which sanitizer runs: none, the stream-race sanitizer, or that one in report-only mode."""
-    return _choice("SUPA_EMU_SANITIZE", "off", SANITIZE_MODES)
+    """Which checkers run: 'off', or a comma-joined list of at most one stream mode (the race
+    sanitizer, or that one in report-only mode) and one memory mode (bounds, use after free and
+    initcheck; 'memory-strict' makes reads of never-written memory errors instead of warnings)."""
+    raw = os.environ.get("SUPA_EMU_SANITIZE", "off")
+    parts = [part.strip().lower() for part in raw.split(",") if part.strip()] or ["off"]
+    accepted = f"{', '.join(SANITIZE_MODES + MEMCHECK_MODES)}, or one stream and one memory mode joined by a comma " \
+               f"(e.g. streams,memory)"
+    streams = [part for part in parts if part in SANITIZE_MODES[1:]]
+    memory = [part for part in parts if part in MEMCHECK_MODES]
+    if parts == ["off"]:
+        return "off"
+    if len(streams) + len(memory) != len(parts) or len(streams) > 1 or len(memory) > 1:
+        raise ConfigError(f"SUPA_EMU_SANITIZE={raw!r} is invalid; accepted values: {accepted}")
+    return ",".join(streams + memory)
+
+
+def sanitize_streams(mode: str) -> str | None:
+    """The stream sanitizer's mode in a validated SUPA_EMU_SANITIZE value, or None."""
+    return next((part for part in mode.split(",") if part in SANITIZE_MODES[1:]), None)
+
+
+def sanitize_memory(mode: str) -> str | None:
+    """The memory checker's mode in a validated SUPA_EMU_SANITIZE value, or None."""
+    return next((part for part in mode.split(",") if part in MEMCHECK_MODES), None)
 
 
 def _plan_record() -> pathlib.Path | None:

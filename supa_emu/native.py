@@ -26,7 +26,7 @@ import pathlib
 import sys
 import time
 
-from supa_emu import native_compile
+from supa_emu import cache_trust, native_compile
 from supa_emu.config import ConfigError
 
 log = logging.getLogger("supa_emu")
@@ -128,6 +128,7 @@ def _write_manifest(build_dir: pathlib.Path, objects: list[pathlib.Path]) -> Non
               "objects": [obj.name for obj in objects]}
     staged = build_dir / f"{MANIFEST}.{os.getpid()}.partial"
     with open(staged, "w") as f:
+        os.fchmod(f.fileno(), 0o644)  # whatever the umask: the loader refuses files others can write
         json.dump(record, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
@@ -159,11 +160,15 @@ def load(cache_dir: pathlib.Path, cache_dir_from_env: bool = True):
     root = cache_dir / "native"
     build_dir = root / build_key()
     library = build_dir / f"{MODULE_NAME}.so"
+    _check_trust(cache_dir, [root, build_dir, library, build_dir / MANIFEST, root / "objects"], cache_dir_from_env)
     if damage(build_dir) is not None:  # a read-only cache with a good build loads without writing
         _prepare(root, cache_dir, cache_dir_from_env)
         with _BuildLock(root):
             problem = damage(build_dir)  # another process may have finished it while we waited
             if problem is not None:
+                objects = [object_file(root / "objects", unit) for unit in _units()]
+                _check_trust(cache_dir, [*objects, *(obj.with_suffix(".sha256") for obj in objects)],
+                             cache_dir_from_env)
                 damaged = problem != "missing"
                 if damaged:
                     log.warning("supa_emu: the cached native core in %s is damaged (%s); rebuilding it",
@@ -173,14 +178,28 @@ def load(cache_dir: pathlib.Path, cache_dir_from_env: bool = True):
     return _C
 
 
+def _where(cache_dir: pathlib.Path, from_env: bool) -> str:
+    return (f"SUPA_EMU_CACHE_DIR={str(cache_dir)!r}" if from_env
+            else f"the default native-build cache {cache_dir} (SUPA_EMU_CACHE_DIR is unset)")
+
+
+def _check_trust(cache_dir: pathlib.Path, inside: list[pathlib.Path], from_env: bool) -> None:
+    """CacheDirError when another user could have planted what would be loaded or linked."""
+    found = cache_trust.untrusted(cache_dir, inside)
+    if found is not None:
+        path, why = found
+        raise CacheDirError(f"{_where(cache_dir, from_env)} is not trusted: {path} is {why}; another user could "
+                            f"plant the native core every emulated process loads. Remove their write access "
+                            f"(chmod go-w) or set SUPA_EMU_CACHE_DIR to a directory only you can write")
+
+
 def _prepare(root: pathlib.Path, cache_dir: pathlib.Path, from_env: bool) -> None:
     """Creates the cache directory and checks it is writable; CacheDirError otherwise."""
-    where = (f"SUPA_EMU_CACHE_DIR={str(cache_dir)!r}" if from_env
-             else f"the default native-build cache {cache_dir} (SUPA_EMU_CACHE_DIR is unset)")
+    where = _where(cache_dir, from_env)
     advice = ("set SUPA_EMU_CACHE_DIR to a writable directory (e.g. SUPA_EMU_CACHE_DIR=$HOME/.cache/supa_emu), "
               "or fix the permissions of this one")
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o755, parents=True, exist_ok=True)
         probe = root / f".write-test.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -245,8 +264,8 @@ def _build(root: pathlib.Path, build_dir: pathlib.Path, quiet_relink: bool = Fal
     does) it prints nothing. Compiling always reports its progress.
     """
     objects_dir = root / "objects"
-    objects_dir.mkdir(exist_ok=True)
-    build_dir.mkdir(exist_ok=True)
+    objects_dir.mkdir(mode=0o755, exist_ok=True)
+    build_dir.mkdir(mode=0o755, exist_ok=True)
     # Until the new manifest is written, this build is unfinished, not damaged.
     (build_dir / MANIFEST).unlink(missing_ok=True)
     flags = native_compile.compile_flags(MODULE_NAME)
@@ -311,6 +330,7 @@ def _object_ok(obj: pathlib.Path) -> bool:
 def _record_checksum(obj: pathlib.Path) -> None:
     staged = obj.with_name(f"{obj.name}.{os.getpid()}.partial-sum")
     staged.write_text(_sha256(obj) + "\n")
+    staged.chmod(0o644)
     os.replace(staged, obj.with_suffix(".sha256"))
 
 

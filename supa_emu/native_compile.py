@@ -148,6 +148,7 @@ def compile_objects(units: list[tuple[str, pathlib.Path, pathlib.Path]], flags: 
         partial = obj.with_name(f"{obj.name}.{os.getpid()}.partial")
         try:
             _run([compiler(), *flags, "-c", str(source), "-o", str(partial)], f"compiling {name}")
+            partial.chmod(0o644)  # whatever the umask: the loader refuses files others can write
             os.replace(partial, obj)
         finally:
             partial.unlink(missing_ok=True)
@@ -171,6 +172,7 @@ def link(objects: list[pathlib.Path], output: pathlib.Path) -> None:
     partial = output.with_name(f"{output.name}.{os.getpid()}.partial")
     try:
         _run([compiler(), *map(str, objects), *link_flags(), "-o", str(partial)], "linking the native core")
+        partial.chmod(0o755)
         os.replace(partial, output)
     finally:
         partial.unlink(missing_ok=True)

@@ -6,7 +6,9 @@ cannot be shared raises while the sender pickles.
 """
 
 import multiprocessing.reduction
+import os
 import pickle
+import stat
 
 import pytest
 import torch
@@ -284,3 +286,10 @@ def test_a_message_outlives_a_resize_of_the_sent_storage():
     x[0] = 7.0
     y = pickle.loads(message)
     assert y.tolist() == [0.0, 1.0, 2.0, 3.0] and x.tolist() == [7.0, 1.0, 2.0, 3.0]
+
+
+def test_shared_device_memory_is_readable_and_writable_by_its_owner_only():
+    x = torch.arange(4.0, device="supa:0")
+    _, fd, _ = x.untyped_storage()._share_supa_()
+    info = os.fstat(fd)
+    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()

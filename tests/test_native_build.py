@@ -237,3 +237,111 @@ def test_a_good_build_loads_from_a_read_only_cache(seeded_cache):
             path.chmod(0o755 if path.is_dir() else 0o644)
     assert result.returncode == 0 and result.stdout.strip() == "2.0", result.stderr
     assert json.loads((_library(seeded_cache).parent / native.MANIFEST).read_text())["size"] > 0
+
+
+# ---------------------------------------------------------------- whom the cache trusts
+
+NOBODY = 65534  # a uid other than this process's (tests run as root here, and as users elsewhere)
+
+
+def _other_uid() -> int:
+    return NOBODY if os.geteuid() != NOBODY else 1
+
+
+def _refused(result, path, found):
+    """One configuration line naming the variable, the path and the permission found."""
+    assert result.returncode != 0, result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.startswith("supa_emu:")]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("supa_emu: configuration error: SUPA_EMU_CACHE_DIR="), lines
+    assert f"{path} is {found}" in lines[0], lines
+
+
+# (what to weaken, how, the permission the refusal names)
+UNTRUSTED = {
+    "world-writable cache dir": (lambda cache: cache, 0o777, "writable by group and others (mode 0777"),
+    "group-writable build dir": (lambda cache: _library(cache).parent, 0o775, "writable by group (mode 0775"),
+    "world-writable library": (lambda cache: _library(cache), 0o757, "writable by others (mode 0757"),
+    "group-writable manifest": (lambda cache: _library(cache).parent / native.MANIFEST, 0o664,
+                                "writable by group (mode 0664"),
+}
+
+
+@pytest.mark.emulation_only
+@pytest.mark.parametrize("what", list(UNTRUSTED))
+def test_a_cache_others_can_write_is_refused_before_loading(seeded_cache, what):
+    where, mode, found = UNTRUSTED[what]
+    path = where(seeded_cache)
+    path.chmod(mode)
+    # Planted content must not even be read: a library that would crash the loader proves it.
+    library = _library(seeded_cache)
+    good = library.read_bytes()
+    library.chmod(0o755 if path != library else mode)
+    library.write_bytes(b"\x7fELF planted")
+    result = _run(seeded_cache)
+    _refused(result, path, found)
+    assert library.read_bytes() == b"\x7fELF planted", "the refused cache was rebuilt into"
+    library.write_bytes(good)
+
+
+@pytest.mark.emulation_only
+@pytest.mark.parametrize("what", ["cache dir", "library", "manifest", "native dir"])
+def test_a_cache_owned_by_another_user_is_refused(seeded_cache, what):
+    path = {"cache dir": seeded_cache, "library": _library(seeded_cache),
+            "manifest": _library(seeded_cache).parent / native.MANIFEST,
+            "native dir": seeded_cache / "native"}[what]
+    os.chown(path, _other_uid(), -1)
+    result = _run(seeded_cache)
+    _refused(result, path, f"owned by uid {_other_uid()} (this process runs as uid {os.geteuid()})")
+
+
+@pytest.mark.emulation_only
+def test_nothing_is_built_into_a_refused_cache(tmp_path):
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    cache.chmod(0o777)
+    result = _run(cache)
+    _refused(result, cache, "writable by group and others (mode 0777")
+    assert list(cache.iterdir()) == []
+
+
+@pytest.mark.emulation_only
+def test_an_owned_cache_under_a_sticky_world_writable_dir_is_used(seeded_cache, tmp_path):
+    """/tmp-like: others may add entries next to ours but not replace them."""
+    shared = tmp_path / "tmp-like"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    shutil.move(str(seeded_cache), shared / "cache")
+    result = _run(shared / "cache")
+    assert result.returncode == 0 and result.stdout.strip() == "2.0", result.stderr
+    shared.chmod(0o777)  # without the sticky bit anyone could rename our cache away
+    _refused(_run(shared / "cache"), shared, "writable by group and others (mode 0777")
+
+
+def test_root_owned_read_only_cache_is_trusted_by_other_users(tmp_path):
+    """An image's cache built once by root serves every user; another user's does not."""
+    from supa_emu import cache_trust
+
+    library = tmp_path / "lib.so"
+    library.write_bytes(b"")
+    library.chmod(0o444)
+    os.chown(library, 0, -1)
+    assert cache_trust.problem(library, euid=1000) is None
+    os.chown(library, NOBODY, -1)
+    assert cache_trust.problem(library, euid=1000) == "owned by uid 65534 (this process runs as uid 1000), mode 0444"
+    assert cache_trust.problem(library, euid=NOBODY) is None
+    library.chmod(0o666)
+    assert "writable by group and others" in cache_trust.problem(library, euid=NOBODY)
+
+
+def test_a_fresh_build_writes_nothing_others_can_write(tmp_path, good_build):
+    """Whatever the umask, what the build writes passes the trust check of the next process."""
+    cache = tmp_path / "cache"
+    shutil.copytree(good_build, cache)
+    shutil.rmtree(_library(cache).parent)
+    env = dict(os.environ, SUPA_EMULATE="1", SUPA_EMU_CACHE_DIR=str(cache))
+    result = subprocess.run([sys.executable, "-c", f"import os; os.umask(0); {CODE}"], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and result.stdout.strip() == "2.0", result.stderr
+    for path in [_library(cache), _library(cache).parent / native.MANIFEST, _library(cache).parent]:
+        assert os.stat(path).st_mode & 0o022 == 0, (path, oct(os.stat(path).st_mode))

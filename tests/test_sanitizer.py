@@ -394,8 +394,8 @@ def test_report_only_mode_logs_and_keeps_going(side, caplog):
 # ---- switch --------------------------------------------------------------------------------------
 
 def test_bad_sanitize_value_is_a_config_error_naming_accepted_values(monkeypatch):
-    monkeypatch.setenv("SUPA_EMU_SANITIZE", "memory")
-    with pytest.raises(config.ConfigError, match="SUPA_EMU_SANITIZE='memory'.*off, streams, streams-report"):
+    monkeypatch.setenv("SUPA_EMU_SANITIZE", "races")
+    with pytest.raises(config.ConfigError, match="SUPA_EMU_SANITIZE='races'.*off, streams, streams-report"):
         config.load()
 
 

@@ -7,6 +7,8 @@ hosts, and the whole process group runs through it.
 """
 
 import datetime
+import os
+import stat
 import threading
 
 import pytest
@@ -160,3 +162,23 @@ def test_board_counts_a_collective_whose_launch_failed_after_posting():
             board.close()
 
     assert _run_ranks(body) == [(2, 2, [3, 4])] * WORLD
+
+
+def test_the_shared_memory_board_is_readable_and_writable_by_its_owner_only(monkeypatch):
+    """Another user on the host must not read or forge the signatures of a group's collectives."""
+    created = []
+    real_mkstemp = signature_exchange.tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):
+        fd, path = real_mkstemp(*args, **kwargs)
+        info = os.fstat(fd)
+        created.append((path, stat.S_IMODE(info.st_mode), info.st_uid))
+        return fd, path
+
+    monkeypatch.setattr(signature_exchange.tempfile, "mkstemp", mkstemp)
+
+    def body(rank, store):
+        signature_exchange.SharedMemoryBoard(store, rank, WORLD, TIMEOUT, "'test'").close()
+
+    _run_ranks(body)
+    assert [(path.startswith("/dev/shm/"), mode, uid) for path, mode, uid in created] == [(True, 0o600, os.geteuid())]

@@ -309,6 +309,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_release_pool_cache", [](std::pair<uint64_t, uint64_t> pool) {
     supa::device_allocator()->emptyCache(pool);
   });
+  m.def("_memcheck_enable", &supa::memcheck_set_enabled, py::arg("enabled"));
+  m.def("_memcheck_operands", [](const std::vector<at::Tensor>& reads, const std::vector<at::Tensor>& writes) -> py::object {
+    const supa::MemcheckFault f = supa::memcheck_operands(reads, writes);
+    if (f.kind == supa::MemcheckFault::kNone) {
+      return py::none();
+    }
+    py::object frames = f.site ? symbolize({f.site})[0] : py::none();
+    return py::make_tuple(static_cast<int>(f.kind), f.operand, f.lo, f.hi, f.live, f.base, f.first_unwritten, frames);
+  }, "None, or the first operand outside its live allocation or reading bytes never written: "
+     "(kind, operand, lo, hi, live, base, first_unwritten, allocation frames)");
+  m.def("_memcheck_written", &supa::memcheck_written);
+  m.def("_memcheck_uninitialized", &supa::memcheck_uninitialized);
+  m.def("_memcheck_tracked_blocks", &supa::memcheck_tracked_blocks);
   m.def("_set_memory_history", &set_memory_history, py::arg("trace"), py::arg("stacks"),
         py::arg("cpp_stacks"), py::arg("max_entries"));
   m.def("_memory_trace", &memory_trace);

@@ -387,11 +387,11 @@ def check_error(res: int) -> None:
 def __getattr__(name: str) -> Any:
     if name == "_initialized":
         return is_initialized()
-    if name == "_sanitizer":
-        # Imported on first use only: the sanitizer costs nothing while nobody asks for it.
+    if name in ("_sanitizer", "_memcheck"):
+        # Imported on first use only: a checker costs nothing while nobody asks for it.
         import importlib
 
-        return importlib.import_module(f"{__name__}._sanitizer")
+        return importlib.import_module(f"{__name__}.{name}")
     from supa_emu import compile as compile_support
 
     if name in compile_support.CODEGEN_NAMES:

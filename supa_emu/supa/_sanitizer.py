@@ -94,9 +94,8 @@ class SupaSanitizer:
         # the same callbacks once PyTorch's GPU trace is on (it stays on for the process).
         _gpu_trace.activate_native_reports()
         self._dispatch = _Dispatch(self)
-        self._dispatch.__enter__()
+        _sanitizer_switch.start(self, self._dispatch)
         self.enabled = True
-        _sanitizer_switch.set_active(self)
 
     def summary(self) -> str:
         """One line: how much was checked and how many races were reported (report-only mode)."""
@@ -109,8 +108,7 @@ class SupaSanitizer:
         if not self.enabled:
             return
         self.enabled = False
-        _sanitizer_switch.set_active(None)
-        self._dispatch.__exit__(None, None, None)
+        _sanitizer_switch.stop(self, self._dispatch)
         self._dispatch = None
         for registry, callback in self._callbacks:
             registry.callback_list.remove(callback)

@@ -34,8 +34,8 @@ def stream_name(stream: Stream) -> str:
 
 
 # Frames of the dispatch machinery and of the sanitizer itself, left out of reported stacks.
-_MACHINERY = ("supa_emu/supa/_sanitizer.py", "torch/_compile.py", "torch/_dynamo/eval_frame.py",
-              "torch/utils/_python_dispatch.py")
+_MACHINERY = ("supa_emu/supa/_sanitizer.py", "supa_emu/supa/_memcheck.py", "torch/_compile.py",
+              "torch/_dynamo/eval_frame.py", "torch/utils/_python_dispatch.py")
 
 
 @dataclasses.dataclass
@@ -55,10 +55,16 @@ class Access:
                 f"on {stream_name(self.stream)}")
 
     def formatted_stack(self) -> str:
-        if self.stack is None:
-            return "    (no stack recorded)\n"
-        frames = [frame for frame in self.stack.format() if not any(part in frame for part in _MACHINERY)]
-        return "".join(frames)
+        return format_stack(self.stack)
+
+
+def format_stack(stack) -> str:
+    """A CapturedTraceback as report lines, without the dispatch machinery's frames (shared by
+    the stream sanitizer's and the memory checker's reports)."""
+    if stack is None:
+        return "    (no stack recorded)\n"
+    frames = [frame for frame in stack.format() if not any(part in frame for part in _MACHINERY)]
+    return "".join(frames)
 
 
 class StreamRaceError(RuntimeError):

@@ -248,8 +248,10 @@ def make_graphed_callables(callables: Union[Callable[..., Any], tuple[Callable[.
         for func, args, cap in zip(callables, sample_args, captures):
             for _ in range(num_warmup_iters):
                 outputs, _ = tree_flatten(func(*args))
+                # Zeros, not empty_like: the warm-up's backward really reads them (the memory
+                # checker's initcheck would say so), though its results are thrown away.
                 grads = _grads_of(outputs, cap.static_inputs,
-                                  [torch.empty_like(o) for o in outputs if o.requires_grad],
+                                  [torch.zeros_like(o) for o in outputs if o.requires_grad],
                                   allow_unused_input)
                 del outputs, grads
     synchronize()

@@ -77,17 +77,26 @@ at::Tensor efficient_zero_tensor(c10::IntArrayRef size, std::optional<c10::Scala
                                    std::nullopt);
 }
 
+// Overflow-checked: a view whose extent wraps around would get a storage far too small for it.
 size_t bytes_needed(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset, size_t itemsize) {
-  int64_t numel = 1;
-  for (int64_t s : sizes) numel *= s;
-  if (numel == 0) {
-    return 0;
+  for (int64_t s : sizes) {
+    if (s == 0) {
+      return 0;
+    }
   }
   int64_t last = offset;
+  bool overflow = false;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    last += (sizes[i] - 1) * strides[i];
+    int64_t reach = 0;
+    overflow |= __builtin_mul_overflow(sizes[i] - 1, strides[i], &reach);
+    overflow |= __builtin_add_overflow(last, reach, &last);
   }
-  return static_cast<size_t>(last + 1) * itemsize;
+  int64_t bytes = 0;
+  overflow |= __builtin_add_overflow(last, int64_t{1}, &last);
+  overflow |= __builtin_mul_overflow(last, static_cast<int64_t>(itemsize), &bytes);
+  TORCH_CHECK(!overflow && bytes >= 0, "Storage size calculation overflowed with sizes=", sizes, " and strides=",
+              strides);
+  return static_cast<size_t>(bytes);
 }
 
 void ensure_storage_fits(const at::Tensor& self) {
@@ -117,6 +126,19 @@ at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset, c
                         c10::IntArrayRef stride) {
   TORCH_CHECK(source.device().type() == kSupa, "Expected a supa storage for set_ on a supa tensor, got ",
               source.device());
+  // As CUDA's set_: the storage stays on its card (a resize below allocates on the tensor's).
+  TORCH_CHECK(source.device() == self.device(), "Attempted to set the storage of a tensor on device \"",
+              self.device(), "\" to a storage on different device \"", source.device(),
+              "\".  This is no longer allowed; the devices must match.");
+  TORCH_CHECK(offset >= 0, "Tensor: invalid storage offset ", offset);
+  for (int64_t s : size) {
+    TORCH_CHECK(s >= 0, "Trying to create tensor with negative dimension ", s, ": ", size);
+  }
+  TORCH_CHECK(stride.empty() || stride.size() == size.size(), "unequal size length (", size.size(),
+              ") and stride length (", stride.size(), ")");
+  for (int64_t s : stride) {
+    TORCH_CHECK(s >= 0, "set_: negative strides are not supported, got ", stride);
+  }
   c10::TensorImpl* impl = self.unsafeGetTensorImpl();
   if (impl->storage().unsafeGetStorageImpl() != source.unsafeGetStorageImpl()) {
     impl->set_storage_keep_dtype(std::move(source));

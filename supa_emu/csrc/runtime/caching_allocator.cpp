@@ -39,6 +39,7 @@ constexpr size_t kMinBlockSize = 512;       // and rounds to 512-byte blocks
 constexpr size_t kSmallSize = 1 << 20;      // blocks below 1 MiB belong to the small pool
 constexpr size_t kLargeBuffer = 20 << 20;   // an oversize block serves requests up to this much smaller
 constexpr size_t kRoundUpStart = 1 << 20;   // roundup_power2_divisions intervals start at 1 MiB
+constexpr size_t kLargestRequest = size_t{1} << 60;  // (a negative size cast to size_t is far above it)
 
 // Allocator settings that change what is reserved and counted (`_set_allocator_settings`).
 struct AllocatorKnobs {
@@ -259,6 +260,7 @@ void report_block(void* ptr, bool allocated) {
 
 void free_block(void* ptr) {
   report_block(ptr, false);
+  memcheck_block_freed(ptr);
   const auto stack = memory_event_stack();
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_blocks.find(ptr);
@@ -311,6 +313,10 @@ std::multimap<size_t, Block*>::iterator find_cached(DeviceMemory& mem, size_t si
 }
 
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
+  if (nbytes > kLargestRequest) {  // more than any card holds; rounding it up would wrap around
+    std::lock_guard<std::mutex> lock(g_mutex);
+    raise_oom(memory_of(device), device, nbytes);
+  }
   const size_t size = round_size(nbytes);
   const auto stack = memory_event_stack();
   const c10::MempoolId_t pool = allocation_pool(device);
@@ -472,6 +478,15 @@ c10::DeviceIndex device_of_ptr(const void* ptr) {
   return it == g_blocks.end() ? -1 : it->second->device;
 }
 
+std::optional<LiveBlock> live_block(const void* ptr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_blocks.find(const_cast<void*>(ptr));
+  if (it == g_blocks.end()) {
+    return std::nullopt;
+  }
+  return LiveBlock{it->second->allocated, it->second->requested};
+}
+
 void set_memory_fraction(double fraction, c10::DeviceIndex device) {
   TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "Invalid fraction value: ", fraction, ". Allowed range: 0~1");
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -544,6 +559,7 @@ void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
     if (keep > 0 && storage->data() != nullptr) {
       std::memcpy(ptr, storage->data(), keep);
     }
+    memcheck_resized(storage->data(), ptr, storage->data() != nullptr ? keep : 0, nbytes);
   }
   storage->set_data_ptr_noswap(std::move(fresh));
   storage->set_nbytes(nbytes);

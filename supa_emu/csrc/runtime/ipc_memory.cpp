@@ -124,6 +124,10 @@ Mapping* move_to_shared_block(c10::StorageImpl* storage) {
   auto mapping = std::make_unique<Mapping>();
   mapping->fd = memfd_create("supa_emu_device_block", MFD_CLOEXEC);
   TORCH_CHECK(mapping->fd >= 0, "supa_emu: cannot create shared device memory: ", std::strerror(errno));
+  // A memfd starts out 0777: any process of another user that reaches the descriptor (through
+  // /proc/<pid>/fd) could map the tensor's bytes. Only the owner may read and write them.
+  TORCH_CHECK(fchmod(mapping->fd, S_IRUSR | S_IWUSR) == 0, "supa_emu: cannot restrict shared device memory: ",
+              std::strerror(errno));
   mapping->length = header_size() + nbytes;
   TORCH_CHECK(ftruncate(mapping->fd, static_cast<off_t>(mapping->length)) == 0,
               "supa_emu: cannot size shared device memory (", nbytes, " bytes): ", std::strerror(errno));

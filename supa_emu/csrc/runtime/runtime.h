@@ -91,6 +91,12 @@ void delete_device_ptr(void* ptr);  // free_block, accepting nullptr
 void report_blocks_to_gpu_trace();
 // Device of a pointer handed out by the device allocator, or -1.
 c10::DeviceIndex device_of_ptr(const void* ptr);
+// A block of the caching allocator, looked up by its start (see memcheck.cpp).
+struct LiveBlock {
+  bool allocated;
+  size_t requested;  // the bytes asked for, what an operand may reach
+};
+std::optional<LiveBlock> live_block(const void* ptr);
 void set_memory_fraction(double fraction, c10::DeviceIndex device);
 double get_memory_fraction(c10::DeviceIndex device);
 // roundup_power2_divisions has one entry per power-of-two interval from 1 MiB (the last is open).
@@ -276,5 +282,24 @@ inline void push_results(torch::jit::Stack* stack, size_t num_args, std::initial
     stack->emplace_back(t);
   }
 }
+
+// The memory checker (memcheck.cpp). A fault names the operand (index into reads, then writes).
+struct MemcheckFault {
+  enum Kind { kNone = 0, kOutOfBounds, kFreed, kUninitialized };
+  Kind kind = kNone;
+  int64_t operand = -1;
+  int64_t lo = 0, hi = 0;  // the operand's byte extent from its storage's start
+  int64_t live = 0;        // bytes of the live allocation
+  uintptr_t base = 0;
+  int64_t first_unwritten = -1;
+  std::shared_ptr<torch::CapturedTraceback> site;  // where an uninitialised block was allocated
+};
+void memcheck_set_enabled(bool enabled);
+MemcheckFault memcheck_operands(const std::vector<at::Tensor>& reads, const std::vector<at::Tensor>& writes);
+void memcheck_written(const std::vector<at::Tensor>& tensors);
+void memcheck_uninitialized(const at::Tensor& t);
+void memcheck_resized(const void* old_ptr, const void* new_ptr, size_t keep, size_t nbytes);
+void memcheck_block_freed(const void* ptr);
+size_t memcheck_tracked_blocks();
 
 }  // namespace supa
