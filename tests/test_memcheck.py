@@ -201,8 +201,21 @@ def test_collective_outputs_count_as_written(python_subprocess):
         dist.all_gather_into_tensor(out, x)
         print(out.sum().item())
         dist.destroy_process_group()
-    """, env={"SUPA_EMU_SANITIZE": "memory-strict", "PYTHONPATH": f"{ROOT / 'tests'}:{os.environ['PYTHONPATH']}"})
+    """, env={"SUPA_EMU_SANITIZE": "memory-strict",
+              "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))})
     assert result.stdout.strip() == "6.0", result
+
+
+@pytest.mark.skipif(torch.supa.device_count() < 2, reason="needs two SUPA devices")
+def test_single_process_collective_outputs_count_as_written(strict):
+    # torch.supa.bccl copies between cards natively, outside any operator.
+    inputs = [torch.full((4,), float(i + 1), device=f"supa:{i}") for i in range(2)]
+    outputs = [torch.empty(8, device=f"supa:{i}") for i in range(2)]
+    torch.supa.bccl.all_gather(inputs, outputs)
+    reduced = [torch.empty(4, device=f"supa:{i}") for i in range(2)]
+    torch.supa.bccl.all_reduce(inputs, reduced)
+    assert [o.sum().item() for o in outputs] == [12.0, 12.0]
+    assert [r.sum().item() for r in reduced] == [12.0, 12.0]
 
 
 # ---- no false reports ----------------------------------------------------------------------------

@@ -188,6 +188,10 @@ class MemoryChecker:
         if written:
             self._core._memcheck_written(written)
 
+    def written_outside_operators(self, tensors) -> None:
+        """Memory that native code wrote outside any operator (torch.supa.bccl's copies)."""
+        self._core._memcheck_written([t for t in tensors if not t.is_cpu])
+
     def work_waited(self, work) -> None:
         pass  # the memory a collective writes is counted as written when it is issued
 

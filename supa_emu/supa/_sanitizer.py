@@ -328,6 +328,12 @@ class SupaSanitizer:
                 self._access(tensor, comm, seq, write, f"bccl {op}", "collective buffer", stack)
             work._supa_sanitizer_clock = (device, self.order.snapshot(comm))
 
+    def written_outside_operators(self, tensors) -> None:
+        # torch.supa.bccl's single-process collectives: synchronous host copies issued on no
+        # stream, which this sanitizer does not model (README: torch.supa.bccl under "What the
+        # emulator does and does not model").
+        pass
+
     def work_waited(self, work) -> None:
         """`Work.wait()`: later work on the current stream comes after the collective."""
         issued = getattr(work, "_supa_sanitizer_clock", None)

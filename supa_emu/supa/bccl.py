@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from supa_emu.device_type import DEVICE_TYPE
-from supa_emu.supa import _bccl_kernels as kernels
+from supa_emu.supa import _bccl_kernels as kernels, _sanitizer_switch
 
 __all__ = ["is_available", "version", "unique_id", "init_rank", "all_reduce", "reduce", "broadcast",
            "all_gather", "reduce_scatter"]
@@ -110,6 +110,7 @@ def all_reduce(inputs: Sequence[torch.Tensor], outputs: Optional[Sequence[torch.
     input_views, output_views = _operands(inputs, outputs, 1, 1)
     _check_op(op, inputs[0])
     kernels.all_reduce(_ranked(input_views, order), _ranked(output_views, order), op)
+    _written(outputs)
 
 
 # `output` used to be `outputs`, a list of tensors; both are accepted as torch.cuda.nccl does.
@@ -143,6 +144,7 @@ def reduce(inputs: Sequence[torch.Tensor], output: Any = None, root: int = 0, op
         raise RuntimeError(f"{_INVALID_ARGUMENT}: root {root} names rank {root} of the communicator, "
                            f"but inputs[{root}] (which gets the output) is rank {rank_of_root}")
     kernels.reduce_into(kernels.flat_host_view(output), _ranked(input_views, order), op, own=root)
+    _written([output])
 
 
 def broadcast(inputs: Sequence[torch.Tensor], root: int = 0, streams: Any = None, comms: Any = None) -> None:
@@ -155,6 +157,7 @@ def broadcast(inputs: Sequence[torch.Tensor], root: int = 0, streams: Any = None
     views, _ = _operands(inputs, [], 1, 1)
     _check_dtype(inputs[0])
     kernels.broadcast(_ranked(views, order), root)
+    _written(inputs)
 
 
 def all_gather(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], streams: Any = None,
@@ -167,6 +170,7 @@ def all_gather(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], 
     input_views, output_views = _operands(inputs, outputs, len(inputs), 1)
     _check_dtype(inputs[0])
     kernels.all_gather(_ranked(input_views, order), _ranked(output_views, order))
+    _written(outputs)
 
 
 def reduce_scatter(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int = SUM,
@@ -180,6 +184,14 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tenso
     input_views, output_views = _operands(inputs, outputs, 1, len(inputs))
     _check_op(op, inputs[0])
     kernels.reduce_scatter(_ranked(input_views, order), _ranked(output_views, order), op)
+    _written(outputs)
+
+
+def _written(tensors: list[torch.Tensor]) -> None:
+    # The copies above run outside any operator, where the checkers cannot see them: say so.
+    checker = _sanitizer_switch.active()
+    if checker is not None:
+        checker.written_outside_operators(tensors)
 
 
 # ---- argument unpacking and checks (the order and exception types of PyTorch's NCCL bindings) ----
