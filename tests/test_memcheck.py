@@ -266,7 +266,9 @@ sys.argv = sys.argv[1:]
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 finally:
-    print("memory checker: operators checked:", torch.supa._memcheck.memory_checker.checked, file=sys.stderr)
+    # One write per rank: print() writes its parts separately, and the ranks share the stderr pipe.
+    import os
+    os.write(2, f"memory checker: operators checked: {torch.supa._memcheck.memory_checker.checked}\\n".encode())
 """
 
 
