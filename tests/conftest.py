@@ -169,11 +169,18 @@ class RankChecks:
             self.outcomes[name] = f"{type(error).__name__}: {error}"
 
 
+def print_line(text: str) -> None:
+    """Writes `text` and its newline to stdout in one system call: ranks that share a pipe then never
+    interleave inside each other's lines (print() may write the text and the newline apart)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
+
+
 def serve_rank(namespace: dict) -> None:
     """Entry point of a rank started by run_ranks: run the scenario named on the command line."""
     scenario, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     outcome = namespace[f"_scenario_{scenario}"](rank, port)
-    print(_RANK_RESULT + json.dumps(outcome), flush=True)
+    print_line(_RANK_RESULT + json.dumps(outcome))
     os._exit(0)  # skip interpreter teardown: peers may already be gone in the failure scenarios
 
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RankChecks, free_port
+from conftest import RankChecks, free_port, print_line
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -226,5 +226,5 @@ def test_deepspeed_launcher_with_a_hostfile_and_no_ssh(one_host_losses, tmp_path
 
 
 if __name__ == "__main__":
-    print(_RESULT + json.dumps(_collectives_worker()), flush=True)
+    print_line(_RESULT + json.dumps(_collectives_worker()))
     os._exit(0)
