@@ -111,16 +111,17 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         if collective and self._coalesced is None:
             self._sequence += 1  # a coalesced block counts once, at its start
         gloo_handoff.hold(parts)
+        issuer = sys._getframe(1)  # the collective entry point: named by the recorder, profiler and sanitizer
         if call_record.active():
-            call_record.note_call(self.size(), call, sys._getframe(1))
-        record = profiling.open_range(BACKEND_NAME, sys._getframe(1).f_code.co_name)
+            call_record.note_call(self.size(), call, issuer)
+        record = profiling.open_range(BACKEND_NAME, issuer.f_code.co_name)
         if record is not None:
             profiling.close_on_completion(record, parts)
         work = BCCLWork(parts, call.epilogue(), outputs, call.device_tensors, self._agreement, ticket)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
             accesses = [(t, r, w) for t, (r, w) in zip(call.device_tensors, call.access_modes)]
-            sanitizer.collective_issued(work, self._label, accesses, sys._getframe(1).f_code.co_name)
+            sanitizer.collective_issued(work, self._label, accesses, issuer.f_code.co_name)
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
