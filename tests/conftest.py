@@ -1,4 +1,4 @@
-"""Shared test setup: markers and helpers for running code in fresh processes.
+"""Shared test setup: markers, fixtures and the summary line of child runs (processes: harness.py).
 
 Tests are written against public APIs (torch.supa, get_accelerator()) so that the same
 files run on a real card; `emulation_only` marks those that test the emulator itself.
@@ -6,15 +6,9 @@ files run on a real card; `emulation_only` marks those that test the emulator it
 
 import atexit
 import fcntl
-import json
 import os
 import pathlib
-import socket
-import subprocess
-import sys
 import tempfile
-import textwrap
-import time
 
 import pytest
 
@@ -83,107 +77,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_python(code: str, env: dict | None = None, timeout: float = 300, check: bool = True):
-    """Runs `code` in a fresh interpreter (so autoload and env handling are exercised for real)."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    for name, value in list(full_env.items()):
-        if value is None:
-            del full_env[name]
-    # A script file rather than -c, so that multiprocessing's spawn can re-import __main__.
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
-        script.write(textwrap.dedent(code))
-    try:
-        result = subprocess.run([sys.executable, script.name], env=full_env, capture_output=True, text=True,
-                                timeout=timeout)
-    finally:
-        os.unlink(script.name)
-    if check and result.returncode != 0:
-        raise AssertionError(f"subprocess failed ({result.returncode}):\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
-    return result
-
-
-def run_scenario(code: str, env: dict | None = None, timeout: float = 300):
-    """Runs `code` with run_python and returns what it printed as JSON on a line 'RESULT <json>'."""
-    result = run_python(code, env=env, timeout=timeout)
-    for line in result.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise AssertionError(f"no RESULT line in the output:\n{result.stdout}\n{result.stderr}")
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago (for a rendezvous the test starts next)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-_RANK_RESULT = "RANK-RESULT "
-
-
-def run_ranks(script: str, scenario: str, world: int = 2, limit_s: float = 240, env: dict | None = None) -> list:
-    """Start `world` ranks of a multi-process scenario; return each rank's (returncode, outcome, stderr).
-
-    Each rank is `python script scenario rank port` with SUPA_EMULATE=1 and this checkout first on
-    the path; the script's `__main__` hands over to `serve_rank(globals())`, which runs its
-    `_scenario_<scenario>(rank, port)` and prints the JSON outcome that is returned here (None if
-    the rank printed none). A job still running after `limit_s` is killed and fails the test.
-    """
-    port = free_port()
-    full_env = dict(os.environ, SUPA_EMULATE="1", **(env or {}))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, full_env.get("PYTHONPATH")]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.abspath(script), scenario, str(rank), str(port)],
-            env=full_env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for rank in range(world)
-    ]
-    results = []
-    deadline = time.monotonic() + limit_s
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"job {scenario!r} of {os.path.basename(script)} hung (> {limit_s}s)")
-        lines = [line for line in out.splitlines() if line.startswith(_RANK_RESULT)]
-        results.append((proc.returncode, json.loads(lines[-1][len(_RANK_RESULT):]) if lines else None, err))
-    return results
-
-
-class RankChecks:
-    """A rank's named checks: `check(name, fn)` records "ok" or the error fn raised, for the parent test."""
-
-    def __init__(self):
-        self.outcomes = {}
-
-    def __call__(self, name, fn):
-        try:
-            fn()
-            self.outcomes[name] = "ok"
-        except Exception as error:  # recorded, asserted by the parent test
-            self.outcomes[name] = f"{type(error).__name__}: {error}"
-
-
-def print_line(text: str) -> None:
-    """Writes `text` and its newline to stdout in one system call: ranks that share a pipe then never
-    interleave inside each other's lines (print() may write the text and the newline apart)."""
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (text + "\n").encode())
-
-
-def serve_rank(namespace: dict) -> None:
-    """Entry point of a rank started by run_ranks: run the scenario named on the command line."""
-    scenario, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    outcome = namespace[f"_scenario_{scenario}"](rank, port)
-    print_line(_RANK_RESULT + json.dumps(outcome))
-    os._exit(0)  # skip interpreter teardown: peers may already be gone in the failure scenarios
-
-
 _CHILD_RUNS: list[str] = []
 
 
@@ -196,11 +89,6 @@ def report_child_run():
 def pytest_terminal_summary(terminalreporter):
     for line in _CHILD_RUNS:
         terminalreporter.write_line(line)
-
-
-@pytest.fixture
-def python_subprocess():
-    return run_python
 
 
 def behaviour_table():

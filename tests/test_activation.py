@@ -4,7 +4,7 @@ runs in a fresh interpreter, because activation happens once, at `import torch`.
 
 import pytest
 
-from conftest import run_python
+from harness import run_python
 
 pytestmark = pytest.mark.emulation_only
 

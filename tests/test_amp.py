@@ -1,6 +1,8 @@
 """torch.supa.amp: autocast on supa, autocast state accessors, custom_fwd/bwd and GradScaler."""
 
 import pytest
+
+from harness import run_python
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -136,8 +138,8 @@ def test_grad_scaler_rejects_bf16_gradients():
         scaler.unscale_(opt)
 
 
-def test_grad_scaler_disables_itself_without_devices(python_subprocess):
-    out = python_subprocess("""
+def test_grad_scaler_disables_itself_without_devices():
+    out = run_python("""
         import warnings, torch
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -15,7 +15,7 @@ import os
 import time
 
 import pytest
-from conftest import RankChecks, run_ranks, serve_rank
+from harness import RankChecks, run_ranks, serve_rank
 import torch  # noqa: F401  (activates the emulator in this process, as the other test modules do)
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")

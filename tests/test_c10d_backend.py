@@ -20,7 +20,7 @@ import time
 import warnings
 
 import pytest
-from conftest import RankChecks, run_ranks, serve_rank
+from harness import RankChecks, run_ranks, serve_rank
 import torch
 
 pytestmark = [

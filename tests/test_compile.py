@@ -14,6 +14,8 @@ import re
 import sys
 
 import pytest
+
+from harness import run_python
 import torch
 import torch.nn as nn
 
@@ -55,8 +57,8 @@ def last_device():
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.emulation_only
 @pytest.mark.slow  # several fresh interpreters doing real work
-def test_import_torch_loads_nothing_of_dynamo_or_inductor(python_subprocess):
-    out = python_subprocess("""
+def test_import_torch_loads_nothing_of_dynamo_or_inductor():
+    out = run_python("""
         import sys, torch
         torch.randn(2, device="supa")
         print([m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor", "supa_emu.compile."))])
@@ -296,9 +298,9 @@ CACHE_PROBE = """
 
 
 @pytest.mark.slow  # several fresh interpreters doing real work
-def test_second_process_reuses_the_on_disk_compile_cache(python_subprocess, tmp_path):
+def test_second_process_reuses_the_on_disk_compile_cache(tmp_path):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
-    first, second = (json.loads(python_subprocess(CACHE_PROBE, env=env).stdout.splitlines()[-1])
+    first, second = (json.loads(run_python(CACHE_PROBE, env=env).stdout.splitlines()[-1])
                      for _ in range(2))
     assert (first["hit"], first["miss"]) == (0, 1), first
     assert (second["hit"], second["miss"]) == (1, 0), second

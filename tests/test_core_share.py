@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import free_port, run_python
+from harness import free_port, run_python
 
 pytestmark = pytest.mark.emulation_only
 

@@ -17,7 +17,7 @@ import tarfile
 
 import pytest
 
-from conftest import run_python
+from harness import run_python
 
 pytestmark = [pytest.mark.emulation_only, pytest.mark.slow]  # a download once, then a fresh interpreter
 

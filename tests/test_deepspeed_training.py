@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port
+from harness import free_port
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

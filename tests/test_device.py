@@ -5,6 +5,8 @@ import re
 import threading
 
 import pytest
+
+from harness import run_python
 import torch
 
 supa = pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -43,10 +45,10 @@ def test_initialised_state_and_generators():
         assert gen.device == torch.device("supa", i)
 
 
-def test_lazy_init_in_fresh_process_runs_queued_seeds_last(python_subprocess):
+def test_lazy_init_in_fresh_process_runs_queued_seeds_last():
     """Before initialisation only the latest manual_seed / manual_seed_all call is kept, and
     those run after every other queued call, in the order they were last made (as torch.cuda)."""
-    out = python_subprocess("""
+    out = run_python("""
         import torch
         assert torch.supa.is_initialized() is False
         assert torch.supa.default_generators == ()
@@ -65,8 +67,8 @@ def test_lazy_init_in_fresh_process_runs_queued_seeds_last(python_subprocess):
 
 
 @pytest.mark.emulation_only
-def test_init_without_devices_raises(python_subprocess):
-    out = python_subprocess("""
+def test_init_without_devices_raises():
+    out = run_python("""
         import torch
         assert torch.supa.device_count() == 0
         assert torch.supa.is_available() is False
@@ -284,9 +286,9 @@ def test_gpu_trace_registries_have_reference_names():
 
 
 @pytest.mark.slow  # a fresh interpreter: PyTorch's GPU trace, once on, stays on for the process
-def test_gpu_trace_reports_event_lifetimes_and_memory_blocks(python_subprocess):
+def test_gpu_trace_reports_event_lifetimes_and_memory_blocks():
     """The callbacks that only the native runtime can fire (as CUDA's allocator and guard fire them)."""
-    result = python_subprocess("""
+    result = run_python("""
         import gc, json, torch
         from torch.supa import _gpu_trace
         seen = {name: [] for name in ("created", "deleted", "allocated", "freed")}

@@ -312,7 +312,7 @@ def test_parameters_requiring_grad_are_updated_in_place(adam_ops, adam_path, dev
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_deepspeed_builtin_supa_accelerator_runs_fused_adam_on_the_emulator():
     """DeepSpeed's own SUPA accelerator (SUPA_DS_ACCELERATOR=builtin) trains on the emulator too."""
-    from conftest import run_python
+    from harness import run_python
 
     out = run_python("""
         import torch

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port
+from harness import free_port
 import torch
 
 pytest.importorskip("transformers")

@@ -13,6 +13,8 @@ import sys
 import warnings
 
 import pytest
+
+from harness import run_python
 import torch
 
 from supa_emu import config
@@ -81,8 +83,8 @@ def test_a_storage_freed_under_a_view_raises_on_next_use(checker):
     assert v.sum().item() == 6.0
 
 
-def test_a_use_after_free_is_an_error_not_a_crash(python_subprocess):
-    result = python_subprocess("""
+def test_a_use_after_free_is_an_error_not_a_crash():
+    result = run_python("""
         import torch
         t = torch.ones(1 << 20, device="supa")
         v = t[10:]
@@ -191,8 +193,8 @@ def test_a_graph_capture_reads_nothing_yet(strict):
             view * 2
 
 
-def test_collective_outputs_count_as_written(python_subprocess):
-    result = python_subprocess("""
+def test_collective_outputs_count_as_written():
+    result = run_python("""
         import os, torch, torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("conftest").free_port()))
         dist.init_process_group("bccl", rank=0, world_size=1)
@@ -312,8 +314,8 @@ def test_bad_sanitize_values_name_the_accepted_ones(monkeypatch, value):
         config.load()
 
 
-def test_streams_and_memory_run_together(python_subprocess):
-    result = python_subprocess("""
+def test_streams_and_memory_run_together():
+    result = run_python("""
         import torch
         from supa_emu.supa import _sanitizer_switch
         t = torch.ones(4, device="supa")
@@ -335,8 +337,8 @@ def test_streams_and_memory_run_together(python_subprocess):
     assert result.stdout.split() == ["memory", "streams", "2"], result
 
 
-def test_off_by_default_nothing_is_imported_or_changed(python_subprocess):
-    result = python_subprocess("""
+def test_off_by_default_nothing_is_imported_or_changed():
+    result = run_python("""
         import sys, torch
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
         t = torch.ones(8, device="supa")

@@ -5,6 +5,8 @@ import re
 import warnings
 
 import pytest
+
+from harness import run_python
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -47,8 +49,8 @@ def test_stats_agree_with_generic_accelerator_api():
     assert torch.supa.memory_reserved(0) == torch.accelerator.memory_reserved(0)
 
 
-def test_stats_empty_before_init(python_subprocess):
-    out = python_subprocess("""
+def test_stats_empty_before_init():
+    out = run_python("""
         import torch
         print(torch.supa.memory_stats_as_nested_dict(), dict(torch.supa.memory_stats()),
               torch.supa.memory_allocated(), torch.supa.is_initialized())
@@ -143,8 +145,8 @@ def test_out_of_memory_error_and_recovery():
     assert torch.equal((keep + 1).cpu(), torch.arange(1, 17, dtype=torch.float32))
 
 
-def test_host_allocation_failure_is_reported_as_the_hosts(python_subprocess):
-    out = python_subprocess("""
+def test_host_allocation_failure_is_reported_as_the_hosts():
+    out = run_python("""
         import warnings, torch
         warnings.simplefilter("ignore")  # the activation warning about SUPA_EMU_MEMORY is tested elsewhere
         try:
@@ -453,15 +455,15 @@ def test_garbage_collection_threshold_releases_the_oldest_cached_blocks(allocato
 
 
 @pytest.mark.emulation_only
-def test_allocator_conf_variable_applies_at_start_and_is_validated(python_subprocess):
+def test_allocator_conf_variable_applies_at_start_and_is_validated():
     code = """
         import torch
         x = torch.empty(3 * 2**20 + 100, dtype=torch.uint8, device="supa")
         print(torch.supa.memory_allocated(), torch.supa.memory_stats()["max_split_size"])
     """
-    result = python_subprocess(code, env={"PYTORCH_SUPA_ALLOC_CONF": "roundup_power2_divisions:4,max_split_size_mb:64"})
+    result = run_python(code, env={"PYTORCH_SUPA_ALLOC_CONF": "roundup_power2_divisions:4,max_split_size_mb:64"})
     assert result.stdout.split() == [str(3 * MiB + MiB // 2), str(64 * MiB)]
-    bad = python_subprocess(code, env={"PYTORCH_SUPA_ALLOC_CONF": "max_split_size_mb:lots"}, check=False)
+    bad = run_python(code, env={"PYTORCH_SUPA_ALLOC_CONF": "max_split_size_mb:lots"}, check=False)
     assert bad.returncode != 0
     assert "PYTORCH_SUPA_ALLOC_CONF='max_split_size_mb:lots': invalid value 'lots' for max_split_size_mb" in bad.stderr
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import run_python
+from harness import run_python
 
 pytestmark = pytest.mark.skipif(not torch.supa.is_available() or torch.supa.device_count() < 2,
                                 reason="needs two supa devices")

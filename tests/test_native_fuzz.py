@@ -22,7 +22,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import run_python
+from harness import run_python
 
 pytestmark = pytest.mark.emulation_only
 

@@ -9,6 +9,8 @@ import inspect
 import pkgutil
 
 import pytest
+
+from harness import run_python
 import torch
 
 import supa_deepspeed.op_builder.supa as supa_builders
@@ -294,13 +296,13 @@ print(type(builder).__module__)
 
 
 @pytest.mark.slow
-def test_switching_accelerators_does_not_rebuild_host_ops(tmp_path, python_subprocess):
+def test_switching_accelerators_does_not_rebuild_host_ops(tmp_path):
     """One cold build of cpu_adam; then each accelerator loads it as it is (and ours says when it builds)."""
     ext_dir = tmp_path / 'torch_extensions'
     env = {'TORCH_EXTENSIONS_DIR': str(ext_dir), 'DS_ACCELERATOR': 'supa', 'SUPA_EMULATE': '1'}
 
     def run(accelerator):
-        result = python_subprocess(_LOAD_CPU_ADAM, env={**env, 'SUPA_DS_ACCELERATOR': accelerator}, timeout=1200)
+        result = run_python(_LOAD_CPU_ADAM, env={**env, 'SUPA_DS_ACCELERATOR': accelerator}, timeout=1200)
         library = next(ext_dir.rglob('cpu_adam.so'))
         return result, library.stat().st_mtime_ns, (library.parent / '.ninja_log').read_text()
 

@@ -11,7 +11,7 @@ import pathlib
 import textwrap
 
 import pytest
-from conftest import free_port, run_python
+from harness import free_port, run_python
 
 from supa_emu.plan.__main__ import main as plan_main
 

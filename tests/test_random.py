@@ -1,6 +1,8 @@
 """torch.supa RNG: per-device generators, seeding, state save/restore."""
 
 import pytest
+
+from harness import run_python
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -105,8 +107,8 @@ def test_fork_rng_restores_supa_state():
     assert torch.equal(torch.rand(4, device="supa").cpu(), expected.cpu())
 
 
-def test_seeding_before_init_is_deferred(python_subprocess):
-    out = python_subprocess("""
+def test_seeding_before_init_is_deferred():
+    out = run_python("""
         import torch
         torch.manual_seed(77)
         assert not torch.supa.is_initialized()

@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+from harness import run_python
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -399,8 +401,8 @@ def test_bad_sanitize_value_is_a_config_error_naming_accepted_values(monkeypatch
         config.load()
 
 
-def test_environment_switch_enables_it_at_activation(python_subprocess):
-    result = python_subprocess("""
+def test_environment_switch_enables_it_at_activation():
+    result = run_python("""
         import torch
         s = torch.supa.Stream()
         x = torch.ones(8, device="supa")
@@ -415,8 +417,8 @@ def test_environment_switch_enables_it_at_activation(python_subprocess):
     assert "reported: (0," in result.stdout
 
 
-def test_off_by_default_nothing_is_imported(python_subprocess):
-    result = python_subprocess("""
+def test_off_by_default_nothing_is_imported():
+    result = run_python("""
         import sys, torch
         x = torch.ones(8, device="supa")
         torch.supa.synchronize()

@@ -6,7 +6,7 @@ test_batch_isend_irecv_nccl / _self_nccl (test_torch_distributed.py).
 """
 
 import pytest
-from conftest import free_port, run_scenario
+from harness import free_port, run_scenario
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 

@@ -1,6 +1,8 @@
 """Legacy torch.supa tensor types and typed storages."""
 
 import pytest
+
+from harness import run_python
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -49,8 +51,8 @@ def test_constructors_build_supa_tensors():
     assert isinstance(d, torch.supa.LongTensor)
 
 
-def test_constructor_warning_printed_once(python_subprocess):
-    out = python_subprocess("""
+def test_constructor_warning_printed_once():
+    out = run_python("""
         import torch
         torch.supa.FloatTensor(2)
         torch.supa.IntTensor(3)

@@ -5,6 +5,8 @@ import copy
 import io
 
 import pytest
+
+from harness import run_python
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -153,8 +155,8 @@ def test_float64_host_data_converted_before_the_copy_is_accepted():
     assert torch.zeros(2, device=DEV).copy_(torch.ones(2, dtype=_F64)).dtype == torch.float32
 
 
-def test_float64_demotion_opt_in(python_subprocess):
-    out = python_subprocess("""
+def test_float64_demotion_opt_in():
+    out = run_python("""
         import warnings, torch
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
@@ -260,10 +262,10 @@ def test_lazily_conjugated_and_negated_tensors_keep_their_values_across_copies()
     torch.testing.assert_close(target.conj().cpu(), x.conj(), rtol=0, atol=0)
 
 
-def test_copying_a_lazily_conjugated_fft_result_does_not_crash(python_subprocess):
+def test_copying_a_lazily_conjugated_fft_result_does_not_crash():
     # The six FFTs that conjugate lazily (fft.ifft of real input, hfft, ihfft, ...) used to
     # crash the process: copying a conj-bit supa tensor recursed until the stack overflowed.
-    result = python_subprocess(
+    result = run_python(
         """
         import torch
         x = torch.randn(5, 6, 7)

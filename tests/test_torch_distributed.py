@@ -23,7 +23,7 @@ import re
 import sys
 
 import pytest
-from conftest import run_python
+from harness import run_python
 
 import torch_distributed_expectations as expectations
 from torch_distributed_driver import GLOO_TABLE

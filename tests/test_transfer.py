@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import free_port, run_python
+from harness import free_port, run_python
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RankChecks, free_port, print_line
+from harness import RankChecks, free_port, print_line
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
