@@ -2,13 +2,13 @@
 
 This package is what `torch._register_device_module('supa', ...)` installs. Its layout follows
 `torch.cuda` so a reader finds each concern where they expect it: device selection and lazy
-init (in `_runtime.py`, re-exported here), then `memory`, `streams`, `random`, `graphs`, `amp`, and the legacy tensor types.
-Everything that touches the native core goes through `_native()` (the core activation loaded)
-or the generic `torch.accelerator` / `torch._C._accelerator_*` entry points the core backs.
-Like `torch.cuda`, this package keeps no device state of its own: devices, streams, events,
-pools, capacities and generators are the core's, and the process's emulator state (the
-configuration, the loaded core, whether the runtime is initialised) is owned by
-`supa_emu/process_state.py`. Its submodules import `_runtime`, never this package.
+init (in `_runtime.py`, re-exported here; its siblings import it, never this package), then
+`memory`, `streams`, `random`, `graphs`, `amp`, and the legacy tensor types. Everything that
+touches the native core goes through `_native()` (the core activation loaded) or the generic
+`torch.accelerator` / `torch._C._accelerator_*` entry points the core backs. Like `torch.cuda`,
+this package keeps no state of its own: devices, streams, events, pools, capacities and
+generators are the core's; the configuration, the loaded core and whether the runtime is
+initialised are `supa_emu/process_state.py`'s.
 """
 
 from __future__ import annotations
