@@ -6,9 +6,10 @@ init (in `_runtime.py`, re-exported here; its siblings import it, never this pac
 `memory`, `streams`, `random`, `graphs`, `amp`, and the legacy tensor types. Everything that
 touches the native core goes through `_native()` (the core activation loaded) or the generic
 `torch.accelerator` / `torch._C._accelerator_*` entry points the core backs. Like `torch.cuda`,
-this package keeps no state of its own: devices, streams, events, pools, capacities and
-generators are the core's; the configuration, the loaded core and whether the runtime is
-initialised are `supa_emu/process_state.py`'s.
+this package holds no device state: devices, streams, events, pools, capacities and generators
+are the core's; the configuration, the loaded core and whether the runtime is initialised are
+`supa_emu/process_state.py`'s. What Python state is left belongs to one module each (the calls
+queued before initialisation, the checkers' switch, the allocator settings in effect).
 """
 
 from __future__ import annotations
