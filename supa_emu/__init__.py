@@ -26,9 +26,9 @@ def _autoload() -> None:
         from supa_emu.config import emulation_requested  # validates the value
 
         if emulation_requested() and activate():
-            from supa_emu import activation
+            from supa_emu import process_state
 
-            if activation.config().transfer:
+            if process_state.config().transfer:
                 from supa_emu import torch_supa
 
                 torch_supa._autoload()

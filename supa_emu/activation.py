@@ -4,6 +4,11 @@ Follows the switching contract of the design: with a real torch_supa installed t
 emulator stands down (one log line) and registers nothing; otherwise it registers the
 device the way the real package does (rename PrivateUse1, register the device module,
 generate the tensor/module/storage helpers).
+
+The one module that registers: it imports the parts it installs, and only the entry points
+(`supa_emu._autoload`, `supa_emu.activate`, `import torch_supa`) import it. What it decides and
+loads (the configuration, the native core) it records in `supa_emu.process_state`, where every
+other module reads it.
 """
 
 from __future__ import annotations
@@ -13,13 +18,12 @@ import logging
 import threading
 import warnings
 
+from supa_emu import process_state
 from supa_emu.device_type import DEVICE_TYPE
 
 log = logging.getLogger("supa_emu")
 
 _lock = threading.Lock()
-_active: bool | None = None
-_config = None  # the validated configuration activation loaded (supa_emu.config.EmulatorConfig)
 
 # Quantized dtypes the real package declares unsupported for the generated helpers.
 _UNSUPPORTED_DTYPES = ("quint8", "quint4x2", "quint2x4", "qint32", "qint8")
@@ -34,49 +38,43 @@ def real_torch_supa_origin() -> str | None:
 
 
 def is_active() -> bool:
-    return bool(_active)
-
-
-def config():
-    """The configuration this process was activated with; only valid once activation ran."""
-    if _config is None:
-        raise RuntimeError("supa_emu is not active in this process: set SUPA_EMULATE=1 before importing torch")
-    return _config
+    return process_state.is_active()
 
 
 def activate() -> bool:
-    global _active
     # torch first, outside the lock: under SUPA_EMULATE=1 its backend autoload calls activate()
     # itself, which must find the lock free (else an explicit supa_emu.activate() before any
     # `import torch` would wait on itself); this call then returns what that one decided.
     import torch  # noqa: F401
 
     with _lock:
-        if _active is not None:
-            return _active
+        decided = process_state.decision()
+        if decided is not None:
+            return decided
         origin = real_torch_supa_origin()
         if origin is not None:
             log.warning("supa_emu: a real torch_supa is installed (%s); the emulator stands down", origin)
-            _active = False
+            process_state.record_decision(False)
             return False
         _register()
-        _active = True
+        process_state.record_decision(True)
         return True
 
 
 def _register() -> None:
-    global _config
     import torch
 
     from supa_emu import compile as compile_support, config, import_hooks, native
 
-    cfg = _config = config.load()
+    cfg = config.load()
+    process_state.record_config(cfg)
     beyond_host = config.memory_beyond_host(cfg)
     if beyond_host is not None:
         warnings.warn(beyond_host, RuntimeWarning, stacklevel=2)
     core = native.load(cfg.cache_dir, cfg.cache_dir_from_env)
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
     core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion)
+    process_state.record_core(core)
 
     from supa_emu import supa as supa_module
 

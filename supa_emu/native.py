@@ -146,17 +146,14 @@ def _import_extension(path: pathlib.Path):
     return module
 
 
-_C = None
-
-
 def load(cache_dir: pathlib.Path, cache_dir_from_env: bool = True):
     """Returns the compiled module, building it first if this machine has no valid build.
 
     `cache_dir_from_env` says whether SUPA_EMU_CACHE_DIR chose the directory (for error texts).
+    Activation calls it once and records the module in `supa_emu.process_state`.
     """
-    global _C
-    if _C is not None:
-        return _C
+    if MODULE_NAME in sys.modules:  # an extension module is loaded once per process
+        return sys.modules[MODULE_NAME]
     root = cache_dir / "native"
     build_dir = root / build_key()
     library = build_dir / f"{MODULE_NAME}.so"
@@ -174,8 +171,7 @@ def load(cache_dir: pathlib.Path, cache_dir_from_env: bool = True):
                     log.warning("supa_emu: the cached native core in %s is damaged (%s); rebuilding it",
                                 build_dir, problem)
                 _build(root, build_dir, quiet_relink=damaged)
-    _C = _import_extension(library)
-    return _C
+    return _import_extension(library)
 
 
 def _where(cache_dir: pathlib.Path, from_env: bool) -> str:

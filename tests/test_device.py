@@ -167,9 +167,9 @@ def test_peer_access_between_distinct_devices():
 
 @pytest.mark.emulation_only
 def test_emulated_profile_matches_configuration():
-    from supa_emu import activation
+    from supa_emu import process_state
 
-    cfg = activation.config()
+    cfg = process_state.config()
     props = torch.supa.get_device_properties(0)
     assert props.name == cfg.profile.name
     assert props.total_memory == cfg.memory_bytes

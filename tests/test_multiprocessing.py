@@ -238,11 +238,11 @@ def test_sharing_keeps_statistics_and_data_and_limbo_waits_for_receivers():
     x = torch.arange(1 << 16, dtype=torch.float32, device="supa:0")
     view = x[10:20]
     size = torch.supa.memory_allocated(0) - base
-    from supa_emu import native
+    core = torch.supa._native()
 
-    assert not native._C._ipc_is_shared(x.untyped_storage())
+    assert not core._ipc_is_shared(x.untyped_storage())
     messages = [multiprocessing.reduction.ForkingPickler.dumps(view) for _ in range(3)]  # moves x once
-    assert native._C._ipc_is_shared(x.untyped_storage())
+    assert core._ipc_is_shared(x.untyped_storage())
     assert torch.supa.memory_allocated(0) - base == size
     assert torch.equal(x.cpu(), torch.arange(1 << 16, dtype=torch.float32))
     del x, view

@@ -19,12 +19,11 @@ init_process_group/new_group are not given one.
 """
 
 import datetime
-import warnings
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from supa_emu import core_share
+from supa_emu import core_share, process_state
 
 from . import c10d_backend, compile_boundary, host_memory
 from .process_group import BACKEND_NAME, DEFAULT_TIMEOUT, ProcessGroupBCCL
@@ -43,9 +42,7 @@ __all__ = [
 
 
 def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
-    from supa_emu import activation
-
-    settings = activation.config()
+    settings = process_state.config()
     if settings.plan_simulate or settings.plan_record is not None:
         # The planner's world and recorder (supa_emu/plan), imported only when asked for.
         from supa_emu.plan import rank_record, uniform_group
@@ -56,37 +53,8 @@ def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
     core_share.at_first_group(backend_options.group_size)
     return ProcessGroupBCCL(
         backend_options.store, backend_options.group_rank, backend_options.group_size,
-        group_options(backend_options, pg_options)
+        c10d_backend.group_options(backend_options, pg_options)
     )
-
-
-def group_options(backend_options, pg_options=None) -> ProcessGroupBCCL.Options:
-    """The options of a new bccl group: the caller's (or the defaults) with what c10d decided."""
-    if pg_options is None:
-        pg_options = ProcessGroupBCCL.Options()
-    elif not isinstance(pg_options, ProcessGroupBCCL.Options):
-        raise TypeError("Expected pg_options argument to be of type ProcessGroupBCCL.Options")
-    elif pg_options._timeout != backend_options.timeout:
-        warnings.warn(f"bccl: pg_options._timeout ({pg_options._timeout}) is replaced by the group's timeout "
-                      f"({backend_options.timeout}); pass the timeout to init_process_group/new_group", stacklevel=2)
-    pg_options._timeout = backend_options.timeout
-    pg_options.global_ranks_in_group = list(backend_options.global_ranks_in_group)
-    pg_options.group_name = backend_options.group_id
-    parent = _bound_default_group()
-    if parent is not None and pg_options.global_ranks_in_group:
-        # A subgroup of a bound default group is split from it (the members' side of the split
-        # whose other ranks call perform_nocolor_split).
-        pg_options.split_from = parent
-        pg_options.split_color = c10d_backend.split_color(pg_options.global_ranks_in_group)
-        parent.count_split()
-    return pg_options
-
-
-def _bound_default_group() -> "ProcessGroupBCCL | None":
-    default = distributed_c10d._world.default_pg
-    if isinstance(default, ProcessGroupBCCL) and default.bound_device_id is not None:
-        return default
-    return None
 
 
 def _default_timeout_for(original):

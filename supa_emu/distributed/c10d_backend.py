@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from . import host_memory
 
@@ -215,6 +216,35 @@ class C10dBackend:
     def _require_open(self) -> None:
         if self._closed is not None:
             raise closed_error(self._label, self.rank(), self._closed)
+
+
+def group_options(backend_options, pg_options=None) -> Options:
+    """The options of a new bccl group: the caller's (or the defaults) with what c10d decided."""
+    if pg_options is None:
+        pg_options = Options()
+    elif not isinstance(pg_options, Options):
+        raise TypeError("Expected pg_options argument to be of type ProcessGroupBCCL.Options")
+    elif pg_options._timeout != backend_options.timeout:
+        warnings.warn(f"bccl: pg_options._timeout ({pg_options._timeout}) is replaced by the group's timeout "
+                      f"({backend_options.timeout}); pass the timeout to init_process_group/new_group", stacklevel=2)
+    pg_options._timeout = backend_options.timeout
+    pg_options.global_ranks_in_group = list(backend_options.global_ranks_in_group)
+    pg_options.group_name = backend_options.group_id
+    parent = _bound_default_group()
+    if parent is not None and pg_options.global_ranks_in_group:
+        # A subgroup of a bound default group is split from it (the members' side of the split
+        # whose other ranks call perform_nocolor_split).
+        pg_options.split_from = parent
+        pg_options.split_color = split_color(pg_options.global_ranks_in_group)
+        parent.count_split()
+    return pg_options
+
+
+def _bound_default_group() -> "C10dBackend | None":
+    default = distributed_c10d._world.default_pg
+    if isinstance(default, C10dBackend) and default.bound_device_id is not None:
+        return default
+    return None
 
 
 def split_color(members: Sequence[int]) -> int:

@@ -19,7 +19,7 @@ from typing import Deque, Iterable
 
 import torch.distributed as dist
 
-from supa_emu.supa import _native
+from supa_emu import process_state
 
 # Past this many held works, every call scans them all (not just the oldest) for finished ones.
 _FULL_SCAN_AT = 256
@@ -57,7 +57,7 @@ def release_now(works: Iterable[dist.Work]) -> None:
     point of the program, not whenever a later collective finds gloo done with it: the memory a
     rank peaks at must not depend on thread timing (the planner compares it to the byte).
     """
-    use_count = _native()._work_use_count
+    use_count = process_state.core()._work_use_count
     deadline = time.monotonic() + _RELEASE_WAIT_S
     with _lock:
         for work in works:
@@ -72,7 +72,7 @@ def release_now(works: Iterable[dist.Work]) -> None:
 
 def _release_finished() -> None:
     # gloo finishes works roughly in order: usually only the oldest need looking at.
-    use_count = _native()._work_use_count
+    use_count = process_state.core()._work_use_count
     while _held and use_count(_held[0]) == 1:
         _held.popleft()
     if len(_held) >= _FULL_SCAN_AT:

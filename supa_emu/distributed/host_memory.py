@@ -11,8 +11,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from supa_emu import process_state
 from supa_emu.device_type import DEVICE_TYPE
-from supa_emu.supa import _native
 
 
 def host_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,7 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     Writes through the view are visible on `tensor`; the caller keeps `tensor` alive while the
     view is in use, since the view does not own the memory.
     """
-    return _native()._host_view(tensor)
+    return process_state.core()._host_view(tensor)
 
 
 def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool):
@@ -31,13 +31,13 @@ def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: i
     an all_gather (gather=True), input numel == output numel x group_size for a reduce_scatter.
     None for anything else: the caller checks (and raises) and stages.
     """
-    return _native()._pair_operands(output, input, group_size, gather)
+    return process_state.core()._pair_operands(output, input, group_size, gather)
 
 
 def start_all_gather(gloo, output: torch.Tensor, input: torch.Tensor, options):
     """gloo's work gathering flat CPU `input` from every rank into flat CPU `output`, by one
     all-to-all the native core sets up (csrc/bccl/all_gather.h)."""
-    return _native()._start_all_gather(gloo, output, input, options)
+    return process_state.core()._start_all_gather(gloo, output, input, options)
 
 
 def launch_all_gather(board, k: int, signature: List[int], head: int, gloo, output, input, options):
@@ -45,14 +45,14 @@ def launch_all_gather(board, k: int, signature: List[int], head: int, gloo, outp
     `output` and `input` are plain (as plain_pair_operands), posts `signature` as collective k on
     the native `board` and, if it may start, starts it as start_all_gather, all in one native call.
     None if the operands are not plain (nothing posted), else (board status, gloo's work or None)."""
-    return _native()._launch_all_gather(board, k, signature, head, gloo, output, input, options)
+    return process_state.core()._launch_all_gather(board, k, signature, head, gloo, output, input, options)
 
 
 def replicated(source: torch.Tensor, copies: int) -> torch.Tensor:
     """A flat CPU buffer holding `copies` copies of contiguous CPU `source` (plain memcpy: PyTorch's
     copy may go parallel, which costs milliseconds when ranks share few cores)."""
     rows = torch.empty(copies * source.numel(), dtype=source.dtype)
-    _native()._copy_rows(rows, source)
+    process_state.core()._copy_rows(rows, source)
     return rows
 
 
@@ -81,7 +81,7 @@ class HostCall:
     def elementwise_view(self, tensor: torch.Tensor) -> torch.Tensor:
         """Like `view` (read and written) for operations that ignore shape (gloo's all_reduce): a
         dense contiguous tensor gets a flat view, built natively in one call."""
-        flat = _native()._all_reduce_operand(tensor)
+        flat = process_state.core()._all_reduce_operand(tensor)
         if flat is None:
             return self.view(tensor)
         self.track(tensor)

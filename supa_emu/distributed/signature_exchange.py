@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from supa_emu.supa import _native
+from supa_emu import process_state
 
 from . import gloo_handoff
 
@@ -79,7 +79,7 @@ class SharedMemoryBoard:
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, label: str):
         self._rank, self._size, self._timeout, self._label = rank, size, timeout, label
-        core = _native()
+        core = process_state.core()
         # The word offsets are the native core's, which reads and writes the same words.
         self._at = core._board_layout()
         self._slot_words = self._at["slot_header"] + WORDS

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
 
+from supa_emu import process_state
 from supa_emu.device_type import DEVICE_TYPE
 
 __all__ = ["rebuild_supa_event", "rebuild_supa_tensor"]
@@ -35,10 +36,7 @@ _NON_LEAF = ("Cowardly refusing to serialize non-leaf tensor which requires_grad
 _STORAGE = "Cannot pickle NPU storage; try pickling a NPU tensor instead"
 
 
-def _native():
-    from supa_emu import supa
-
-    return supa._native()
+_native = process_state.core
 
 
 def _block_id(fd: int) -> tuple[int, int]:

@@ -21,8 +21,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from supa_emu.distributed import call_record, group_options, operands
-from supa_emu.distributed.c10d_backend import check_split
+from supa_emu.distributed import call_record, operands
+from supa_emu.distributed.c10d_backend import check_split, group_options
 from supa_emu.distributed.arguments import check_reduce_op, reduce_kind, require_device, single
 from supa_emu.distributed.host_memory import HostCall, host_view
 from supa_emu.distributed.process_group import ProcessGroupBCCL

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from supa_emu import allocator_settings
+from supa_emu import allocator_settings, process_state
 
 _settings: dict[str, Any] = dict(allocator_settings.DEFAULTS)
 
@@ -39,10 +39,8 @@ def apply(text: str, source: str = "SUPA allocator config") -> None:
             warnings.warn(f"SUPA allocator setting {entry} is not modelled by the emulator: {_NOT_MODELLED[name]}",
                           UserWarning, stacklevel=3)
         _settings[name] = value
-    from . import _native
-
-    _native()._set_allocator_knobs(_settings["max_split_size"], _settings["garbage_collection_threshold"],
-                                       _settings["roundup_power2_divisions"])
+    process_state.core()._set_allocator_knobs(
+        _settings["max_split_size"], _settings["garbage_collection_threshold"], _settings["roundup_power2_divisions"])
 
 
 def _set_allocator_settings(env: str) -> None:

@@ -38,6 +38,7 @@ import torch
 from torch.autograd.variable import Variable
 from torch.utils._python_dispatch import _disable_current_modes
 
+from supa_emu import process_state
 from supa_emu.device_type import DEVICE_TYPE
 
 _logger = logging.getLogger("supa_emu")
@@ -45,15 +46,13 @@ _kept = []  # the tiny graphs' tensors (leaf, output, incoming gradient), never 
 
 
 def _finish_pending_backwards() -> None:
-    from . import device_count, is_initialized
-
-    if not is_initialized():
+    if not process_state.is_initialized():
         return
     try:
         # No Python dispatch mode (the stream sanitizer's) in the state the tiny graphs carry either;
         # multithreading on, so that the tiny graphs reach the device threads whoever used them.
         with torch.enable_grad(), _disable_current_modes(), torch.autograd.set_multithreading_enabled(True):
-            for index in range(device_count()):
+            for index in range(process_state.core()._device_count()):
                 device = torch.device(DEVICE_TYPE, index)
                 leaf = torch.zeros((), device=device, requires_grad=True)
                 output, gradient = leaf.sum(), torch.ones((), device=device)

@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from supa_emu import process_state
+
 SUM, PROD, MAX, MIN, AVG = range(5)  # ncclRedOp_t codes
 
 # BCCL moves these as bytes (NCCL's uint8): reductions act on the byte values.
@@ -27,16 +29,7 @@ NUMERIC_DTYPES = frozenset([torch.float32, torch.float16, torch.bfloat16, torch.
                             torch.int8, torch.uint8])
 
 
-_core = None
-
-
-def _native():
-    global _core
-    if _core is None:
-        from supa_emu.supa import _native
-
-        _core = _native()
-    return _core
+_native = process_state.core
 
 
 def as_operand(view: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,10 @@ the memory size from the core, which owns each card's capacity.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from supa_emu import activation
+from supa_emu import process_state
 
 _MiB = 1 << 20
 
@@ -85,44 +86,39 @@ for _field in _FIELDS:
     setattr(_SupaDeviceProperties, _field, _make_getter(_field))
 del _field
 
-_cache: dict[int, _SupaDeviceProperties] = {}
 
-
+# Built once per index: the profile, the visible devices and the capacities are fixed at
+# activation, and every call returns the same object, as torch.cuda's does.
+@functools.lru_cache(maxsize=None)
 def _device_properties(idx: int) -> _SupaDeviceProperties:
-    """Properties of visible device `idx` (caller has range-checked it); built once per index."""
-    props = _cache.get(idx)
-    if props is None:
-        from . import _native
-
-        cfg = activation.config()
-        profile = cfg.profile
-        physical = cfg.visible_devices[idx] if idx < len(cfg.visible_devices) else idx
-        props = _SupaDeviceProperties(
-            name=profile.name,
-            major=profile.major,
-            minor=profile.minor,
-            is_multi_gpu_board=profile.is_multi_gpu_board,
-            is_integrated=profile.is_integrated,
-            multi_processor_count=profile.multi_processor_count,
-            total_memory=int(_native()._capacity(idx)),
-            max_threads_per_multi_processor=profile.max_threads_per_multi_processor,
-            max_threads_per_block=profile.max_threads_per_block,
-            warp_size=profile.warp_size,
-            shared_memory_per_block=profile.shared_memory_per_block,
-            clock_rate=profile.clock_rate,
-            memory_clock_rate=profile.memory_clock_rate,
-            memory_bus_width=profile.memory_bus_width,
-            shared_memory_per_block_optin=profile.shared_memory_per_block_optin,
-            shared_memory_per_multiprocessor=profile.shared_memory_per_multiprocessor,
-            regs_per_multiprocessor=profile.regs_per_multiprocessor,
-            gcnArchName=profile.name,
-            uuid=_SUuuid(profile.uuid_bytes(physical)),
-            # A plausible PCI topology: one card per bus, identified by its physical slot, so
-            # the ids stay stable when SUPA_VISIBLE_DEVICES reorders the cards.
-            pci_bus_id=0x10 + physical,
-            pci_device_id=0,
-            pci_domain_id=0,
-            L2_cache_size=profile.L2_cache_size,
-        )
-        _cache[idx] = props
-    return props
+    """Properties of visible device `idx` (caller has range-checked it)."""
+    cfg = process_state.config()
+    profile = cfg.profile
+    physical = cfg.visible_devices[idx] if idx < len(cfg.visible_devices) else idx
+    return _SupaDeviceProperties(
+        name=profile.name,
+        major=profile.major,
+        minor=profile.minor,
+        is_multi_gpu_board=profile.is_multi_gpu_board,
+        is_integrated=profile.is_integrated,
+        multi_processor_count=profile.multi_processor_count,
+        total_memory=int(process_state.core()._capacity(idx)),
+        max_threads_per_multi_processor=profile.max_threads_per_multi_processor,
+        max_threads_per_block=profile.max_threads_per_block,
+        warp_size=profile.warp_size,
+        shared_memory_per_block=profile.shared_memory_per_block,
+        clock_rate=profile.clock_rate,
+        memory_clock_rate=profile.memory_clock_rate,
+        memory_bus_width=profile.memory_bus_width,
+        shared_memory_per_block_optin=profile.shared_memory_per_block_optin,
+        shared_memory_per_multiprocessor=profile.shared_memory_per_multiprocessor,
+        regs_per_multiprocessor=profile.regs_per_multiprocessor,
+        gcnArchName=profile.name,
+        uuid=_SUuuid(profile.uuid_bytes(physical)),
+        # A plausible PCI topology: one card per bus, identified by its physical slot, so
+        # the ids stay stable when SUPA_VISIBLE_DEVICES reorders the cards.
+        pci_bus_id=0x10 + physical,
+        pci_device_id=0,
+        pci_domain_id=0,
+        L2_cache_size=profile.L2_cache_size,
+    )

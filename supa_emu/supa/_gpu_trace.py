@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 from torch._utils import CallbackRegistry
 
+from supa_emu import process_state
+
 # True once PyTorch's GPU trace is on for this process (it cannot be turned off again).
 native_reports = False
 
@@ -31,10 +33,8 @@ def activate_native_reports() -> None:
 
 
 def _report_memory_blocks() -> None:
-    from . import _native
-
     activate_native_reports()
-    _native()._report_blocks_to_gpu_trace()
+    process_state.core()._report_blocks_to_gpu_trace()
 
 
 EventCreationCallbacks: CallbackRegistry[int] = CallbackRegistry("SUPA event creation")

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from . import _get_device_index, _lazy_init, _native, is_initialized
+from ._runtime import _get_device_index, _lazy_init, _native, is_initialized
 
 _DeviceLike = Union[torch.device, str, int, None]
 

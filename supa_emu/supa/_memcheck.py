@@ -29,7 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._traceback import CapturedTraceback
 
-from . import _native, _sanitizer_switch
+from . import _sanitizer_switch
+from ._runtime import _native
 from ._op_effects import OpSpec, split_tensors
 from ._stream_races import _MACHINERY, format_stack
 

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import _get_device_index, _lazy_init, _native
+from ._runtime import _get_device_index, _lazy_init, _native, device_count
 
 _DeviceLike = Union[torch.device, str, int, None]
 
@@ -81,7 +81,6 @@ def _snapshot(device: _DeviceLike = None) -> dict[str, Any]:
     "frames"}).
     """
     from ._allocator_config import allocator_settings_in_effect
-    from . import device_count
 
     if device is not None and not 0 <= _get_device_index(device) < device_count():
         raise AssertionError("Invalid device id")

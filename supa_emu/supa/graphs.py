@@ -15,7 +15,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from supa_emu.device_type import DEVICE_TYPE
 
-from . import _lazy_init, _native, _sanitizer_switch, empty_cache, synchronize
+from . import _sanitizer_switch
+from ._runtime import _lazy_init, _native, synchronize
+from .memory import empty_cache
 
 __all__ = ["is_current_stream_capturing", "graph_pool_handle", "SUPAGraph", "graph",
            "make_graphed_callables"]

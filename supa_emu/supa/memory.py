@@ -14,9 +14,9 @@ from typing import Any, Union
 import torch
 from typing_extensions import deprecated
 
-from . import _get_device_index, _lazy_init, _native, current_device, is_initialized
-from . import device as _device_ctx
-from . import supart
+from ._runtime import _get_device_index, _lazy_init, _native, current_device, is_initialized
+from ._runtime import device as _device_ctx
+from ._runtime import supart
 # Snapshots and history, allocator settings and pools live in their own modules; their public
 # names belong to this module, as in torch.cuda.memory.
 from ._allocator_config import _set_allocator_settings, get_allocator_backend

@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from . import _supart, check_error, supart
+from . import _supart
+from ._runtime import check_error, supart
 
 __all__ = ["start", "stop", "profile"]
 

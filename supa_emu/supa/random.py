@@ -6,14 +6,14 @@ Seeding before the runtime is initialised is deferred (queued with `_lazy_call`)
 
 from __future__ import annotations
 
-import sys
 from typing import Iterable, Union
 
 import torch
 
+from supa_emu import process_state
 from supa_emu.device_type import DEVICE_TYPE
 
-from . import _get_device_index, _lazy_call, _lazy_init, current_device, device_count
+from ._runtime import _get_device_index, _lazy_call, _lazy_init, current_device, device_count
 
 __all__ = [
     "get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all", "manual_seed",
@@ -24,8 +24,7 @@ _DeviceLike = Union[int, str, torch.device]
 
 
 def _generators() -> tuple[torch.Generator, ...]:
-    # Read at call time: the package replaces `default_generators` when it initialises.
-    return sys.modules[__package__].default_generators
+    return process_state.default_generators()
 
 
 def get_rng_state(device: _DeviceLike = DEVICE_TYPE) -> torch.Tensor:

@@ -17,8 +17,9 @@ import torch
 
 from supa_emu.device_type import DEVICE_TYPE
 
-from . import _get_device_index, _lazy_init, _gpu_trace, _native
-from . import device as _device_ctx
+from . import _gpu_trace
+from ._runtime import _get_device_index, _lazy_init, _native
+from ._runtime import device as _device_ctx
 
 __all__ = [
     "Stream", "ExternalStream", "Event", "StreamContext", "stream", "current_stream",

@@ -15,8 +15,8 @@ from torch.storage import _LegacyStorage, _warn_typed_storage_removal
 
 from supa_emu.device_type import DEVICE_TYPE
 
-from . import _lazy_init, current_device, device_count
-from . import device as _device_ctx
+from ._runtime import _lazy_init, current_device, device_count
+from ._runtime import device as _device_ctx
 
 _TENSOR_TYPES = {
     "ByteTensor": torch.uint8, "CharTensor": torch.int8, "DoubleTensor": torch.float64,

@@ -15,9 +15,9 @@ os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # as the real package: no aut
 
 import torch  # noqa: E402
 
-import supa_emu  # noqa: E402
+from supa_emu import activation  # noqa: E402
 
-supa_emu.activate()
+activation.activate()
 
 from supa_emu import supa  # noqa: E402,F401
 

@@ -1,6 +1,6 @@
 """Availability check shared by the AMP helpers."""
 
-from .. import is_available
+from .._runtime import is_available
 
 
 def amp_definitely_not_available() -> bool:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import supa_emu.supa as supa
-from supa_emu import activation
+from supa_emu import process_state
 from supa_emu.device_type import DEVICE_TYPE
 from supa_emu.distributed import DEFAULT_TIMEOUT, ProcessGroupBCCL
 
@@ -108,7 +108,7 @@ def _rank_zero() -> bool:
 
 
 def _warn_once() -> None:
-    if not activation.config().transfer_silence and _rank_zero():
+    if not process_state.config().transfer_silence and _rank_zero():
         warnings.warn(_BANNER, ImportWarning)
 
 
@@ -270,7 +270,7 @@ def _patch_tensors_and_autocast() -> None:
         setattr(torch, name, _wrap_device_type_argument(getattr(torch, name)))
     torch.is_autocast_enabled = _default_device_supa(_wrap_device_type_argument(torch.is_autocast_enabled))
     torch.set_autocast_enabled = _default_device_supa(_wrap_device_type_argument(torch.set_autocast_enabled))
-    if not activation.config().transfer_silence:
+    if not process_state.config().transfer_silence:
         warnings.warn(_JIT_WARNING, RuntimeWarning)
     torch.jit.script = _identity(torch.jit.script)
     torch.jit.script_method = _identity(torch.jit.script_method)
