@@ -93,16 +93,20 @@ void oversize_marks() {
   CHECK(policy.is_oversize(2 * MiB));
 }
 
+// A request of `size` gets a new segment, not a cached block, leaving `reserved` reserved.
+void expect_new_segment(TestCard& t, size_t size, int64_t reserved) {
+  CardBlock* block = t.take(size);
+  REQUIRE(block != nullptr);
+  CHECK(!t.last.from_cache);
+  CHECK(t.card.reserved() == reserved);
+  t.card.cache(block);
+}
+
 void no_split() {
   TestCard t(1 * MiB);
-  CardBlock* big = t.take(4096);
-  t.card.cache(big);
-  CardBlock* small = t.take(1024);  // a cached block larger than the request is not split for it
-  REQUIRE(small != nullptr && small != big);
-  CHECK(!t.last.from_cache);
-  CHECK(t.card.reserved() == 4096 + 1024);
-  CHECK(t.card.cached_blocks() == 1);
-  t.card.cache(small);
+  t.card.cache(t.take(4096));
+  expect_new_segment(t, 1024, 4096 + 1024);  // a cached block larger than the request is not split for it
+  CHECK(t.card.cached_blocks() == 2);
 }
 
 void no_coalescing() {
@@ -111,11 +115,7 @@ void no_coalescing() {
   CardBlock* b = t.take(512);
   t.card.cache(a);
   t.card.cache(b);
-  CardBlock* c = t.take(1024);  // two free 512-byte blocks do not merge to serve it
-  REQUIRE(c != nullptr && c != a && c != b);
-  CHECK(!t.last.from_cache);
-  CHECK(t.card.reserved() == 2048);
-  t.card.cache(c);
+  expect_new_segment(t, 1024, 2048);  // two free 512-byte blocks do not merge to serve it
 }
 
 void reuse_most_recently_freed() {
