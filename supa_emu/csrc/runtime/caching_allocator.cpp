@@ -18,7 +18,6 @@
 #include "memcheck.h"
 #include "memory_history.h"
 
-#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -41,7 +40,7 @@ static_assert(std::is_same_v<PoolId, c10::MempoolId_t>, "card_memory.h's PoolId 
 
 // A card and the statistics PyTorch keeps for it.
 struct DeviceMemory {
-  explicit DeviceMemory(c10::DeviceIndex device, int64_t capacity);
+  DeviceMemory(c10::DeviceIndex device, int64_t capacity);
   CardMemory card;
   DeviceStats stats;
 };
