@@ -9,7 +9,6 @@
 #include "runtime/device_strings.h"
 #include "runtime/devices.h"
 #include "runtime/generator.h"
-#include "runtime/gpu_trace.h"
 #include "runtime/graph.h"
 #include "runtime/hooks.h"
 #include "runtime/host_alias.h"
