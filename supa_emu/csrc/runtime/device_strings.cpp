@@ -11,6 +11,7 @@
 // "supa" and it prints as supa.
 #include "device_strings.h"
 
+#include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
 #include <dlfcn.h>
