@@ -39,6 +39,20 @@ def test_every_source_file_is_in_exactly_one_unit():
     assert len(members) == len(set(members))
 
 
+def test_no_source_file_is_longer_than_500_lines():
+    lengths = {str(p.relative_to(native.SOURCE_DIR)): len(p.read_text().splitlines()) for p in native._sources()}
+    assert {name: n for name, n in lengths.items() if n > 500} == {}
+
+
+def test_each_runtime_source_includes_its_own_header_first():
+    for source in sorted((native.SOURCE_DIR / "runtime").glob("*.cpp")):
+        header = source.with_suffix(".h")
+        assert header.exists(), f"{source.name} has no {header.name}"
+        includes = [line for line in source.read_text().splitlines()
+                    if line.startswith("#include") and "Python.h" not in line]
+        assert includes[0] == f'#include "{header.name}"', source.name
+
+
 # ---------------------------------------------------------------- a copy of a good build
 
 def _current_cache() -> pathlib.Path:

@@ -1,8 +1,22 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native._C`).
-#include "runtime/runtime.h"
+#include "aten/fallback.h"
 #include "bccl/all_gather.h"
 #include "bccl/card_operands.h"
 #include "bccl/signature_board.h"
+#include "runtime/caching_allocator.h"
+#include "runtime/collective_operands.h"
+#include "runtime/device_guard.h"
+#include "runtime/device_strings.h"
+#include "runtime/devices.h"
+#include "runtime/generator.h"
+#include "runtime/graph.h"
+#include "runtime/hooks.h"
+#include "runtime/host_alias.h"
+#include "runtime/host_routing_allocator.h"
+#include "runtime/ipc_memory.h"
+#include "runtime/mem_pool.h"
+#include "runtime/memcheck.h"
+#include "runtime/memory_history.h"
 
 // Only the Python-binding headers: torch/extension.h would add the whole C++ frontend (nn,
 // optim, data), which this file does not use and which dominated the build time.
@@ -166,31 +180,6 @@ void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_ent
 }
 
 }  // namespace
-
-supa::PendingPythonErrorKept::PendingPythonErrorKept() {
-  if (!Py_IsInitialized()) {
-    return;
-  }
-  gil_state_ = static_cast<int>(PyGILState_Ensure());
-  held_ = true;
-  PyObject* type = nullptr;
-  PyObject* value = nullptr;
-  PyObject* traceback = nullptr;
-  PyErr_Fetch(&type, &value, &traceback);
-  error_[0] = type;
-  error_[1] = value;
-  error_[2] = traceback;
-}
-
-supa::PendingPythonErrorKept::~PendingPythonErrorKept() {
-  if (!held_) {
-    return;
-  }
-  PyErr_Clear();  // what a callback left behind was already logged by PyTorch's trace
-  PyErr_Restore(static_cast<PyObject*>(error_[0]), static_cast<PyObject*>(error_[1]),
-                static_cast<PyObject*>(error_[2]));
-  PyGILState_Release(static_cast<PyGILState_STATE>(gil_state_));
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native core of the emulated SUPA device";

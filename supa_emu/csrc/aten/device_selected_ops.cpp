@@ -13,7 +13,7 @@
 //   by the input's backend. supa's at::lstm makes the same choice and the same calls, one
 //   mkldnn_rnn_layer per layer and direction (a CPU kernel with its own autograd formula), so
 //   results are the CPU's bit for bit and a layer is one call instead of one per time step.
-#include "../runtime/runtime.h"
+#include "fallback.h"
 
 #include <ATen/ATen.h>
 #include <ATen/ops/lstm_native.h>

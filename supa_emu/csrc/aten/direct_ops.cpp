@@ -7,7 +7,11 @@
 // graph; the second operand may also be a 0-dim CPU tensor (a Python number arrives as one).
 // Anything else goes through the boxed fallback, which owns the placement errors, sparse
 // layouts and graph recording, so behaviour is that of the fallback in every case.
-#include "../runtime/runtime.h"
+#include "../runtime/devices.h"
+#include "../runtime/graph.h"
+#include "../runtime/host_alias.h"
+#include "../runtime/host_routing_allocator.h"
+#include "fallback.h"
 
 #include <ATen/ops/add_ops.h>
 #include <ATen/ops/div_ops.h>

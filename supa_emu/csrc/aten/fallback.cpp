@@ -8,7 +8,14 @@
 //
 // It also enforces the placement rules of a GPU: all supa operands on one device, CPU
 // tensors only as 0-dim scalars (or as indices, which CUDA accepts too).
-#include "../runtime/runtime.h"
+#include "fallback.h"
+
+#include "../runtime/caching_allocator.h"
+#include "../runtime/devices.h"
+#include "../runtime/generator.h"
+#include "../runtime/graph.h"
+#include "../runtime/host_alias.h"
+#include "../runtime/host_routing_allocator.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>

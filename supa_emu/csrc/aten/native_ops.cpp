@@ -1,6 +1,9 @@
 // Operators the supa device implements itself: allocation, metadata (views, resize, set_)
 // and copies between devices. Everything else goes through the fallback.
-#include "../runtime/runtime.h"
+#include "../runtime/caching_allocator.h"
+#include "../runtime/devices.h"
+#include "../runtime/graph.h"
+#include "../runtime/host_alias.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/InferSize.h>

@@ -3,7 +3,7 @@
 // they get host kernels with the GPU kernels' semantics: statistics in float for reduced-precision
 // inputs, running statistics updated with the unbiased variance of the whole group, undefined
 // results for the gradients backward was not asked for.
-#include "../runtime/runtime.h"
+#include "fallback.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,6 +1,6 @@
 #include "all_gather.h"
 
-#include "../runtime/runtime.h"
+#include "../runtime/collective_operands.h"
 
 #include <ATen/ops/empty.h>
 

@@ -1,30 +1,32 @@
-// Device memory: a caching allocator over host memory with per-card capacity and the
-// statistics of PyTorch's CUDA caching allocator (one block table under one mutex, which the
-// allocation path, its statistics, settings and snapshots all read: hence one file of ~500 lines).
+// Device memory as PyTorch sees it: the c10 device allocator over the emulated cards
+// (card_memory.h), with the statistics, settings, snapshots and memory-history events of
+// PyTorch's CUDA caching allocator. One block table under one mutex, which the allocation path,
+// its statistics, settings and snapshots all read.
 //
-// Blocks are never split: a freed block goes to its device's cache and is reused by a
-// request of the same rounded size (the most recently freed first). When a request would
-// exceed the card's capacity the cache is released and the request retried once; if it still
-// does not fit, the caller gets torch.OutOfMemoryError with the message shape of the real stack.
-//
-// The allocator settings that change accounting act as on the real allocator (see
-// AllocatorKnobs): roundup_power2_divisions rounds request sizes, max_split_size makes large
-// blocks "oversize" (counted apart, reused by requests up to 20 MiB smaller), and
+// A request that does not fit its card even after the card released its cache gets
+// torch.OutOfMemoryError with the message shape of the real stack. The allocator settings
+// that change accounting act as on the real allocator: roundup_power2_divisions rounds request
+// sizes, max_split_size makes large blocks "oversize" (counted apart), and
 // garbage_collection_threshold releases the least recently freed cached blocks once reserved
-// memory passes that fraction of the card.
-#include "runtime.h"
+// memory passes that fraction of the card (see BlockPolicy).
+#include "caching_allocator.h"
 
-#include <c10/core/CPUAllocator.h>
+#include "card_memory.h"
+#include "devices.h"
+#include "gpu_trace.h"
+#include "mem_pool.h"
+#include "memcheck.h"
+#include "memory_history.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <type_traits>
 #include <unordered_map>
 
 namespace supa {
@@ -34,81 +36,19 @@ using c10::CachingAllocator::Stat;
 using c10::CachingAllocator::StatArray;
 using c10::CachingDeviceAllocator::DeviceStats;
 
-constexpr size_t kPadding = 32;             // the real allocator pads each request by 32 bytes
-constexpr size_t kMinBlockSize = 512;       // and rounds to 512-byte blocks
-constexpr size_t kSmallSize = 1 << 20;      // blocks below 1 MiB belong to the small pool
-constexpr size_t kLargeBuffer = 20 << 20;   // an oversize block serves requests up to this much smaller
-constexpr size_t kRoundUpStart = 1 << 20;   // roundup_power2_divisions intervals start at 1 MiB
-constexpr size_t kLargestRequest = size_t{1} << 60;  // (a negative size cast to size_t is far above it)
+static_assert(std::is_same_v<PoolId, c10::MempoolId_t>, "card_memory.h's PoolId must be c10's pool id");
 
-// Allocator settings that change what is reserved and counted (`_set_allocator_settings`).
-struct AllocatorKnobs {
-  int64_t max_split_size = -1;                      // -1: unlimited, as memory_stats() reports it
-  double gc_threshold = 0.0;                        // 0: off
-  std::vector<size_t> divisions = std::vector<size_t>(kRoundUpIntervals, 0);  // per power of two from 1 MiB
-};
-
-struct Block {
-  void* ptr;
-  size_t size;       // rounded size, what the statistics count
-  size_t requested;  // what the caller asked for
-  c10::DeviceIndex device;
-  bool allocated;
-  c10::MempoolId_t pool{0, 0};  // see mem_pool.cpp
-  uint64_t freed_at = 0;        // order of the last free, for garbage collection
-  bool oversize = false;        // counted as oversize when created (max_split_size at that time)
-};
-
+// A card and the statistics PyTorch keeps for it.
 struct DeviceMemory {
-  int64_t capacity = 0;
-  double fraction = 1.0;
-  int64_t reserved = 0;
-  std::multimap<size_t, Block*> cached;  // free blocks by size
+  DeviceMemory(c10::DeviceIndex device, int64_t capacity);
+  CardMemory card;
   DeviceStats stats;
 };
 
 std::mutex g_mutex;
 std::vector<std::unique_ptr<DeviceMemory>> g_devices;
-std::unordered_map<void*, Block*> g_blocks;  // every block that holds host memory
-AllocatorKnobs g_knobs;
-uint64_t g_free_counter = 0;
-
-size_t divisions_for(size_t size) {
-  size_t interval = 0;
-  while (interval + 1 < kRoundUpIntervals && (kRoundUpStart << (interval + 1)) <= size) {
-    ++interval;
-  }
-  return g_knobs.divisions[interval];
-}
-
-// The next of `divisions` equal steps between the powers of two around `size`.
-size_t round_to_division(size_t size, size_t divisions) {
-  size_t floor = 1;
-  while ((floor << 1) <= size) {
-    floor <<= 1;
-  }
-  if (floor == size) {
-    return size;
-  }
-  const size_t step = floor / divisions;
-  if (step == 0) {
-    return floor << 1;
-  }
-  return ((size + step - 1) / step) * step;
-}
-
-size_t round_size(size_t n) {
-  const size_t padded = n + kPadding;
-  const size_t divisions = divisions_for(padded);
-  if (divisions > 1 && padded > kMinBlockSize * divisions) {
-    return round_to_division(padded, divisions);
-  }
-  return ((padded + kMinBlockSize - 1) / kMinBlockSize) * kMinBlockSize;
-}
-
-bool is_oversize(size_t size) {
-  return g_knobs.max_split_size >= 0 && size >= static_cast<size_t>(g_knobs.max_split_size);
-}
+std::unordered_map<void*, CardBlock*> g_blocks;  // every block that holds host memory
+BlockPolicy g_policy;  // `_set_allocator_settings`
 
 void update(StatArray& stat, size_t size, bool increase) {
   const size_t pool = size < kSmallSize ? 1 : 2;
@@ -138,10 +78,6 @@ DeviceMemory& memory_of(c10::DeviceIndex device) {
   return *g_devices.at(device);
 }
 
-int64_t limit_of(const DeviceMemory& mem) {
-  return static_cast<int64_t>(mem.fraction * static_cast<double>(mem.capacity));
-}
-
 // Count statistics (allocation, segment, active) move by one per block.
 void count_block(StatArray& stat, size_t size, bool increase) {
   const size_t pool = size < kSmallSize ? 1 : 2;
@@ -150,73 +86,36 @@ void count_block(StatArray& stat, size_t size, bool increase) {
   }
 }
 
-// Gives a cached block's memory back to the host. Caller holds g_mutex.
-void return_to_host(DeviceMemory& mem, Block* block) {
-  record_memory_event("segment_free", block->device, block->ptr, block->size, nullptr);
-  count_block(mem.stats.segment, block->size, false);
-  update(mem.stats.reserved_bytes, block->size, false);
-  if (block->oversize) {
+// A segment the card gives back to the host (called by the card, under g_mutex).
+void segment_released(DeviceMemory& mem, const CardBlock& block) {
+  record_memory_event("segment_free", static_cast<c10::DeviceIndex>(block.device), block.ptr, block.size, nullptr);
+  count_block(mem.stats.segment, block.size, false);
+  update(mem.stats.reserved_bytes, block.size, false);
+  if (block.oversize) {
     mem.stats.oversize_segments.decrease(1);
   }
-  mem.reserved -= static_cast<int64_t>(block->size);
   mem.stats.num_device_free++;
-  g_blocks.erase(block->ptr);
-  std::free(block->ptr);
-  delete block;
+  g_blocks.erase(block.ptr);
 }
 
-// Returns the device's cached blocks (only `pool`'s when given) to the host. Caller holds g_mutex.
-void release_cached(DeviceMemory& mem, const c10::MempoolId_t* pool = nullptr) {
-  for (auto it = mem.cached.begin(); it != mem.cached.end();) {
-    Block* block = it->second;
-    if (pool != nullptr && block->pool != *pool) {
-      ++it;
-      continue;
-    }
-    it = mem.cached.erase(it);
-    return_to_host(mem, block);
-  }
-}
-
-// Garbage collection: once reserved memory passes the threshold's share of the card, cached
-// blocks go back to the host, least recently freed first, until it is below again.
-void collect_garbage(DeviceMemory& mem, size_t incoming) {
-  const auto target = static_cast<int64_t>(g_knobs.gc_threshold * static_cast<double>(limit_of(mem)));
-  if (g_knobs.gc_threshold <= 0.0 || mem.reserved + static_cast<int64_t>(incoming) <= target) {
-    return;
-  }
-  std::vector<std::multimap<size_t, Block*>::iterator> by_age;
-  for (auto it = mem.cached.begin(); it != mem.cached.end(); ++it) {
-    by_age.push_back(it);
-  }
-  std::sort(by_age.begin(), by_age.end(), [](const auto& a, const auto& b) {
-    return a->second->freed_at < b->second->freed_at;
-  });
-  for (auto it : by_age) {
-    if (mem.reserved + static_cast<int64_t>(incoming) <= target) {
-      break;
-    }
-    Block* block = it->second;
-    mem.cached.erase(it);
-    return_to_host(mem, block);
-  }
-}
+DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity)
+    : card(device, capacity, [this](const CardBlock& block) { segment_released(*this, block); }) {}
 
 [[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size) {
   mem.stats.num_ooms++;
   const int64_t allocated = mem.stats.allocated_bytes[0].current;
-  const int64_t free_bytes = std::max<int64_t>(0, mem.capacity - mem.reserved);
+  const CardMemory& card = mem.card;
   std::ostringstream msg;
   msg << "SUPA out of memory. Tried to allocate " << format_size(size) << ". GPU "
-      << static_cast<int>(device) << " has a total capacity of " << format_size(mem.capacity)
-      << " of which " << format_size(free_bytes) << " is free. ";
-  if (mem.fraction < 1.0) {
-    msg << "This process is limited to " << format_size(limit_of(mem))
+      << static_cast<int>(device) << " has a total capacity of " << format_size(card.capacity())
+      << " of which " << format_size(card.unreserved()) << " is free. ";
+  if (card.fraction() < 1.0) {
+    msg << "This process is limited to " << format_size(card.limit())
         << " by set_per_process_memory_fraction. ";
   }
   record_memory_event("oom", device, nullptr, size, nullptr);
   msg << "Of the allocated memory " << format_size(allocated)
-      << " is allocated by PyTorch, and " << format_size(mem.reserved - allocated)
+      << " is allocated by PyTorch, and " << format_size(card.reserved() - allocated)
       << " is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
          "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
          "See documentation for Memory Management  "
@@ -232,13 +131,13 @@ void collect_garbage(DeviceMemory& mem, size_t incoming) {
   std::ostringstream msg;
   msg << "SUPA emulator: the host could not provide " << format_size(size) << " of memory for an allocation on "
       << "supa:" << static_cast<int>(device) << " (" << std::strerror(error) << "). The emulated card has "
-      << format_size(std::max<int64_t>(0, limit_of(mem) - mem.reserved))
+      << format_size(std::max<int64_t>(0, mem.card.limit() - mem.card.reserved()))
       << " of its capacity free, but its memory is this host's memory: lower SUPA_EMU_MEMORY to what the host can "
          "hold, or free host memory.";
   TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
 }
 
-// Block hand-outs and returns, for the GPU trace (see runtime.h), once a callback listens for them:
+// Block hand-outs and returns, for the GPU trace (see gpu_trace.h), once a callback listens for them:
 // with the trace on for a sanitizer alone, allocations do not call into Python.
 std::atomic<bool> g_report_blocks{false};
 
@@ -265,9 +164,9 @@ void free_block(void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_blocks.find(ptr);
   TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: freeing unknown device pointer");
-  Block* block = it->second;
+  CardBlock* block = it->second;
   DeviceMemory& mem = *g_devices.at(block->device);
-  block->allocated = false;
+  const auto device = static_cast<c10::DeviceIndex>(block->device);
   count_block(mem.stats.allocation, block->size, false);
   count_block(mem.stats.active, block->size, false);
   update(mem.stats.allocated_bytes, block->size, false);
@@ -276,10 +175,10 @@ void free_block(void* ptr) {
   if (block->oversize) {
     mem.stats.oversize_allocations.decrease(1);
   }
-  block->freed_at = ++g_free_counter;
-  mem.cached.emplace(block->size, block);
-  record_memory_event("free_requested", block->device, ptr, block->size, stack);
-  record_memory_event("free_completed", block->device, ptr, block->size, stack);
+  const size_t size = block->size;
+  mem.card.cache(block);
+  record_memory_event("free_requested", device, ptr, size, stack);
+  record_memory_event("free_completed", device, ptr, size, stack);
 }
 
 void delete_device_ptr(void* ptr) {
@@ -290,69 +189,31 @@ void delete_device_ptr(void* ptr) {
 
 namespace {
 
-// The cached block that serves a request, if any: of the request's size, the most recently freed
-// one, whose memory is the likeliest to be in the CPU's caches still (taking the oldest made a
-// convolution on supa 10% slower than on CPU tensors, where malloc hands back the freshest memory).
-// An oversize request may also take an oversize block up to kLargeBuffer larger, as the real
-// allocator does since it will not split it.
-std::multimap<size_t, Block*>::iterator find_cached(DeviceMemory& mem, size_t size, const c10::MempoolId_t& pool) {
-  const auto [same_size, larger] = mem.cached.equal_range(size);
-  for (auto it = larger; it != same_size;) {
-    if ((--it)->second->pool == pool) {
-      return it;
-    }
-  }
-  if (is_oversize(size)) {
-    for (auto it = larger; it != mem.cached.end() && it->first < size + kLargeBuffer; ++it) {
-      if (it->second->pool == pool) {
-        return it;
-      }
-    }
-  }
-  return mem.cached.end();
-}
-
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
-  if (nbytes > kLargestRequest) {  // more than any card holds; rounding it up would wrap around
+  if (nbytes > kLargestRequest) {
     std::lock_guard<std::mutex> lock(g_mutex);
     raise_oom(memory_of(device), device, nbytes);
   }
-  const size_t size = round_size(nbytes);
+  const size_t size = g_policy.round_size(nbytes);
   const auto stack = memory_event_stack();
   const c10::MempoolId_t pool = allocation_pool(device);
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
-  Block* block = nullptr;
-  if (auto hit = find_cached(mem, size, pool); hit != mem.cached.end()) {
-    block = hit->second;
-    mem.cached.erase(hit);
-  } else {
-    collect_garbage(mem, size);
-    if (mem.reserved + static_cast<int64_t>(size) > limit_of(mem) && !mem.cached.empty()) {
-      mem.stats.num_alloc_retries++;
-      release_cached(mem);
+  const Placement placed = mem.card.place(size, pool, g_policy);
+  mem.stats.num_alloc_retries += placed.retries;
+  if (placed.block == nullptr) {
+    if (placed.host_error != 0) {
+      raise_host_oom(mem, device, size, placed.host_error);
     }
-    if (mem.reserved + static_cast<int64_t>(size) > limit_of(mem)) {
-      raise_oom(mem, device, size);
-    }
-    void* ptr = nullptr;
-    if (const int error = posix_memalign(&ptr, kMemoryAlignment, size); error != 0) {
-      if (!mem.cached.empty()) {  // cached blocks hold host memory too: give it back and retry once
-        mem.stats.num_alloc_retries++;
-        release_cached(mem);
-      }
-      if (ptr == nullptr && posix_memalign(&ptr, kMemoryAlignment, size) != 0) {
-        raise_host_oom(mem, device, size, error);
-      }
-    }
-    block = new Block{ptr, size, 0, device, false, pool};
-    g_blocks.emplace(ptr, block);
-    record_memory_event("segment_alloc", device, ptr, size, stack);
-    mem.reserved += static_cast<int64_t>(size);
+    raise_oom(mem, device, size);
+  }
+  CardBlock* block = placed.block;
+  if (!placed.from_cache) {
+    g_blocks.emplace(block->ptr, block);
+    record_memory_event("segment_alloc", device, block->ptr, size, stack);
     mem.stats.num_device_alloc++;
     count_block(mem.stats.segment, size, true);
     update(mem.stats.reserved_bytes, size, true);
-    block->oversize = is_oversize(size);
     if (block->oversize) {
       mem.stats.oversize_segments.increase(1);
     }
@@ -420,7 +281,7 @@ class SupaDeviceAllocator final : public c10::DeviceAllocator {
     std::lock_guard<std::mutex> lock(g_mutex);
     const bool general = pool.first == 0 && pool.second == 0;
     for (auto& mem : g_devices) {
-      release_cached(*mem, general ? nullptr : &pool);
+      mem->card.release_cached(general ? nullptr : &pool);
     }
   }
   void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {
@@ -447,8 +308,7 @@ class SupaDeviceAllocator final : public c10::DeviceAllocator {
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(g_mutex);
     DeviceMemory& mem = memory_of(device);
-    return {static_cast<size_t>(std::max<int64_t>(0, mem.capacity - mem.reserved)),
-            static_cast<size_t>(mem.capacity)};
+    return {static_cast<size_t>(mem.card.unreserved()), static_cast<size_t>(mem.card.capacity())};
   }
 };
 
@@ -460,9 +320,8 @@ void init_memory(const std::vector<int64_t>& capacities) {
   std::lock_guard<std::mutex> lock(g_mutex);
   TORCH_CHECK(g_devices.empty(), "supa_emu: the emulated devices are already initialised");
   for (int64_t capacity : capacities) {
-    auto mem = std::make_unique<DeviceMemory>();
-    mem->capacity = capacity;
-    mem->stats.max_split_size = g_knobs.max_split_size;
+    auto mem = std::make_unique<DeviceMemory>(static_cast<c10::DeviceIndex>(g_devices.size()), capacity);
+    mem->stats.max_split_size = g_policy.max_split_size;
     g_devices.push_back(std::move(mem));
   }
   c10::SetAllocator(kSupa, &g_device_allocator);
@@ -475,7 +334,7 @@ c10::DeviceAllocator* device_allocator() {
 c10::DeviceIndex device_of_ptr(const void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_blocks.find(const_cast<void*>(ptr));
-  return it == g_blocks.end() ? -1 : it->second->device;
+  return it == g_blocks.end() ? -1 : static_cast<c10::DeviceIndex>(it->second->device);
 }
 
 std::optional<LiveBlock> live_block(const void* ptr) {
@@ -490,12 +349,12 @@ std::optional<LiveBlock> live_block(const void* ptr) {
 void set_memory_fraction(double fraction, c10::DeviceIndex device) {
   TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "Invalid fraction value: ", fraction, ". Allowed range: 0~1");
   std::lock_guard<std::mutex> lock(g_mutex);
-  memory_of(device).fraction = fraction;
+  memory_of(device).card.set_fraction(fraction);
 }
 
 double get_memory_fraction(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return memory_of(device).fraction;
+  return memory_of(device).card.fraction();
 }
 
 void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions) {
@@ -503,26 +362,26 @@ void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std:
               " roundup_power2_divisions intervals, got ", divisions.size());
   std::lock_guard<std::mutex> lock(g_mutex);
   // Blocks keep the oversize status they were created with, so the counters stay balanced.
-  g_knobs.max_split_size = max_split_size < 0 ? -1 : max_split_size;
-  g_knobs.gc_threshold = gc_threshold;
+  g_policy.max_split_size = max_split_size < 0 ? -1 : max_split_size;
+  g_policy.gc_threshold = gc_threshold;
   for (size_t i = 0; i < kRoundUpIntervals; ++i) {
-    g_knobs.divisions[i] = static_cast<size_t>(divisions[i]);
+    g_policy.divisions[i] = static_cast<size_t>(divisions[i]);
   }
   for (auto& mem : g_devices) {
-    mem->stats.max_split_size = g_knobs.max_split_size;
+    mem->stats.max_split_size = g_policy.max_split_size;
   }
 }
 
 int64_t capacity(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return memory_of(device).capacity;
+  return memory_of(device).card.capacity();
 }
 
 std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_mutex);
   std::vector<std::vector<std::pair<std::string, int64_t>>> out;
   for (const auto& entry : g_blocks) {
-    const Block* b = entry.second;
+    const CardBlock* b = entry.second;
     if (device >= 0 && b->device != device) {
       continue;
     }

@@ -5,7 +5,10 @@
 // and views cost a few microseconds here against tens in Python, where every collective call
 // paid them. Anything else returns nothing, and Python takes its slow path, which raises the
 // precise error or stages layouts gloo cannot address.
-#include "runtime.h"
+#include "collective_operands.h"
+
+#include "devices.h"
+#include "host_alias.h"
 
 #include <cstring>
 

@@ -3,7 +3,11 @@
 // Work runs synchronously on the host, so every stream is always idle and every event is
 // complete as soon as it is recorded; streams still have identities (ids per device, 0 is
 // the default stream) and events carry the host time of their last record.
-#include "runtime.h"
+#include "device_guard.h"
+
+#include "devices.h"
+#include "gpu_trace.h"
+#include "graph.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/GPUTrace.h>

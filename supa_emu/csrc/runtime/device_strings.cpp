@@ -9,8 +9,9 @@
 // change to PyTorch, and C++ callers inside libtorch_cpu (TorchScript, C++ serialisation) keep
 // CUDA's meaning, as on the real stack. The result is an ordinary supa device: its `.type` is
 // "supa" and it prints as supa.
-#include "runtime.h"
+#include "device_strings.h"
 
+#include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
 #include <dlfcn.h>

@@ -1,5 +1,7 @@
 // Device bookkeeping: how many emulated cards this process sees and which one is current.
-#include "runtime.h"
+#include "devices.h"
+
+#include "caching_allocator.h"
 
 #include <c10/util/Exception.h>
 

@@ -2,7 +2,9 @@
 // state: the CPU kernels the operators run on draw from it, so seeding, saving and
 // restoring through torch.supa behaves as on a GPU while the numbers come from PyTorch's
 // own CPU sampling code.
-#include "runtime.h"
+#include "generator.h"
+
+#include "devices.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>

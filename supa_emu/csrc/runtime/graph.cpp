@@ -4,7 +4,12 @@
 //
 // Capture is process-wide (CUDA's "global" mode): autograd runs backward passes on its own
 // device thread, and those calls belong to the graph too.
-#include "runtime.h"
+#include "graph.h"
+
+#include "caching_allocator.h"
+#include "devices.h"
+#include "host_alias.h"
+#include "mem_pool.h"
 
 #include <ATen/core/GraphImplInterface.h>
 #include <c10/util/Exception.h>

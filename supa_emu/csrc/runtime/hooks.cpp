@@ -1,6 +1,11 @@
 // The PrivateUse1 hooks: how PyTorch's generic code asks the `supa` backend about
 // availability, generators, pinned memory and storage resizing.
-#include "runtime.h"
+#include "hooks.h"
+
+#include "caching_allocator.h"
+#include "devices.h"
+#include "generator.h"
+#include "pinned_host_allocator.h"
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 

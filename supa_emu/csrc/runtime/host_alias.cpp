@@ -1,7 +1,11 @@
 // Tensors that live on both sides: CPU views of device memory and device tensors over
 // memory that CPU kernels produced. This is what lets every operator run on PyTorch's CPU
 // kernels without copying its operands.
-#include "runtime.h"
+#include "host_alias.h"
+
+#include "caching_allocator.h"
+#include "devices.h"
+#include "host_routing_allocator.h"
 
 #include <ATen/SparseCsrTensorImpl.h>
 #include <ATen/SparseTensorImpl.h>

@@ -3,7 +3,10 @@
 // through to the allocator it replaced, except on a thread inside a fallback kernel, where the
 // kernel's allocations (its outputs, and its scratch) come from the device's pool. The outputs then
 // become supa tensors by relabelling their memory instead of copying it (take_device_block).
-#include "runtime.h"
+#include "host_routing_allocator.h"
+
+#include "caching_allocator.h"
+#include "devices.h"
 
 #include <c10/core/CPUAllocator.h>
 

@@ -13,7 +13,10 @@
 // collect_shared_blocks() (torch.supa.ipc_collect) and every new export release it.
 // Receivers count nothing for the memory they map, as memory opened by cudaIpcOpenMemHandle
 // is outside the receiver's caching allocator.
-#include "runtime.h"
+#include "ipc_memory.h"
+
+#include "caching_allocator.h"
+#include "devices.h"
 
 #include <c10/util/Exception.h>
 

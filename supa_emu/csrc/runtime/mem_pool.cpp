@@ -6,7 +6,9 @@
 // global capture mode) carry the pool id, and the caching allocator reuses a freed block only
 // for a request of the same pool. The core also owns each user pool's use count and the
 // thread's active pool (MemPoolContext), so Python holds no copy of either.
-#include "runtime.h"
+#include "mem_pool.h"
+
+#include "devices.h"
 
 #include <atomic>
 #include <map>

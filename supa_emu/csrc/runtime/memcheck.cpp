@@ -7,7 +7,10 @@
 // for; a storage whose memory is not one of its blocks (a shared memfd mapping, a host alias) is
 // bounded by its own byte size. Written ranges are kept per tracked block as disjoint intervals,
 // dropped when the block is freed (the allocator tells us) or once it is fully written.
-#include "runtime.h"
+#include "memcheck.h"
+
+#include "caching_allocator.h"
+#include "devices.h"
 
 #include <torch/csrc/profiler/combined_traceback.h>
 

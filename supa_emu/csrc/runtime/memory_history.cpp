@@ -5,7 +5,7 @@
 // before the allocator takes its lock because gathering Python frames needs the GIL. Events are
 // kept in a ring of `max_entries`; the stacks of live blocks are kept for the snapshot's
 // per-block "frames".
-#include "runtime.h"
+#include "memory_history.h"
 
 #include <torch/csrc/profiler/combined_traceback.h>
 

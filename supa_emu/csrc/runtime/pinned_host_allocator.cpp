@@ -1,6 +1,8 @@
 // Pinned host memory (`tensor.pin_memory()` with supa as the accelerator): host memory the
 // runtime knows as pinned, so `is_pinned()` answers and non_blocking copies can be told apart.
-#include "runtime.h"
+#include "pinned_host_allocator.h"
+
+#include "card_memory.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,0 +1,45 @@
+// Device memory as PyTorch sees it: the c10 device allocator of `supa`, its statistics,
+// settings and snapshots, over the emulated cards' memory (card_memory.h).
+#pragma once
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/StorageImpl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace supa {
+
+void init_memory(const std::vector<int64_t>& capacities);
+c10::DeviceAllocator* device_allocator();
+// A block of `device`'s pool (counted as allocated) and the deleter that gives it back.
+void* allocate_block(size_t nbytes, c10::DeviceIndex device);
+void free_block(void* ptr);
+void delete_device_ptr(void* ptr);  // free_block, accepting nullptr
+// From now on block hand-outs and returns reach the GPU trace (when it is on).
+void report_blocks_to_gpu_trace();
+// Device of a pointer handed out by the device allocator, or -1.
+c10::DeviceIndex device_of_ptr(const void* ptr);
+// A block of the caching allocator, looked up by its start (see memcheck.cpp).
+struct LiveBlock {
+  bool allocated;
+  size_t requested;  // the bytes asked for, what an operand may reach
+};
+std::optional<LiveBlock> live_block(const void* ptr);
+void set_memory_fraction(double fraction, c10::DeviceIndex device);
+double get_memory_fraction(c10::DeviceIndex device);
+// The allocator settings that change accounting; max_split_size < 0 means unlimited;
+// `divisions` has one entry per roundup_power2_divisions interval (kRoundUpIntervals).
+void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions);
+int64_t capacity(c10::DeviceIndex device);
+std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device);
+void* raw_alloc(size_t nbytes, c10::DeviceIndex device);
+void raw_delete(void* ptr);
+// Grow or shrink a supa storage in place (keeps the common prefix of the bytes).
+void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes);
+
+}  // namespace supa

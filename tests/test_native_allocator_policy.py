@@ -1,0 +1,44 @@
+"""The emulated card's block policy (supa_emu/csrc/runtime/card_memory.cpp), tested in C++.
+
+The card model has no PyTorch dependency, so tests/cpp/card_memory_test.cpp compiles against it
+alone with the compiler the native core uses, in about a second, and checks the policy directly:
+request rounding, blocks never split or coalesced, which cached block serves a request, garbage
+collection, and the capacity and host-memory decisions. test_memory.py checks the same policy
+through torch.supa's statistics.
+"""
+
+import pathlib
+import subprocess
+
+from supa_emu import native, native_compile
+
+TEST_SOURCE = pathlib.Path(__file__).parent / "cpp" / "card_memory_test.cpp"
+CARD_MODEL = native.SOURCE_DIR / "runtime" / "card_memory.cpp"
+
+# Every case main() runs; the program must report each one.
+CASES = (
+    "round_up_sizes",
+    "oversize_marks",
+    "no_split",
+    "no_coalescing",
+    "reuse_most_recently_freed",
+    "reuse_only_within_pool",
+    "oversize_reuse_of_larger_block",
+    "capacity_limit",
+    "full_card_releases_cache_once",
+    "garbage_collection_least_recently_freed_first",
+    "host_out_of_memory",
+)
+
+
+def test_card_memory_block_policy(tmp_path):
+    program = tmp_path / "card_memory_test"
+    build = subprocess.run(
+        [native_compile.compiler(), native_compile.CXX_STD, "-O1", "-Wall", "-Wextra", "-Werror",
+         f"-I{CARD_MODEL.parent}", str(TEST_SOURCE), str(CARD_MODEL), "-o", str(program)],
+        capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    reported = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
+    assert reported == [f"ok {name}" for name in CASES], run.stdout
