@@ -229,6 +229,25 @@ def _scenario_bound(rank: int, port: int) -> dict:
         _raises(dist.DistBackendError, lambda: dist.all_reduce(torch.ones(1, device=dev), group=group))
 
     check("peer_aborted_fails_not_hangs", peer_aborts)
+
+    def wait_timeout_bounds_the_call():
+        # A peer that never joins: wait(timeout) gives up after its own timeout, not the group's.
+        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=90))
+        _sum_of_ranks(group, dev)
+        if rank == 0:
+            store.wait(["wait_timeout/done"])
+            group.abort()
+            return
+        pending = group.allreduce([torch.ones(1, device=dev)])
+        start = time.monotonic()
+        _raises(dist.DistBackendError, lambda: pending.wait(datetime.timedelta(seconds=0.2)),
+                "caught collective operation timeout", "0:00:00.2")
+        elapsed = time.monotonic() - start
+        store.set("wait_timeout/done", "1")
+        group.abort()
+        _expect(elapsed < 45, f"wait(0.2 s) returned after {elapsed:.1f} s: the group's 90 s timeout applied")
+
+    check("wait_timeout_bounds_the_call", wait_timeout_bounds_the_call)
     check("world_usable_after_teardowns", lambda: _expect(_sum_of_ranks(None, dev) == 1.0, "sum"))
     dist.destroy_process_group()
     return check.outcomes
@@ -410,7 +429,7 @@ _BOUND = [
     "comm_split_count/split_group", "split_group/of_a_subgroup", "usable_after_bad_splits", "sequence_numbers",
     "coalescing_on_subgroup", "options/high_priority_stream_says_unmodelled", "abort", "abort/pending_work",
     "shutdown",
-    "peer_aborted_fails_not_hangs", "world_usable_after_teardowns",
+    "peer_aborted_fails_not_hangs", "wait_timeout_bounds_the_call", "world_usable_after_teardowns",
 ]
 _BOUND_BAD_INPUT = [
     "device_id/beyond_visible_cards", "device_id/other_device_type", "device_id/no_index",

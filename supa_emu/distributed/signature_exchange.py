@@ -116,8 +116,9 @@ class SharedMemoryBoard:
         """Address of the word counting the peers asleep on `rank`'s words."""
         return self._address + 8 * (self._base[rank] + self._at["waiters"])
 
-    def _wait(self, index: int, ready, rank: int, what: str) -> int:
-        """Returns the board word at `index` (which `rank` writes) once `ready(word)` holds."""
+    def _wait(self, index: int, ready, rank: int, what: str, timeout: Optional[datetime.timedelta] = None) -> int:
+        """Returns the board word at `index` (which `rank` writes) once `ready(word)` holds, waiting
+        at most `timeout` (the group's timeout when None)."""
         w = self._words
         for _ in range(64):  # a peer already at the collective arrives within microseconds
             observed = w[index]
@@ -128,7 +129,8 @@ class SharedMemoryBoard:
         # it is still alive and that the timeout has not passed.
         wait, address = self._sleep_on, self._address + 8 * index
         waiters = self._waiters_of(rank)
-        deadline = time.monotonic() + self._timeout.total_seconds()
+        limit = timeout or self._timeout
+        deadline = time.monotonic() + limit.total_seconds()
         while True:
             observed = w[index]
             if ready(observed):
@@ -144,7 +146,7 @@ class SharedMemoryBoard:
             if time.monotonic() >= deadline:
                 # NCCL's watchdog words a timeout this way; tools and tests match on it.
                 raise dist.DistBackendError(
-                    f"bccl: caught collective operation timeout: timed out after {self._timeout} on group "
+                    f"bccl: caught collective operation timeout: timed out after {limit} on group "
                     f"{self._label}: rank {self._rank} waited for rank {rank} to {what}"
                 )
 
@@ -194,22 +196,22 @@ class SharedMemoryBoard:
         (then k is settled), 0 if all posted and one differs, -1 if one has not posted. No waiting."""
         return self.native.settle_agreed(k, head)
 
-    def signature(self, peer: int, k: int, words: int = WORDS) -> List[int]:
+    def signature(self, peer: int, k: int, words: int = WORDS, timeout: Optional[datetime.timedelta] = None) -> List[int]:
         """The first `words` words of `peer`'s signature of collective k, waiting for it to be posted."""
         slot = self._slot(peer, k)
         sequence = slot + self._at["sequence"]
         if self._words[sequence] != k:
-            self._wait(sequence, lambda posted: posted == k, peer, f"reach collective #{k}")
+            self._wait(sequence, lambda posted: posted == k, peer, f"reach collective #{k}", timeout)
         payload = slot + self._at["slot_header"]
         return self._words[payload : payload + words].tolist()
 
     def post_verdict(self, k: int, started: bool) -> None:
         self._publish(self._slot(self._rank, k) + self._at["verdict"], 2 * k + int(started))
 
-    def verdict(self, peer: int, k: int) -> bool:
+    def verdict(self, peer: int, k: int, timeout: Optional[datetime.timedelta] = None) -> bool:
         """Whether `peer` started collective k in gloo, waiting for it to decide."""
         word = self._wait(self._slot(peer, k) + self._at["verdict"], lambda verdict: verdict >> 1 == k, peer,
-                          f"decide on collective #{k}")
+                          f"decide on collective #{k}", timeout)
         return bool(word & 1)
 
     def settle(self, k: int) -> None:

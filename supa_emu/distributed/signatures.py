@@ -10,6 +10,7 @@ for all-to-all, each rank's send counts, which must equal what each peer expects
 """
 
 import collections
+import datetime
 import threading
 import zlib
 from typing import Callable, Deque, List, Optional, Sequence
@@ -219,16 +220,17 @@ class Agreement:
                 return None, work
             return ticket, work
 
-    def settle(self, ticket: Optional[Ticket]) -> Optional[CollectiveMismatchError]:
-        """Check `ticket` (and every earlier one) against all peers' signatures, waiting for them;
-        returns the mismatch its collective ran into, if any."""
+    def settle(self, ticket: Optional[Ticket], timeout: Optional[datetime.timedelta] = None) -> Optional[CollectiveMismatchError]:
+        """Check `ticket` (and every earlier one) against all peers' signatures, waiting for them at
+        most `timeout` each (the group's timeout when None); returns the mismatch its collective
+        ran into, if any."""
         if ticket is None:
             return None
         if self._closed is not None and not ticket.settled:
             return self._closed
         with self._lock:
             while not ticket.settled:
-                self._settle(self._unsettled[0])
+                self._settle(self._unsettled[0], timeout)
         return ticket.error
 
     def settled_error(self, ticket: Optional[Ticket]):
@@ -264,17 +266,18 @@ class Agreement:
             return True
         return False
 
-    def _settle(self, ticket: Ticket) -> None:
+    def _settle(self, ticket: Ticket, timeout: Optional[datetime.timedelta] = None) -> None:
         if not self._settle_if_posted(ticket):
-            self._settle_waiting(ticket)
+            self._settle_waiting(ticket, timeout)
 
-    def _settle_waiting(self, ticket: Ticket) -> None:
+    def _settle_waiting(self, ticket: Ticket, timeout: Optional[datetime.timedelta] = None) -> None:
         board, k = self._exchange, ticket.sequence
         words = WORDS if ticket.receive_counts else _HEAD  # the rest only carries cross-checked counts
-        everyone = [ticket.signature if r == self._rank else board.signature(r, k, words) for r in range(self._size)]
+        everyone = [ticket.signature if r == self._rank else board.signature(r, k, words, timeout)
+                    for r in range(self._size)]
         ticket.error = _mismatch(everyone, self._rank, self._label, ticket.receive_counts)
         if ticket.error is not None and not ticket.started:
-            starters = [r for r in range(self._size) if r != self._rank and board.verdict(r, k)]
+            starters = [r for r in range(self._size) if r != self._rank and board.verdict(r, k, timeout)]
             if starters:
                 self._stand_in(everyone[starters[0]])
         board.settle(k)

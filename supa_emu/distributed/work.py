@@ -102,11 +102,13 @@ class BCCLWork(dist.Work):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self._waited = True  # an orphan stays adopted: a C++ holder may ask for the future next
         # The peers' signatures first: a dead or stalled peer is reported as such, not as gloo's hang.
-        mismatch = self._agreement.settle(self._ticket) if self._ticket is not None else None
+        # A positive timeout bounds this call's waits, as NCCL's wait(timeout) does; zero means the group's.
+        limit = timeout if timeout and timeout > datetime.timedelta(0) else None
+        mismatch = self._agreement.settle(self._ticket, limit) if self._ticket is not None else None
         try:
             for part in self._parts:
-                if timeout and timeout > datetime.timedelta(0):
-                    part.wait(timeout)
+                if limit is not None:
+                    part.wait(limit)
                 else:
                     part.wait()
         except RuntimeError as error:
