@@ -1,6 +1,5 @@
 """Parsing and validation of the SUPA_* variables (supa_emu.config)."""
 
-
 import pytest
 
 from supa_emu import config
