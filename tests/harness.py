@@ -4,6 +4,10 @@ Every process is started in a session of its own, so that a launcher's workers b
 a job that outlives its time limit is killed with everything it started and fails the test, and
 whatever a test left running is killed when the test run ends. Output is always captured and
 shown when a job fails.
+
+Left to the code under test: processes that an API under test starts itself (torch.multiprocessing
+in test_multiprocessing, mp.spawn inside child scripts, PyTorch's MultiProcessTestCase in
+torch_distributed_driver.py, the os.fork of test_module_surface's fork checks).
 """
 
 from __future__ import annotations

@@ -6,14 +6,11 @@ of their own: the `torch.backends` entry point must do it.
 """
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 import threading
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +21,9 @@ from supa_deepspeed import accelerator
 from supa_deepspeed.accelerator import deepspeed_selection
 from supa_deepspeed.accelerator.supa_accelerator import SUPA_Accelerator
 
+import harness
 from conftest import behaviour_table
 
-REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 # The interface's abstract methods, in the interface's own order, plus the concrete methods
@@ -616,17 +613,11 @@ def test_install_is_idempotent_and_patches_an_already_loaded_module(monkeypatch)
 
 
 def _run(code, timeout=300, args=(), **env):
-    """Run `code` (or a module with args) in a fresh interpreter; env values of None unset a variable."""
-    full_env = dict(os.environ)
-    for key in ("DS_ACCELERATOR", "SUPA_DS_ACCELERATOR"):
-        full_env.pop(key, None)
-    for key, value in env.items():
-        if value is None:
-            full_env.pop(key, None)
-        else:
-            full_env[key] = value
+    """Run `code` (or a module with args) in a fresh interpreter with no DeepSpeed accelerator
+    setting but those in `env` (a value of None unsets a variable). The code is passed with -c,
+    so the checkout (the working directory) is importable, as for a user in their checkout."""
     command = [sys.executable, *args] if args else [sys.executable, "-c", textwrap.dedent(code)]
-    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return harness.run(command, env={"DS_ACCELERATOR": None, "SUPA_DS_ACCELERATOR": None, **env}, timeout=timeout)
 
 
 REPORT_CHOICE = """

@@ -3,17 +3,17 @@ otherwise handed over to Biren's real tool later on PATH (never shadowing it).""
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+import harness
 
 emulation_only = pytest.mark.emulation_only
 
 
 def brsmi(*args, **env):
-    full = dict(os.environ, **env)
-    return subprocess.run(["brsmi", *args], capture_output=True, text=True, env=full, timeout=60)
+    return harness.run(["brsmi", *args], env=env, timeout=60)
 
 
 def _our_brsmi() -> str:
@@ -25,9 +25,7 @@ def _our_brsmi() -> str:
 
 
 def _without_emulation(path: str, *args):
-    env = {k: v for k, v in os.environ.items() if k != "SUPA_EMULATE"}
-    env["PATH"] = path
-    return subprocess.run([_our_brsmi(), *args], capture_output=True, text=True, env=env, timeout=60)
+    return harness.run([_our_brsmi(), *args], env={"SUPA_EMULATE": None, "PATH": path}, timeout=60)
 
 
 def _fake_real_brsmi(directory: pathlib.Path) -> pathlib.Path:

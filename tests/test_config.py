@@ -1,7 +1,5 @@
 """Parsing and validation of the SUPA_* variables (supa_emu.config)."""
 
-import os
-
 import pytest
 
 from supa_emu import config
@@ -112,18 +110,14 @@ def test_emulation_wanted_lets_only_off_spellings_stand_down(monkeypatch, raw, e
 @pytest.mark.parametrize("raw, installs_finder", [(None, False), ("0", False), ("off", False), ("1", True)])
 def test_startup_line_installs_the_finder_only_when_emulation_is_wanted(raw, installs_finder):
     """setup.py's .pth line, run at start-up without site (and without torch)."""
-    import pathlib
-    import subprocess
     import sys
 
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    setup_source = (repo / "setup.py").read_text()
+    import harness
+
+    setup_source = (harness.ROOT / "setup.py").read_text()
     pth_line = setup_source.split("PTH_LINE = ", 1)[1].split("\n)\n", 1)[0] + "\n)"
     probe = (eval(pth_line) + "import sys; print(any(type(f).__module__ == 'supa_emu.import_hooks' for f in "
              "sys.meta_path), 'torch' in sys.modules)\n")
-    env = {k: v for k, v in os.environ.items() if k != "SUPA_EMULATE"}
-    if raw is not None:
-        env["SUPA_EMULATE"] = raw
-    env["PYTHONPATH"] = str(repo)
-    out = subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    out = harness.run([sys.executable, "-S", "-c", probe], env={"SUPA_EMULATE": raw, "PYTHONPATH": harness.ROOT},
+                      timeout=60)
     assert out.stdout.split() == [str(installs_finder), "False"], out.stderr

@@ -11,13 +11,12 @@ DeepSpeed sdist (same layout as a clone), downloaded once into the test cache.
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tarfile
 
 import pytest
 
-from harness import run_python
+from harness import run, run_python
 
 pytestmark = [pytest.mark.emulation_only, pytest.mark.slow]  # a download once, then a fresh interpreter
 
@@ -34,11 +33,11 @@ def deepspeed_tree(tmp_path_factory):
     archive = _cache_dir() / f"deepspeed-{version}.tar.gz"
     if not archive.exists():
         archive.parent.mkdir(parents=True, exist_ok=True)
-        fetched = subprocess.run(
+        fetched = run(
             [sys.executable, "-m", "pip", "download", f"deepspeed=={version}", "--no-binary", ":all:", "--no-deps",
-             "--no-build-isolation", "-q", "-d", str(archive.parent)],
+             "--no-build-isolation", "-q", "-d", archive.parent],
             # pip runs the sdist's setup.py for its metadata; that is not under test, so no emulator there.
-            env={**os.environ, "SUPA_EMULATE": "0"}, capture_output=True, text=True, timeout=600)
+            env={"SUPA_EMULATE": "0"}, timeout=600)
         if fetched.returncode != 0 or not archive.exists():
             pytest.skip(f"the package registry did not give DeepSpeed {version}'s sdist: "
                         f"{(fetched.stderr.strip().splitlines() or ['no output'])[-1]}")

@@ -11,15 +11,14 @@ this process, trained with torch.optim.AdamW on the whole global batch at once.
 import dataclasses
 import functools
 import json
-import os
 import pathlib
-import shutil
-import subprocess
 import sys
 
 import pytest
-from harness import free_port
 import torch
+
+import harness
+from harness import Finished, deepspeed_command, torchrun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
@@ -57,16 +56,12 @@ pytestmark = [
 # ------------------------------------------------------------------------------------------------
 # Jobs
 # ------------------------------------------------------------------------------------------------
-class Job:
-    def __init__(self, result: subprocess.CompletedProcess, command):
-        self.returncode = result.returncode
-        self.output = result.stdout + result.stderr
-        self.command = " ".join(map(str, command))
-        self.events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event"')]
+class Job(Finished):
+    """A finished training job, with the events the example printed (one JSON object a line)."""
 
-    def require_success(self):
-        assert self.returncode == 0, f"{self.command} failed ({self.returncode}):\n{self.output[-6000:]}"
-        return self
+    def __init__(self, finished: Finished):
+        super().__init__(finished.command, finished.returncode, finished.stdout, finished.stderr)
+        self.events = [json.loads(line) for line in self.stdout.splitlines() if line.startswith('{"event"')]
 
     def event(self, name):
         return next(e for e in self.events if e["event"] == name)
@@ -92,31 +87,13 @@ def _model_args(cfg: GPTConfig):
 
 
 def launch(config, *args, model=SMALL, launcher="torchrun", env=None) -> Job:
-    """Runs the example on WORLD ranks and collects its JSON lines.
-
-    The free port is only free when it was picked: another process may take it before the
-    rendezvous binds it, so a job that failed on exactly that is started once more.
-    """
-    job = _launch_once(config, *args, model=model, launcher=launcher, env=env)
-    if job.returncode != 0 and "address already in use" in job.output.lower():
-        job = _launch_once(config, *args, model=model, launcher=launcher, env=env)
-    return job
-
-
-def _launch_once(config, *args, model, launcher, env) -> Job:
-    port = free_port()
+    """Runs the example on WORLD ranks and collects its JSON lines."""
+    example = [EXAMPLE, "--config", CONFIGS / config, "--seed", SEED, "--log-format", "json", *_model_args(model), *args]
     if launcher == "deepspeed":
-        runner = shutil.which("deepspeed")
-        prefix = [runner] if runner else [sys.executable, "-m", "deepspeed.launcher.runner"]
-        prefix += ["--num_gpus", WORLD, "--master_port", port]
-    else:
-        prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", WORLD,
-                  "--master-addr", "127.0.0.1", "--master-port", port]
-    command = [*prefix, EXAMPLE, "--config", CONFIGS / config, "--seed", SEED, "--log-format", "json",
-               *_model_args(model), *args]
-    result = subprocess.run([str(c) for c in command], cwd=ROOT, env={**os.environ, **(env or {})},
-                            capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    return Job(result, command)
+        return Job(harness.launch(lambda port: deepspeed_command(*example, num_gpus=WORLD, port=port),
+                                  env=env, timeout=JOB_TIMEOUT_S))
+    return Job(harness.launch(lambda port: torchrun_command(*example, nproc=WORLD, port=port),
+                              env=env, timeout=JOB_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,14 @@ through torch.cuda, which transfer_to_supa points at SUPA.
 """
 
 import json
-import os
 import pathlib
-import shutil
-import subprocess
 import sys
 
 import pytest
-from harness import free_port
 import torch
+
+import harness
+from harness import deepspeed_command, torchrun_command
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -37,19 +36,15 @@ ONE_CARD = {"SUPA_VISIBLE_DEVICES": "0"}
 def run(*args, launcher=None, env=None, quiet=False):
     """Runs the example and returns its result line (printed by rank 0); `quiet`: and checks that
     nothing was printed to stderr (no warning)."""
+    example = [EXAMPLE, *args]
+    env = {"BRTB_TRANSFER_SILENCE": "1", **(env or {})}
     if launcher == "torchrun":
-        prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                  "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        result = harness.launch(lambda port: torchrun_command(*example, nproc=2, port=port), env=env, timeout=900)
     elif launcher == "deepspeed":
-        runner = shutil.which("deepspeed")
-        prefix = [runner] if runner else [sys.executable, "-m", "deepspeed.launcher.runner"]
-        prefix += ["--num_gpus", "2", "--master_port", str(free_port())]
+        result = harness.launch(lambda port: deepspeed_command(*example, num_gpus=2, port=port), env=env, timeout=900)
     else:
-        prefix = [sys.executable]
-    command = [*prefix, str(EXAMPLE), *map(str, args)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "BRTB_TRANSFER_SILENCE": "1", **(env or {})})
-    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        result = harness.run([sys.executable, *example], env=env, timeout=900)
+    result.require_success()
     assert not (quiet and result.stderr), result.stderr[-6000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event"')]
     assert len(lines) == 1, result.stdout

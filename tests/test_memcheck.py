@@ -4,17 +4,15 @@ allocation's stack, and correct programs (training steps, compiled code, DeepSpe
 OpInfo database) run without a single report."""
 
 import json
-import os
 import pathlib
 import re
-import socket
-import subprocess
 import sys
 import warnings
 
 import pytest
 
-from harness import run_python
+import harness
+from harness import free_port, run_python, torchrun_command
 import torch
 
 from supa_emu import config
@@ -194,17 +192,16 @@ def test_a_graph_capture_reads_nothing_yet(strict):
 
 
 def test_collective_outputs_count_as_written():
-    result = run_python("""
+    result = run_python(f"""
         import os, torch, torch.distributed as dist
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("conftest").free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
         dist.init_process_group("bccl", rank=0, world_size=1)
         x = torch.arange(4.0, device="supa")
         out = torch.empty(4, device="supa")
         dist.all_gather_into_tensor(out, x)
         print(out.sum().item())
         dist.destroy_process_group()
-    """, env={"SUPA_EMU_SANITIZE": "memory-strict",
-              "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))})
+    """, env={"SUPA_EMU_SANITIZE": "memory-strict"})
     assert result.stdout.strip() == "6.0", result
 
 
@@ -255,8 +252,8 @@ def test_opinfo_under_the_checker_is_silent():
     """A slice of the OpInfo run (every op whose name starts with one of these letters)."""
     command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_opinfo.py"), "-q", "-x", "-p", "no:cacheprovider",
                "-k", "test_op_matches_cpu and (abs or add or cat or index or matmul or mean or softmax or where)"]
-    env = {**os.environ, "SUPA_EMU_SANITIZE": "memory-strict"}  # strict: a report fails the op's test
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    # strict: a report fails the op's test
+    result = harness.run(command, env={"SUPA_EMU_SANITIZE": "memory-strict"}, timeout=1800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     passed = re.search(r"(\d+) passed", result.stdout)
     assert passed and int(passed.group(1)) >= 40, result.stdout[-2000:]
@@ -281,15 +278,11 @@ def test_deepspeed_jobs_are_silent(tmp_path, config_name):
     config_json = json.loads((ROOT / "examples" / "configs" / config_name).read_text())
     (tmp_path / "config.json").write_text(json.dumps(config_json))
     (tmp_path / "count_checked.py").write_text(_COUNT_CHECKED)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(port), str(tmp_path / "count_checked.py"), str(ROOT / "examples" / "train_gpt.py"), "--config", str(tmp_path / "config.json"), "--steps", "2",
-               "--log-format", "json", "--vocab", "256", "--seq-len", "16", "--dim", "128", "--layers", "2",
-               "--heads", "4"]
-    result = subprocess.run(command, cwd=ROOT, env={**os.environ, "SUPA_EMU_SANITIZE": "memory-strict"},
-                            capture_output=True, text=True, timeout=900)
+    script = [tmp_path / "count_checked.py", ROOT / "examples" / "train_gpt.py", "--config", tmp_path / "config.json",
+              "--steps", 2, "--log-format", "json", "--vocab", 256, "--seq-len", 16, "--dim", 128, "--layers", 2,
+              "--heads", 4]
+    result = harness.launch(lambda port: torchrun_command(*script, nproc=2, port=port),
+                            env={"SUPA_EMU_SANITIZE": "memory-strict"}, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "SUPA memory checker" not in result.stderr
     counts = [int(line.rsplit(" ", 1)[1]) for line in result.stderr.splitlines() if "operators checked:" in line]

@@ -11,11 +11,11 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 
+import harness
 from supa_emu import config, native
 
 CODE = "import torch; print(torch.ones(2, device='supa').sum().item())"
@@ -89,9 +89,14 @@ def seeded_cache(good_build, tmp_path):
     return tmp_path / "cache"
 
 
-def _run(cache: pathlib.Path, **env):
-    full = dict(os.environ, SUPA_EMULATE="1", SUPA_EMU_CACHE_DIR=str(cache), **env)
-    return subprocess.run([sys.executable, "-c", CODE], env=full, capture_output=True, text=True, timeout=900)
+def _start(cache: pathlib.Path, code: str = CODE):
+    """A fresh interpreter on the emulated card that builds its core into (or loads it from) `cache`."""
+    return harness.start([sys.executable, "-c", code], env={"SUPA_EMULATE": "1", "SUPA_EMU_CACHE_DIR": cache})
+
+
+def _run(cache: pathlib.Path, code: str = CODE):
+    [result] = harness.wait([_start(cache, code)], timeout=900)
+    return result
 
 
 def _library(cache: pathlib.Path) -> pathlib.Path:
@@ -172,16 +177,13 @@ def test_damaged_object_file_is_recompiled_alone(seeded_cache):
 def test_concurrent_ranks_build_once(tmp_path, seeded_cache):
     """Two ranks start on a cache with no finished library: one links, the other waits and says so."""
     shutil.rmtree(_library(seeded_cache).parent)
-    env = dict(os.environ, SUPA_EMULATE="1", SUPA_EMU_CACHE_DIR=str(seeded_cache))
-    ranks = [subprocess.Popen([sys.executable, "-c", CODE], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = [rank.communicate(timeout=900) for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], results
-    assert [out.strip() for out, _ in results] == ["2.0", "2.0"]
-    builds = [line for _, err in results for line in err.splitlines() if line.startswith("supa_emu: building")]
-    assert len(builds) == 1, results
+    ranks = harness.wait([_start(seeded_cache) for _ in range(2)], timeout=900)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.describe() for rank in ranks]
+    assert [rank.stdout.strip() for rank in ranks] == ["2.0", "2.0"]
+    builds = [line for rank in ranks for line in rank.stderr.splitlines() if line.startswith("supa_emu: building")]
+    assert len(builds) == 1, [rank.describe() for rank in ranks]
     # The other rank (if it arrived while the first was linking) said whom it waited for.
-    waits = [line for _, err in results for line in err.splitlines() if "waiting for the build" in line]
+    waits = [line for rank in ranks for line in rank.stderr.splitlines() if "waiting for the build" in line]
     assert all(line.startswith("supa_emu: waiting for the build in pid ") for line in waits), waits
     # A later process finds the cached build and does not build again.
     again = _run(seeded_cache)
@@ -193,18 +195,18 @@ def test_concurrent_ranks_build_once(tmp_path, seeded_cache):
 def test_a_waiting_process_names_the_builder(tmp_path, caplog):
     root = tmp_path / "native"
     root.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", (
+    holder = harness.start([sys.executable, "-c", (
         "import fcntl, sys, time\n"
         f"f = open({str(root / 'build.lock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
         "f.seek(0); f.truncate(); f.write('4242\\n'); f.flush()\n"
         f"open({str(root / 'build.status')!r}, 'w').write('[1/3] compiled runtime\\n')\n"
-        "print('locked', flush=True); time.sleep(1.5)\n")], stdout=subprocess.PIPE, text=True)
+        "print('locked', flush=True); time.sleep(1.5)\n")])
     try:
         assert holder.stdout.readline().strip() == "locked"
         with caplog.at_level("WARNING", logger="supa_emu"), native._BuildLock(root):
             pass
     finally:
-        holder.wait(timeout=30)
+        harness.wait([holder], timeout=30, what="the lock holder")
     waits = [r.getMessage() for r in caplog.records if "waiting for the build" in r.getMessage()]
     assert waits and "pid 4242" in waits[0] and "[1/3] compiled runtime" in waits[0]
 
@@ -353,9 +355,7 @@ def test_a_fresh_build_writes_nothing_others_can_write(tmp_path, good_build):
     cache = tmp_path / "cache"
     shutil.copytree(good_build, cache)
     shutil.rmtree(_library(cache).parent)
-    env = dict(os.environ, SUPA_EMULATE="1", SUPA_EMU_CACHE_DIR=str(cache))
-    result = subprocess.run([sys.executable, "-c", f"import os; os.umask(0); {CODE}"], env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = _run(cache, f"import os; os.umask(0); {CODE}")
     assert result.returncode == 0 and result.stdout.strip() == "2.0", result.stderr
     for path in [_library(cache), _library(cache).parent / native.MANIFEST, _library(cache).parent]:
         assert os.stat(path).st_mode & 0o022 == 0, (path, oct(os.stat(path).st_mode))

@@ -5,15 +5,11 @@ import datetime
 import gc
 import json
 import logging
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from harness import run_python
+from harness import launch, run_python, torchrun_command
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -466,19 +462,14 @@ def _sanitized_job(tmp_path, config_name: str, zero_overrides: dict, forget_wait
     config = json.loads((root / "examples" / "configs" / config_name).read_text())
     config["zero_optimization"].update(zero_overrides)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    script = [str(root / "examples" / "train_gpt.py")]
+    script = [root / "examples" / "train_gpt.py"]
     if forget_waits:
         (tmp_path / "forget_waits.py").write_text(_FORGET_WAIT_STREAM)
-        script.insert(0, str(tmp_path / "forget_waits.py"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(port), *script, "--config", str(tmp_path / "config.json"),
-               "--steps", "2", "--log-format", "json", "--vocab", "256", "--seq-len", "16", "--dim", "256",
-               "--layers", "4", "--heads", "4"]
-    result = subprocess.run(command, cwd=root, env={**os.environ, "SUPA_EMU_SANITIZE": "streams-report"},
-                            capture_output=True, text=True, timeout=600)
+        script.insert(0, tmp_path / "forget_waits.py")
+    script += ["--config", tmp_path / "config.json", "--steps", 2, "--log-format", "json", "--vocab", 256,
+               "--seq-len", 16, "--dim", 256, "--layers", 4, "--heads", 4]
+    result = launch(lambda port: torchrun_command(*script, nproc=2, port=port),
+                    env={"SUPA_EMU_SANITIZE": "streams-report"}, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     summaries = [line for line in result.stderr.splitlines() if "kernels checked" in line]
     assert len(summaries) == 2, result.stderr[-4000:]  # one per rank

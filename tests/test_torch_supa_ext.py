@@ -14,15 +14,14 @@ under test.
 
 import json
 import os
-import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+import harness
+
 EXT_ACTIVE = os.environ.get("SUPA_EMU_EXT") == "1"
 DEVICE = "supa"
 
@@ -149,24 +148,19 @@ def _name(schema):
     return schema[:schema.index("(")]
 
 
-def _child_env(ext):
-    env = dict(os.environ, SUPA_EMULATE="1", DS_ACCELERATOR="supa")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    if ext:
-        env["SUPA_EMU_EXT"] = "1"
-    else:
-        env.pop("SUPA_EMU_EXT", None)
-    return env
+def _run_child(command, ext, timeout=600):
+    """Runs `command` with the checkout first on the path, on the emulated card, with or without
+    the emulated torch_supa_ext."""
+    env = {"SUPA_EMULATE": "1", "DS_ACCELERATOR": "supa", "SUPA_EMU_EXT": "1" if ext else None}
+    return harness.run(command, env=env, timeout=timeout, checkout_first=True)
 
 
 def _run_python(code, ext, timeout=600):
-    return subprocess.run([sys.executable, "-c", code], env=_child_env(ext), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return _run_child([sys.executable, "-c", code], ext, timeout)
 
 
-def _last_json(proc):
-    assert proc.returncode == 0, f"child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _last_json(result):
+    return json.loads(result.require_success().stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------- switching (main process)
@@ -199,10 +193,8 @@ print(json.dumps({"imported": imported,
 def test_ext_suite_in_subprocess(report_child_run):
     outer = ["test_absent_without_supa_emu_ext", "test_ext_suite_in_subprocess",
              "test_fused_adam_emulated_kernel_matches_fallback"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-                           "-k", " and ".join(f"not {name}" for name in outer)],
-                          env=_child_env(ext=True), cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=1200)
+    proc = _run_child([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+                       "-k", " and ".join(f"not {name}" for name in outer)], ext=True, timeout=1200)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, f"op tests failed with SUPA_EMU_EXT=1:\n{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
     assert "skipped" not in summary, summary

@@ -8,17 +8,14 @@ processes.
 
 import io
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import zipfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import free_port, run_python
+from harness import free_port, launch, run_python, torchrun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -402,10 +399,8 @@ def test_cuda_written_ddp_script_under_torchrun(tmp_path):
         pytest.skip("needs 2 SUPA cards")
     wrapper = tmp_path / "run_ddp.py"
     wrapper.write_text(_DDP_WRAPPER.format(script=str(ROOT / "examples" / "train_cuda_ddp.py")))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(wrapper)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "BRTB_TRANSFER_SILENCE": "1"})
+    result = launch(lambda port: torchrun_command(wrapper, nproc=2, port=port), timeout=600,
+                    env={"BRTB_TRANSFER_SILENCE": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event"')]
     results = sorted((e for e in lines if e["event"] == "result"), key=lambda e: e["rank"])

@@ -17,13 +17,12 @@ import math
 import os
 import pathlib
 import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
-from harness import RankChecks, free_port, print_line
 import torch
+
+from harness import RankChecks, free_port, print_line, run, start, torchrun_command, wait
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
@@ -39,8 +38,8 @@ def _namespaces_unavailable():
     """Why host namespaces cannot be made here, or None if they can."""
     if shutil.which("unshare") is None:
         return "needs util-linux's unshare"
-    probe = subprocess.run(["unshare", "--uts", "--ipc", "--mount", "--fork", "sh", "-c",
-                            "mount -t tmpfs tmpfs /dev/shm && hostname probe"], capture_output=True, text=True)
+    probe = run(["unshare", "--uts", "--ipc", "--mount", "--fork", "sh", "-c",
+                 "mount -t tmpfs tmpfs /dev/shm && hostname probe"], timeout=60)
     if probe.returncode != 0:
         return f"unshare --uts --ipc --mount is not permitted here: {probe.stderr.strip()[:200]}"
     return None
@@ -137,38 +136,11 @@ def _on_host(host: int, command) -> list:
             "env", f"SUPA_EMU_DEVICE_COUNT={CARDS_PER_HOST}", *map(str, command)]
 
 
-def _torchrun(nnodes: int, node_rank: int, nproc: int, port: int, script, *args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--node-rank", node_rank,
-            "--nproc-per-node", nproc, "--master-addr", "127.0.0.1", "--master-port", port, script, *args]
-
-
 def _run_jobs(commands) -> list:
-    """Run `commands` together, fail with their output unless all succeed; return their stdouts."""
-    outputs = []
-    for command, (code, out, err) in zip(commands, _run_and_wait(commands)):
-        assert code == 0, f"{' '.join(map(str, command))} failed ({code}):\n{out[-3000:]}\n{err[-6000:]}"
-        outputs.append(out)
-    return outputs
-
-
-def _run_and_wait(commands) -> list:
-    env = dict(os.environ, SUPA_EMULATE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    procs = [subprocess.Popen([str(c) for c in command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for command in commands]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
-            results.append((proc.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"job hung (> {JOB_TIMEOUT_S}s): {commands}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return results
+    """Run `commands` together (the launchers of the hosts), fail with their output unless all
+    succeed; return their stdouts."""
+    procs = [start(command, env={"SUPA_EMULATE": "1"}, checkout_first=True) for command in commands]
+    return [job.require_success().stdout for job in wait(procs, JOB_TIMEOUT_S, what="two-host job")]
 
 
 def _losses(outputs) -> list:
@@ -179,14 +151,15 @@ def _losses(outputs) -> list:
 @pytest.fixture(scope="module")
 def one_host_losses():
     """The reference: the same ZeRO-3 job on 1 host x 4 cards."""
-    losses = _losses(_run_jobs([_torchrun(1, 0, 4, free_port(), EXAMPLE, *TRAIN_ARGS)]))
+    losses = _losses(_run_jobs([torchrun_command(EXAMPLE, *TRAIN_ARGS, nproc=4, port=free_port())]))
     assert len(losses) == 4, losses
     return losses
 
 
 def test_collectives_across_two_hosts():
     port = free_port()
-    outputs = _run_jobs([_on_host(h, _torchrun(2, h, CARDS_PER_HOST, port, __file__, "collectives"))
+    outputs = _run_jobs([_on_host(h, torchrun_command(__file__, "collectives", nnodes=2, node_rank=h,
+                                                      nproc=CARDS_PER_HOST, port=port))
                          for h in range(2)])
     outcomes = [json.loads(line[len(_RESULT):]) for out in outputs for line in out.splitlines()
                 if line.startswith(_RESULT)]
@@ -203,7 +176,8 @@ def test_collectives_across_two_hosts():
 
 def test_zero3_on_two_hosts_matches_one_host(one_host_losses):
     port = free_port()
-    two_hosts = _losses(_run_jobs([_on_host(h, _torchrun(2, h, CARDS_PER_HOST, port, EXAMPLE, *TRAIN_ARGS))
+    two_hosts = _losses(_run_jobs([_on_host(h, torchrun_command(EXAMPLE, *TRAIN_ARGS, nnodes=2, node_rank=h,
+                                                                   nproc=CARDS_PER_HOST, port=port))
                                    for h in range(2)]))
     assert len(two_hosts) == len(one_host_losses)
     assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6) for a, b in zip(two_hosts, one_host_losses)), \

@@ -1,0 +1,118 @@
+"""The process harness itself: hung jobs die with what they started, output and environment reach
+the test as asked, launches retry only a lost rendezvous port, and nothing outlives the test run."""
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+
+import harness
+from harness import Finished
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting for its reaper counts as gone)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _gone_soon(pid: int) -> bool:
+    """Whether `pid` is gone within a few seconds (a SIGKILL lands at once; the exit may lag on a busy machine)."""
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running(pid)
+
+
+@pytest.mark.slow  # waits out a time limit
+def test_a_hung_job_fails_the_test_and_is_killed_with_what_it_started(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    # The job starts a grandchild of its own, says its pid, then never finishes.
+    job = ["sh", "-c", f'sleep 600 & echo $! > {pid_file}; wait']
+    with pytest.raises(AssertionError, match=r"job hung \(still running after 3 s\): sh -c"):
+        harness.run(job, timeout=3)
+    grandchild = int(pid_file.read_text())
+    assert _gone_soon(grandchild), f"the job's grandchild {grandchild} outlived the killed job"
+    assert not harness._LIVE_GROUPS
+
+
+def test_jobs_waited_for_together_name_themselves_when_one_hangs(tmp_path):
+    quick = harness.start([sys.executable, "-c", "print('done')"])
+    stuck = harness.start(["sleep", "600"])
+    with pytest.raises(AssertionError, match="the pair hung .*sleep 600"):
+        harness.wait([quick, stuck], timeout=1, what="the pair")
+    assert _gone_soon(stuck.pid)
+
+
+def test_output_and_return_code_are_captured():
+    result = harness.run([sys.executable, "-c", "import sys; print('to out'); print('to err', file=sys.stderr); "
+                                                "sys.exit(3)"])
+    assert (result.returncode, result.stdout, result.stderr) == (3, "to out\n", "to err\n")
+    assert result.output == "to out\nto err\n"
+    with pytest.raises(AssertionError, match=r"(?s)exited with 3:\nstdout:\nto out\n\nstderr:\nto err"):
+        result.require_success()
+    with pytest.raises(AssertionError, match="exited with 3"):
+        harness.run_python("import sys; sys.exit(3)")
+
+
+def test_environment_values_are_set_and_none_unsets(monkeypatch):
+    monkeypatch.setenv("HARNESS_TEST_DROPPED", "inherited")
+    monkeypatch.setenv("HARNESS_TEST_KEPT", "inherited")
+    report = harness.run_scenario("""
+        import json, os
+        print("RESULT " + json.dumps({name: os.environ.get(name) for name in
+                                      ("HARNESS_TEST_DROPPED", "HARNESS_TEST_KEPT", "HARNESS_TEST_SET")}))
+    """, env={"HARNESS_TEST_DROPPED": None, "HARNESS_TEST_SET": 7})
+    assert report == {"HARNESS_TEST_DROPPED": None, "HARNESS_TEST_KEPT": "inherited", "HARNESS_TEST_SET": "7"}
+
+
+def test_checkout_first_puts_the_checkout_ahead_of_the_inherited_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert harness.child_env()["PYTHONPATH"] == "/elsewhere"
+    assert harness.child_env(checkout_first=True)["PYTHONPATH"] == os.pathsep.join([str(harness.ROOT), "/elsewhere"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert harness.child_env(checkout_first=True)["PYTHONPATH"] == str(harness.ROOT)
+
+
+def test_json_lines_reads_prefixed_lines_or_object_lines():
+    stdout = "\n".join(["noise", '{"event": "step", "loss": 1.5}', "RESULT [1, 2]", 'text {"not": "first"}',
+                        '{"event": "summary"}', "RESULT null", ""])
+    finished = Finished(["job"], 0, stdout, "")
+    assert finished.json_lines() == [{"event": "step", "loss": 1.5}, {"event": "summary"}]
+    assert finished.json_lines("RESULT ") == [[1, 2], None]
+    assert Finished(["job"], 0, "RESULT {broken", "").json_lines() == []
+    with pytest.raises(json.JSONDecodeError):
+        Finished(["job"], 0, "RESULT {broken", "").json_lines("RESULT ")
+
+
+def test_a_launch_is_retried_once_only_when_its_port_was_taken():
+    ports = []
+
+    def failing(message):
+        def make_command(port):
+            ports.append(port)
+            return [sys.executable, "-c", f"import sys; sys.exit({message!r})"]
+        return make_command
+
+    result = harness.launch(failing("RuntimeError: Address already in use"), timeout=60)
+    assert result.returncode == 1 and len(ports) == 2
+    ports.clear()
+    result = harness.launch(failing("some other failure"), timeout=60)
+    assert result.returncode == 1 and len(ports) == 1
+
+
+def test_jobs_a_test_run_left_behind_are_killed_when_it_exits():
+    # A run that starts a job and exits without waiting for it.
+    result = harness.run_python(f"""
+        import sys
+        sys.path.insert(0, {str(pathlib.Path(harness.__file__).parent)!r})
+        import harness
+        print(harness.start(["sleep", "600"]).pid)
+    """)
+    assert _gone_soon(int(result.stdout)), "a job outlived the run that started it"
