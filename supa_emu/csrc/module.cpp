@@ -1,4 +1,4 @@
-// Python bindings of the emulated SUPA runtime (`supa_emu.native._C`).
+// Python bindings of the emulated SUPA runtime (`supa_emu.native`).
 #include "aten/fallback.h"
 #include "bccl/all_gather.h"
 #include "bccl/card_operands.h"
