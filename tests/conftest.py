@@ -100,6 +100,24 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line)
 
 
+# The suite runs on pytest-xdist workers, one per usable core, whole test files to a worker
+# (`-n auto --dist loadfile` in pyproject.toml): most tests keep one core busy (a test or a
+# fresh interpreter), so a second worker uses the second core. `-n 0` runs in one process.
+def pytest_xdist_auto_num_workers(config):
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its child runs' lines go to the controller's summary
+        workeroutput["child_runs"] = list(_CHILD_RUNS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _CHILD_RUNS.extend(getattr(node, "workeroutput", {}).get("child_runs", ()))
+
+
 def behaviour_table():
     """A `{name: check}` table and the decorator that fills it (`@check("a", "b")` registers the
     function as the check of both names), for tests that give every name of an API a check."""

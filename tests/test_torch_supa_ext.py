@@ -193,7 +193,7 @@ print(json.dumps({"imported": imported,
 def test_ext_suite_in_subprocess(report_child_run):
     outer = ["test_absent_without_supa_emu_ext", "test_ext_suite_in_subprocess",
              "test_fused_adam_emulated_kernel_matches_fallback"]
-    proc = _run_child([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+    proc = _run_child([sys.executable, "-m", "pytest", __file__, "-q", "-n", "0", "-p", "no:cacheprovider",
                        "-k", " and ".join(f"not {name}" for name in outer)], ext=True, timeout=1200)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, f"op tests failed with SUPA_EMU_EXT=1:\n{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
