@@ -26,8 +26,8 @@ GPT_ARGS = ["--vocab", "256", "--seq-len", "16", "--dim", "64", "--layers", "2",
 pytestmark = pytest.mark.emulation_only
 
 # In the order the exactness jobs run them (see SETUPS_SCRIPT): the DDP example last, because
-# a real bccl job still holds a DDP bucket on the card after destroy_process_group, and a real
-# job would carry it into the next setup where a planned one does not.
+# after its destroy_process_group a real bccl job still holds DDP's gradient bucket on the card
+# (no Python object refers to it) and would carry it into the next setup, where a plan does not.
 CASES = {
     "zero0": [str(GPT), "--config", str(CONFIGS / "zero0.json"), *GPT_ARGS],
     "zero1": [str(GPT), "--config", str(CONFIGS / "zero1.json"), *GPT_ARGS],
