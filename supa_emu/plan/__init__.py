@@ -9,3 +9,11 @@ ones a real run uses; rank_record.py reads the peak, its phase and a timeline fr
 and the collectives from supa_emu.distributed.call_record. report.py and plot.py put the ranks
 together. The same recording runs in a real job under SUPA_PLAN_RECORD=DIR, to compare.
 """
+
+
+def section(name: str):
+    """`with supa_emu.plan.section(name):` marks a part of the script whose peak memory and
+    collectives the record gives apart (see rank_record.py); it marks nothing in an unrecorded run."""
+    from supa_emu.plan import rank_record  # torch only where a script marks a section
+
+    return rank_record.section(name)

@@ -7,9 +7,15 @@ allocator's peak even when the script resets the peak statistics. Recording star
 first bccl group (or, in the planner's rank process, before the script runs); memory allocated
 before that is the baseline. A real run records the same way under SUPA_PLAN_RECORD=DIR, which
 writes DIR/rank-R.json at exit.
+
+A script marks the parts it wants figures for with `with supa_emu.plan.section(name):` (a
+training phase, an evaluation, one of several configurations run in turn); the record then lists
+each section's peak allocated and reserved bytes and its collectives. Like an NVTX range, a
+section only marks: in a run that records nothing it has no effect.
 """
 
 import atexit
+import contextlib
 import json
 import os
 import pathlib
@@ -23,6 +29,9 @@ from supa_emu.distributed import call_record
 TIMELINE_POINTS = 600
 
 _state: Optional[dict] = None
+# Sections entered so far: {name, start, end}, where start/end are (event count per device,
+# collectives so far); a start of None is the beginning of recording.
+_sections: list = []
 
 
 def start(directory: Optional[pathlib.Path], rank: int) -> None:
@@ -44,6 +53,30 @@ def start(directory: Optional[pathlib.Path], rank: int) -> None:
 
 def started() -> bool:
     return _state is not None
+
+
+def _position():
+    if _state is None:
+        return None
+    counts = [len(trace) for trace in torch.supa.memory._snapshot()["device_traces"]]
+    return counts, {_call_key(c): c["count"] for c in call_record.collectives()}
+
+
+def _call_key(call: dict) -> tuple:
+    return call["op"], call["group_size"], call["dtype"], call["bytes"]
+
+
+@contextlib.contextmanager
+def section(name: str):
+    """Marks a part of the script: the record gives its peak memory and collectives apart."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"section name must be a non-empty str, got {name!r}")
+    entry = {"name": name, "start": _position(), "end": None}
+    _sections.append(entry)
+    try:
+        yield
+    finally:
+        entry["end"] = _position()
 
 
 def _write_at_exit() -> None:
@@ -98,7 +131,7 @@ def record(failure: Optional[dict] = None) -> dict:
     allocated, reserved, base_peak, base_peak_reserved = _state["baseline"].get(device, (0, 0, 0, 0))
     peak, peak_reserved, peak_event = max(allocated, base_peak), max(reserved, base_peak_reserved), None
     t0 = _state["started"] * 1e6
-    points, ooms = [], []
+    points, ooms, running = [], [], [(allocated, reserved)]
     for index, event in enumerate(events):
         action, size = event["action"], event["size"]
         if action == "alloc":
@@ -115,6 +148,7 @@ def record(failure: Optional[dict] = None) -> dict:
         if allocated > peak:
             peak, peak_event = allocated, event
         peak_reserved = max(peak_reserved, reserved)
+        running.append((allocated, reserved))
         points.append((index, (event["time_us"] - t0) / 1e6, allocated, reserved))
     phase, location = _phase(peak_event["frames"]) if peak_event is not None else ("before recording", None)
     capacity = torch.supa.mem_get_info(device)[1]
@@ -126,8 +160,27 @@ def record(failure: Optional[dict] = None) -> dict:
         "timeline": _thin(points, TIMELINE_POINTS),
         "collectives": call_record.collectives(),
         "value_dependent": call_record.value_dependent(),
+        "sections": [_section_figures(entry, device, running) for entry in _sections if entry["end"] is not None],
         "failure": failure,
     }
+
+
+def _section_figures(entry: dict, device: int, running: list) -> dict:
+    """A section's peaks over the events it spans (from the figures on entry) and the collectives it made.
+
+    `running[i]` is (allocated, reserved) after the first i events of the device's trace."""
+    start_events, start_calls = entry["start"] or ([], {})
+    end_events, end_calls = entry["end"]
+    first = start_events[device] if device < len(start_events) else 0
+    last = end_events[device] if device < len(end_events) else 0
+    span = running[first:last + 1]
+    calls = []
+    for call in call_record.collectives():
+        count = end_calls.get(_call_key(call), 0) - start_calls.get(_call_key(call), 0)
+        if count:
+            calls.append(dict(call, count=count))
+    return {"name": entry["name"], "peak_allocated": max(a for a, _ in span),
+            "peak_reserved": max(r for _, r in span), "collectives": calls}
 
 
 def _thin(points, limit: int) -> list:

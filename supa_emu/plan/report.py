@@ -3,7 +3,8 @@
 JSON keys: world_size, cards_per_host, script, args, capacity, ranks -> "R" -> {peak_allocated,
 peak_reserved, peak_phase, peak_location, capacity, oom, oom_events, timeline ([event index,
 seconds since recording started, allocated, reserved] points), collectives ([{op, group_size,
-dtype, bytes, count}]), value_dependent, failure ({error, traceback} or null)}.
+dtype, bytes, count}]), value_dependent, sections ([{name, peak_allocated, peak_reserved,
+collectives}], see rank_record.section), failure ({error, traceback} or null)}.
 """
 
 from typing import Dict
@@ -15,7 +16,7 @@ def lost_rank(rank: int, returncode: int) -> dict:
     """The record of a rank process that ended before writing its own (killed, crashed)."""
     return {"rank": rank, "device": None, "capacity": 0, "peak_allocated": 0, "peak_reserved": 0,
             "peak_phase": "unknown", "peak_location": None, "oom": False, "oom_events": [], "timeline": [],
-            "collectives": [], "value_dependent": [],
+            "collectives": [], "value_dependent": [], "sections": [],
             "failure": {"error": f"the rank process ended with status {returncode} before writing its record",
                         "traceback": None}}
 
