@@ -173,9 +173,10 @@ _ONE_PER_INTERPRETER = (PRISTINE, LAST)
 _CASE_START, _CASE_RESULT = "SHARED-CASE-START ", "SHARED-CASE-RESULT "
 
 # Runs the snippets of a JSON file in order, each with its own stdout, and reports each one's output
-# or traceback on a line of its own (so that a crash loses only the snippet it happened in).
+# or traceback on a line of its own (so that a crash loses only the snippet it happened in). A snippet
+# past its time limit ends the interpreter with every thread's stack on stderr.
 _SHARED_DRIVER = r'''
-import contextlib, io, json, linecache, os, sys, traceback
+import contextlib, faulthandler, io, json, linecache, os, sys, traceback
 
 def report(prefix, value):
     sys.__stdout__.flush()
@@ -183,8 +184,9 @@ def report(prefix, value):
 
 with open(sys.argv[1]) as cases_file:
     cases = json.load(cases_file)
-for name, code in cases:
+for name, code, limit in cases:
     report(%(start)r, name)
+    faulthandler.dump_traceback_later(limit, exit=True)
     filename = f"<shared case {name}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # tracebacks show the code
     out, error = io.StringIO(), None
@@ -193,6 +195,7 @@ for name, code in cases:
             exec(compile(code, filename, "exec"), {"__name__": "__shared_case__"})
     except BaseException:  # reported as this snippet's failure; the next snippets still run
         error = traceback.format_exc()
+    faulthandler.cancel_dump_traceback_later()
     sys.stderr.flush()
     report(%(result)r, {"name": name, "stdout": out.getvalue(), "error": error})
 ''' % {"start": _CASE_START, "result": _CASE_RESULT}
@@ -221,13 +224,12 @@ class _SharedInterpreter:
 
     def __init__(self, env: dict):
         self.env = env
-        self.cases: dict[str, tuple[str, str]] = {}  # name -> (stage, code), in registration order
-        self.timeout = 0.0  # the sum of the snippets' time limits
+        self.cases: dict[str, tuple[str, str, float]] = {}  # name -> (stage, code, time limit), as registered
         self.results: dict[str, CaseResult] | None = None
 
     def has_room_for(self, stage: str) -> bool:
         return self.results is None and not (
-            stage in _ONE_PER_INTERPRETER and any(s == stage for s, _ in self.cases.values()))
+            stage in _ONE_PER_INTERPRETER and any(s == stage for s, _, _ in self.cases.values()))
 
     def result(self, name: str) -> CaseResult:
         if self.results is None:
@@ -235,30 +237,43 @@ class _SharedInterpreter:
         return self.results[name]
 
     def _run(self) -> None:
-        ordered = [(name, code) for stage in _STAGES for name, (s, code) in self.cases.items() if s == stage]
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cases_file:
-            json.dump(ordered, cases_file)
-        try:
-            finished = run_python(_SHARED_DRIVER, env=self.env, timeout=self.timeout, check=False,
-                                  args=[cases_file.name])
-        except AssertionError as hung:  # killed past its time limit, its output lost: every snippet fails with the news
-            finished = Finished(["shared interpreter of", *self.cases], -9, "", str(hung))
-        finally:
-            os.unlink(cases_file.name)
-        reported = {value["name"]: value for value in finished.json_lines(_CASE_RESULT)}
-        started = finished.json_lines(_CASE_START)
-        stopped_in = started[-1] if started and started[-1] not in reported else None
+        """Runs the snippets in stage order; those after one that crashed or hung its interpreter
+        run in a fresh one, so that a crash fails its own test only."""
         self.results = {}
-        for name, _ in ordered:
-            if name in reported:
-                error = reported[name]["error"]
-            elif name == stopped_in:
-                error = "the interpreter died in this case"
-            elif stopped_in is not None:
-                error = f"not run: the interpreter died before, in case {stopped_in!r}"
-            else:
-                error = "not run: the interpreter did not get this far"
-            self.results[name] = CaseResult(name, reported.get(name, {}).get("stdout", ""), error, finished)
+        remaining = [name for stage in _STAGES for name, (s, _, _) in self.cases.items() if s == stage]
+        while remaining:
+            finished = self._run_in_one_interpreter(remaining)
+            reported = {value["name"]: value for value in finished.json_lines(_CASE_RESULT)}
+            for name in remaining:
+                if name in reported:
+                    self.results[name] = CaseResult(name, reported[name]["stdout"], reported[name]["error"], finished)
+            stopped_in = next((name for name in finished.json_lines(_CASE_START) if name not in reported), None)
+            if stopped_in is None:  # ended without starting the rest (it did not come up, or exited)
+                for name in remaining:
+                    if name not in reported:
+                        self.results[name] = CaseResult(name, "", "not run: the interpreter ended before it", finished)
+                return
+            self.results[stopped_in] = CaseResult(stopped_in, "", "the interpreter died or hung in this case", finished)
+            remaining = remaining[remaining.index(stopped_in) + 1:]
+
+    def _run_in_one_interpreter(self, names: list) -> Finished:
+        timeout = sum(self.cases[name][2] for name in names) + 60
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as driver, \
+                tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cases_file:
+            driver.write(_SHARED_DRIVER)
+            json.dump([(name, code, limit) for name in names for _, code, limit in [self.cases[name]]], cases_file)
+        proc = start([sys.executable, driver.name, cases_file.name], env=self.env)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a hang the driver could not end; its output says which snippet
+            _kill_group(proc)
+            out, err = proc.communicate()
+            err += f"\n(killed: still running after {timeout:.0f} s)"
+        finally:
+            _kill_group(proc)
+            os.unlink(driver.name)
+            os.unlink(cases_file.name)
+        return Finished(proc.args, proc.returncode, out, err)
 
 
 _SHARED: dict[tuple, list[_SharedInterpreter]] = {}
@@ -300,8 +315,7 @@ def shared_case(name: str, code: str, env: dict | None = None, stage: str = ANY,
     if not room:
         room = [_SharedInterpreter(dict(key))]
         interpreters.append(room[0])
-    room[0].cases[name] = (stage, textwrap.dedent(code))
-    room[0].timeout += timeout
+    room[0].cases[name] = (stage, textwrap.dedent(code), timeout)
     return SharedCase(name, room[0])
 
 
