@@ -20,8 +20,12 @@ def test_unset_imports_nothing_of_the_emulator():
     assert out == ["['supa_emu']", "False privateuseone"]
 
 
+_ZERO = shared_case("test_activation: SUPA_EMULATE=0", "import torch; print(hasattr(torch, 'supa'))",
+                    env={"SUPA_EMULATE": "0"})
+
+
 def test_zero_is_off():
-    out = run_python("import torch; print(hasattr(torch, 'supa'))", env={"SUPA_EMULATE": "0"}).stdout
+    out = _ZERO.result().stdout
     assert out.strip() == "False"
 
 
