@@ -153,10 +153,174 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, check: 
 def run_scenario(code: str, env: dict | None = None, timeout: float = 300):
     """Runs `code` with run_python and returns what it printed as JSON on a line 'RESULT <json>'."""
     result = run_python(code, env=env, timeout=timeout)
-    values = result.json_lines("RESULT ")
+    return _last_result(result.json_lines("RESULT "), result.describe)
+
+
+def _last_result(values: list, describe):
     if not values:
-        raise AssertionError(f"no RESULT line in the output:\n{result.describe()}")
+        raise AssertionError(f"no RESULT line in the output:\n{describe()}")
     return values[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared fresh interpreters: snippets of several tests (of any file) that need a fresh interpreter
+# with the same environment run one after the other in one
+# ------------------------------------------------------------------------------------------------
+# When in the interpreter's life a snippet runs, and what it may do there:
+UNTOUCHED = "untouched"  # first; reads state only (e.g. before init) and leaves the process as it found it
+PRISTINE = "pristine"    # right after the UNTOUCHED ones (at most one per interpreter); may change anything
+ANY = "any"              # after those; needs no particular state and leaves the process usable
+LAST = "last"            # at the end (at most one per interpreter): may crash or hang the interpreter
+_STAGES = (UNTOUCHED, PRISTINE, ANY, LAST)
+_ONE_PER_INTERPRETER = (PRISTINE, LAST)
+
+_CASE_START, _CASE_RESULT = "SHARED-CASE-START ", "SHARED-CASE-RESULT "
+
+# Runs the snippets of a JSON file in order, each with its own stdout, and reports each one's output
+# or traceback on a line of its own (so that a crash loses only the snippet it happened in). A snippet
+# past its time limit ends the interpreter with every thread's stack on stderr.
+_SHARED_DRIVER = r'''
+import contextlib, faulthandler, io, json, linecache, os, sys, traceback
+
+def report(prefix, value):
+    sys.__stdout__.flush()
+    os.write(sys.__stdout__.fileno(), (prefix + json.dumps(value) + "\n").encode())
+
+with open(sys.argv[1]) as cases_file:
+    cases = json.load(cases_file)
+for name, code, limit in cases:
+    report(%(start)r, name)
+    faulthandler.dump_traceback_later(limit, exit=True)
+    filename = f"<shared case {name}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # tracebacks show the code
+    out, error = io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, filename, "exec"), {"__name__": "__shared_case__"})
+    except BaseException:  # reported as this snippet's failure; the next snippets still run
+        error = traceback.format_exc()
+    faulthandler.cancel_dump_traceback_later()
+    sys.stderr.flush()
+    report(%(result)r, {"name": name, "stdout": out.getvalue(), "error": error})
+''' % {"start": _CASE_START, "result": _CASE_RESULT}
+
+
+class CaseResult(Finished):
+    """What one snippet of a shared interpreter did: its own stdout and error (its traceback, or
+    None), with the whole interpreter's stderr and return code (they are not the snippet's alone)."""
+
+    def __init__(self, name: str, stdout: str, error, finished: Finished):
+        super().__init__(finished.command, finished.returncode, stdout, finished.stderr)
+        self.name, self.error, self.finished = name, error, finished
+
+    def describe(self, tail: int = 6000) -> str:
+        return (f"shared case {self.name!r} printed:\n{self.stdout[-tail:]}\nerror:\n{self.error}\n"
+                f"the interpreter it ran in: {self.finished.describe(tail)}")
+
+    def require_success(self) -> "CaseResult":
+        if self.error is not None:
+            raise AssertionError(self.describe())
+        return self
+
+
+class _SharedInterpreter:
+    """The snippets that will run in one fresh interpreter, and once it ran, what each one did."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.cases: dict[str, tuple[str, str, float]] = {}  # name -> (stage, code, time limit), as registered
+        self.results: dict[str, CaseResult] | None = None
+
+    def has_room_for(self, stage: str) -> bool:
+        return self.results is None and not (
+            stage in _ONE_PER_INTERPRETER and any(s == stage for s, _, _ in self.cases.values()))
+
+    def result(self, name: str) -> CaseResult:
+        if self.results is None:
+            self._run()
+        return self.results[name]
+
+    def _run(self) -> None:
+        """Runs the snippets in stage order; those after one that crashed or hung its interpreter
+        run in a fresh one, so that a crash fails its own test only."""
+        self.results = {}
+        remaining = [name for stage in _STAGES for name, (s, _, _) in self.cases.items() if s == stage]
+        while remaining:
+            finished = self._run_in_one_interpreter(remaining)
+            reported = {value["name"]: value for value in finished.json_lines(_CASE_RESULT)}
+            for name in remaining:
+                if name in reported:
+                    self.results[name] = CaseResult(name, reported[name]["stdout"], reported[name]["error"], finished)
+            stopped_in = next((name for name in finished.json_lines(_CASE_START) if name not in reported), None)
+            if stopped_in is None:  # ended without starting the rest (it did not come up, or exited)
+                for name in remaining:
+                    if name not in reported:
+                        self.results[name] = CaseResult(name, "", "not run: the interpreter ended before it", finished)
+                return
+            self.results[stopped_in] = CaseResult(stopped_in, "", "the interpreter died or hung in this case", finished)
+            remaining = remaining[remaining.index(stopped_in) + 1:]
+
+    def _run_in_one_interpreter(self, names: list) -> Finished:
+        timeout = sum(self.cases[name][2] for name in names) + 60
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as driver, \
+                tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cases_file:
+            driver.write(_SHARED_DRIVER)
+            json.dump([(name, code, limit) for name in names for _, code, limit in [self.cases[name]]], cases_file)
+        proc = start([sys.executable, driver.name, cases_file.name], env=self.env)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a hang the driver could not end; its output says which snippet
+            _kill_group(proc)
+            out, err = proc.communicate()
+            err += f"\n(killed: still running after {timeout:.0f} s)"
+        finally:
+            _kill_group(proc)
+            os.unlink(driver.name)
+            os.unlink(cases_file.name)
+        return Finished(proc.args, proc.returncode, out, err)
+
+
+_SHARED: dict[tuple, list[_SharedInterpreter]] = {}
+
+
+class SharedCase:
+    """A snippet registered with `shared_case`; `result()` runs its interpreter on first use."""
+
+    def __init__(self, name: str, interpreter: _SharedInterpreter):
+        self.name, self._interpreter = name, interpreter
+
+    def result(self, check: bool = True) -> CaseResult:
+        """The snippet's CaseResult; with `check`, a snippet that raised fails the test with its traceback."""
+        result = self._interpreter.result(self.name)
+        return result.require_success() if check else result
+
+    def scenario_result(self):
+        """What the snippet printed as JSON on a line 'RESULT <json>' (the last one), as run_scenario."""
+        result = self.result()
+        return _last_result(result.json_lines("RESULT "), result.describe)
+
+
+def shared_case(name: str, code: str, env: dict | None = None, stage: str = ANY, timeout: float = 300) -> SharedCase:
+    """Registers `code` to run in a fresh interpreter shared with the other snippets of the same
+    environment (`env` as for run_python), at `stage` of its life; call at import time, before any
+    test runs. The snippet sees its own stdout only; its globals are its own. Its interpreter starts
+    when a test first asks for a result of it, and runs every snippet registered with it by then.
+    """
+    if stage not in _STAGES:
+        raise ValueError(f"stage {stage!r}: expected one of {_STAGES}")
+    # Overrides that change nothing (unsetting what is unset, setting what is set) do not make another environment.
+    effective = {key: (None if value is None else str(value)) for key, value in (env or {}).items()}
+    key = tuple(sorted((k, v) for k, v in effective.items() if os.environ.get(k) != v))
+    interpreters = _SHARED.setdefault(key, [])
+    for interpreter in interpreters:
+        if name in interpreter.cases:
+            raise ValueError(f"shared case {name!r} is registered twice")
+    room = [interpreter for interpreter in interpreters if interpreter.has_room_for(stage)]
+    if not room:
+        room = [_SharedInterpreter(dict(key))]
+        interpreters.append(room[0])
+    room[0].cases[name] = (stage, textwrap.dedent(code), timeout)
+    return SharedCase(name, room[0])
 
 
 # ------------------------------------------------------------------------------------------------

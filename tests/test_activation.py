@@ -1,10 +1,12 @@
 """When the emulator activates (SUPA_EMULATE at `import torch`), when it stands down (a real
 torch_supa is installed), and what `import torch_supa` / `import torch_supa_ext` give. Each case
-runs in a fresh interpreter, because activation happens once, at `import torch`."""
+runs in a fresh interpreter, because activation happens once, at `import torch`; cases that need
+no more than the environment at activation share theirs with the other cases of that environment
+(harness.shared_case)."""
 
 import pytest
 
-from harness import run_python
+from harness import run_python, shared_case
 
 pytestmark = pytest.mark.emulation_only
 
@@ -18,17 +20,24 @@ def test_unset_imports_nothing_of_the_emulator():
     assert out == ["['supa_emu']", "False privateuseone"]
 
 
+_ZERO = shared_case("test_activation: SUPA_EMULATE=0", "import torch; print(hasattr(torch, 'supa'))",
+                    env={"SUPA_EMULATE": "0"})
+
+
 def test_zero_is_off():
-    out = run_python("import torch; print(hasattr(torch, 'supa'))", env={"SUPA_EMULATE": "0"}).stdout
+    out = _ZERO.result().stdout
     assert out.strip() == "False"
 
 
+_ACTIVATES = shared_case("test_activation: import torch activates the device", """
+    import torch
+    t = torch.ones(2, device='supa')
+    print(t.device, torch.supa.is_available(), torch.accelerator.current_accelerator())
+""", env={"SUPA_EMULATE": "1"})
+
+
 def test_import_torch_activates_the_device():
-    out = run_python("""
-        import torch
-        t = torch.ones(2, device='supa')
-        print(t.device, torch.supa.is_available(), torch.accelerator.current_accelerator())
-    """, env={"SUPA_EMULATE": "1"}).stdout
+    out = _ACTIVATES.result().stdout
     assert out.strip() == "supa:0 True supa"
 
 
@@ -56,12 +65,15 @@ def test_native_module_imported_before_torch():
     assert out.strip() == "16 supa:0"
 
 
+_TORCH_SUPA = shared_case("test_activation: import torch_supa", """
+    import torch, torch_supa
+    print(torch_supa.__version__)
+    print(torch_supa.supa is torch.supa)
+""", env={"SUPA_EMULATE": "1"})
+
+
 def test_import_torch_supa_yields_the_emulator():
-    out = run_python("""
-        import torch, torch_supa
-        print(torch_supa.__version__)
-        print(torch_supa.supa is torch.supa)
-    """, env={"SUPA_EMULATE": "1"}).stdout.splitlines()
+    out = _TORCH_SUPA.result().stdout.splitlines()
     assert out[0].startswith("1.0.0.") and "emulated" in out[0]
     assert out[1] == "True"
 
@@ -111,21 +123,28 @@ def test_bad_values_fail_at_activation_naming_the_variable(variable, value):
     assert first.startswith(f"supa_emu: configuration error: {variable}={value!r}") and "accepted" in first
 
 
-@pytest.mark.parametrize("value", ["-1", ""])
+_NO_VISIBLE_CARDS = {value: shared_case(f"test_activation: no visible cards with SUPA_VISIBLE_DEVICES={value!r}", """
+    import torch
+    print(torch.supa.is_available(), torch.supa.device_count())
+    try:
+        torch.ones(1, device='supa')
+    except RuntimeError as error:
+        print(type(error).__name__)
+""", env={"SUPA_EMULATE": "1", "SUPA_VISIBLE_DEVICES": value}) for value in ["-1", ""]}
+
+
+@pytest.mark.parametrize("value", list(_NO_VISIBLE_CARDS))
 def test_no_visible_cards_as_with_cuda_visible_devices(value):
-    out = run_python("""
-        import torch
-        print(torch.supa.is_available(), torch.supa.device_count())
-        try:
-            torch.ones(1, device='supa')
-        except RuntimeError as error:
-            print(type(error).__name__)
-    """, env={"SUPA_EMULATE": "1", "SUPA_VISIBLE_DEVICES": value}).stdout.split()
+    out = _NO_VISIBLE_CARDS[value].result().stdout.split()
     assert out == ["False", "0", "RuntimeError"]
 
 
+_MEMORY_BEYOND_THE_HOST = shared_case("test_activation: SUPA_EMU_MEMORY beyond the host", "import torch",
+                                      env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"})
+
+
 def test_memory_beyond_the_host_warns_at_activation():
-    result = run_python("import torch", env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"})
+    result = _MEMORY_BEYOND_THE_HOST.result()  # the interpreter's stderr: activation warns once, at its start
     assert "RuntimeWarning: SUPA_EMU_MEMORY='99999TiB'" in result.stderr and "host" in result.stderr
 
 
@@ -161,16 +180,19 @@ def test_visible_devices_filter_and_reorder():
     assert visible == ["2", physical[1 + 3], physical[1 + 1]]
 
 
+_BACKWARD_THREADS = {setting: shared_case(f"test_activation: backward, SUPA_EMU_AUTOGRAD_DEVICE_THREADS={setting}", """
+    import threading, torch
+    x = torch.ones(2, device="supa", requires_grad=True)
+    threads = []
+    x.register_hook(lambda grad: threads.append(threading.get_ident()))
+    (x * 2).sum().backward()
+    where = "calling-thread" if threads == [threading.get_ident()] else "device-thread"
+    print(where, torch.autograd.is_multithreading_enabled())
+""", env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": setting}) for setting in [None, "0", "1"]}
+
+
 @pytest.mark.parametrize("setting, expected", [(None, "calling-thread False"), ("0", "calling-thread False"),
                                               ("1", "device-thread True")])
 def test_backward_runs_on_the_calling_thread_unless_device_threads_are_asked_for(setting, expected):
-    out = run_python("""
-        import threading, torch
-        x = torch.ones(2, device="supa", requires_grad=True)
-        threads = []
-        x.register_hook(lambda grad: threads.append(threading.get_ident()))
-        (x * 2).sum().backward()
-        where = "calling-thread" if threads == [threading.get_ident()] else "device-thread"
-        print(where, torch.autograd.is_multithreading_enabled())
-    """, env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": setting}).stdout.split()
+    out = _BACKWARD_THREADS[setting].result().stdout.split()
     assert " ".join(out[-2:]) == expected

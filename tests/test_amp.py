@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import run_python
+from harness import shared_case
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -138,12 +138,15 @@ def test_grad_scaler_rejects_bf16_gradients():
         scaler.unscale_(opt)
 
 
+_SCALER_WITHOUT_DEVICES = shared_case("test_amp: GradScaler without devices", """
+    import warnings, torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler = torch.supa.amp.GradScaler()
+    print(scaler.is_enabled(), any("SUPA is not available" in str(w.message) for w in caught))
+""", env={"SUPA_VISIBLE_DEVICES": ""})
+
+
 def test_grad_scaler_disables_itself_without_devices():
-    out = run_python("""
-        import warnings, torch
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            scaler = torch.supa.amp.GradScaler()
-        print(scaler.is_enabled(), any("SUPA is not available" in str(w.message) for w in caught))
-    """, env={"SUPA_VISIBLE_DEVICES": ""})
+    out = _SCALER_WITHOUT_DEVICES.result()
     assert out.stdout.split() == ["False", "True"]

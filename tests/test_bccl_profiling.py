@@ -7,7 +7,7 @@ test_ddp_profiling_torch_profiler (test_torch_distributed.py).
 """
 
 import pytest
-from harness import free_port, run_scenario
+from harness import shared_case
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
@@ -16,7 +16,7 @@ _SCENARIO = """
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("bccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("bccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     t = torch.ones(1000, device="supa:0")
     dist.all_reduce(t)  # before profiling: must not appear
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -32,9 +32,12 @@ _SCENARIO = """
 """
 
 
+_RUN = shared_case(f"{__name__}: the scenario", _SCENARIO, env={"SUPA_EMULATE": "1"})
+
+
 @pytest.fixture(scope="module")
 def events():
-    return run_scenario(_SCENARIO.format(port=free_port()), env={"SUPA_EMULATE": "1"})
+    return _RUN.scenario_result()
 
 
 def test_one_event_per_collective_while_recording(events):

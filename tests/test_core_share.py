@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import free_port, run_python
+from harness import UNTOUCHED, free_port, run_python, shared_case
 
 pytestmark = pytest.mark.emulation_only
 
@@ -14,9 +14,13 @@ def threads(**env) -> int:
     return int(run_python(PRINT_THREADS, env={**NO_LAUNCHER, **env}).stdout.split()[-1])
 
 
+_HOST_THREADS = shared_case("test_core_share: threads without a launcher", PRINT_THREADS, env=NO_LAUNCHER,
+                            stage=UNTOUCHED)
+
+
 @pytest.fixture(scope="module")
 def host_threads() -> int:
-    count = threads()
+    count = int(_HOST_THREADS.result().stdout.split()[-1])
     if count < 2:
         pytest.skip("PyTorch uses one thread on this host: there is nothing to share")
     return count

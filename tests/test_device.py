@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from harness import run_python
+from harness import PRISTINE, run_python, shared_case
 import torch
 
 supa = pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -45,38 +45,44 @@ def test_initialised_state_and_generators():
         assert gen.device == torch.device("supa", i)
 
 
+_QUEUED_SEEDS = shared_case("test_device: lazy init runs queued seeds last", """
+    import torch
+    assert torch.supa.is_initialized() is False
+    assert torch.supa.default_generators == ()
+    torch.supa.manual_seed_all(1)   # replaced by the later manual_seed_all
+    torch.supa.manual_seed_all(3)
+    torch.supa.seed_all()           # random seeds, queued in order
+    torch.supa.manual_seed(5)
+    torch.supa.seed()               # random seed, queued in order
+    assert torch.supa.is_initialized() is False
+    torch.supa.init()
+    print([g.initial_seed() for g in torch.supa.default_generators])
+""", stage=PRISTINE)
+
+
 def test_lazy_init_in_fresh_process_runs_queued_seeds_last():
     """Before initialisation only the latest manual_seed / manual_seed_all call is kept, and
     those run after every other queued call, in the order they were last made (as torch.cuda)."""
-    out = run_python("""
-        import torch
-        assert torch.supa.is_initialized() is False
-        assert torch.supa.default_generators == ()
-        torch.supa.manual_seed_all(1)   # replaced by the later manual_seed_all
-        torch.supa.manual_seed_all(3)
-        torch.supa.seed_all()           # random seeds, queued in order
-        torch.supa.manual_seed(5)
-        torch.supa.seed()               # random seed, queued in order
-        assert torch.supa.is_initialized() is False
-        torch.supa.init()
-        print([g.initial_seed() for g in torch.supa.default_generators])
-    """)
+    out = _QUEUED_SEEDS.result()
     # seed_all() and seed() run first; then manual_seed_all(3) and manual_seed(5), in the
     # order they were last called: 3 everywhere, then 5 on the current device (0).
     assert out.stdout.strip() == str([5] + [3] * (torch.supa.device_count() - 1))
 
 
+_INIT_WITHOUT_DEVICES = shared_case("test_device: init without devices", """
+    import torch
+    assert torch.supa.device_count() == 0
+    assert torch.supa.is_available() is False
+    try:
+        torch.supa.init()
+    except RuntimeError as exc:
+        print(exc)
+""", env={"SUPA_VISIBLE_DEVICES": ""})
+
+
 @pytest.mark.emulation_only
 def test_init_without_devices_raises():
-    out = run_python("""
-        import torch
-        assert torch.supa.device_count() == 0
-        assert torch.supa.is_available() is False
-        try:
-            torch.supa.init()
-        except RuntimeError as exc:
-            print(exc)
-    """, env={"SUPA_VISIBLE_DEVICES": ""})
+    out = _INIT_WITHOUT_DEVICES.result()
     assert out.stdout.strip() == "No BIREN GPUs are available"
 
 

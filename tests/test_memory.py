@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from harness import run_python
+from harness import PRISTINE, UNTOUCHED, run_python, shared_case
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -15,10 +15,16 @@ MiB = 1 << 20
 ROUNDING = 512 + 32  # the allocator pads each block and rounds it up to 512 bytes
 
 
-@pytest.fixture(autouse=True)
-def initialised():
-    torch.supa.init()
+@pytest.fixture(scope="module", autouse=True)
+def no_garbage_of_earlier_tests():
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def initialised(no_garbage_of_earlier_tests):
+    # A test starts without garbage: what earlier modules left is collected above, what each test
+    # of this module leaves is collected after it (a collection costs ~0.1 s in a full run).
+    torch.supa.init()
     yield
     gc.collect()
 
@@ -49,12 +55,15 @@ def test_stats_agree_with_generic_accelerator_api():
     assert torch.supa.memory_reserved(0) == torch.accelerator.memory_reserved(0)
 
 
+_STATS_BEFORE_INIT = shared_case("test_memory: stats before init", """
+    import torch
+    print(torch.supa.memory_stats_as_nested_dict(), dict(torch.supa.memory_stats()),
+          torch.supa.memory_allocated(), torch.supa.is_initialized())
+""", stage=UNTOUCHED)
+
+
 def test_stats_empty_before_init():
-    out = run_python("""
-        import torch
-        print(torch.supa.memory_stats_as_nested_dict(), dict(torch.supa.memory_stats()),
-              torch.supa.memory_allocated(), torch.supa.is_initialized())
-    """)
+    out = _STATS_BEFORE_INIT.result()
     assert out.stdout.split() == ["{}", "{}", "0", "False"]
 
 
@@ -145,16 +154,19 @@ def test_out_of_memory_error_and_recovery():
     assert torch.equal((keep + 1).cpu(), torch.arange(1, 17, dtype=torch.float32))
 
 
+_HOST_ALLOCATION_FAILURE = shared_case("test_memory: host allocation failure", """
+    import warnings, torch
+    warnings.simplefilter("ignore")  # the activation warning about SUPA_EMU_MEMORY is tested elsewhere
+    try:
+        torch.empty(1 << 40, dtype=torch.uint8, device='supa')
+    except torch.OutOfMemoryError as error:
+        print(error)
+    print(torch.supa.memory_reserved())
+""", env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"}, stage=PRISTINE)  # nothing reserved before it
+
+
 def test_host_allocation_failure_is_reported_as_the_hosts():
-    out = run_python("""
-        import warnings, torch
-        warnings.simplefilter("ignore")  # the activation warning about SUPA_EMU_MEMORY is tested elsewhere
-        try:
-            torch.empty(1 << 40, dtype=torch.uint8, device='supa')
-        except torch.OutOfMemoryError as error:
-            print(error)
-        print(torch.supa.memory_reserved())
-    """, env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"}).stdout.splitlines()
+    out = _HOST_ALLOCATION_FAILURE.result().stdout.splitlines()
     assert "the host could not provide 1024.00 GiB" in out[0] and "SUPA_EMU_MEMORY" in out[0]
     assert "total capacity" not in out[0]
     assert out[1] == "0"

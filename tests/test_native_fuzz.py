@@ -22,7 +22,7 @@ import warnings
 import pytest
 import torch
 
-from harness import run_python
+from harness import LAST, run_python, shared_case
 
 pytestmark = pytest.mark.emulation_only
 
@@ -322,21 +322,37 @@ test_native_fuzz.run_cases({seed}, {count})
 """
 
 
+def _fuzz_env(sanitize: str | None) -> dict:
+    return {"SUPA_EMU_SANITIZE": sanitize, "BRTB_TRANSFER_SILENCE": "1"}
+
+
 def _fuzz(seed: int, count: int, sanitize: str | None) -> None:
     code = _CHILD.format(tests=os.path.dirname(__file__), seed=seed, count=count)
-    result = run_python(code, env={"SUPA_EMU_SANITIZE": sanitize, "BRTB_TRANSFER_SILENCE": "1"},
-                        timeout=60 + count, check=False)
+    result = run_python(code, env=_fuzz_env(sanitize), timeout=60 + count, check=False)
     assert result.returncode == 0, (f"fuzz seed {seed} ({count} cases, SUPA_EMU_SANITIZE={sanitize}) ended with "
                                     f"{result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    outcomes = json.loads(result.stdout.split("OUTCOMES", 1)[1])
+    _check_outcomes(result.stdout, count)
+
+
+def _check_outcomes(stdout: str, count: int) -> None:
+    outcomes = json.loads(stdout.split("OUTCOMES", 1)[1])
     # Every entry point was reached, and most cases got past the argument checks.
     assert {case.__name__ for case in CASES} == {key.split(":")[0] for key in outcomes}, outcomes
     assert sum(n for key, n in outcomes.items() if key.endswith(": ok")) > count // 3, outcomes
 
 
-@pytest.mark.parametrize("sanitize", [None, "memory"])
+# Last in an interpreter shared with other tests: a case that crashes it ends it.
+_SHORT_FUZZ = {sanitize: shared_case(f"test_native_fuzz: seed 1, SUPA_EMU_SANITIZE={sanitize}",
+                                     _CHILD.format(tests=os.path.dirname(__file__), seed=1, count=150),
+                                     env=_fuzz_env(sanitize), stage=LAST, timeout=60 + 150)
+               for sanitize in [None, "memory"]}
+
+
+@pytest.mark.parametrize("sanitize", list(_SHORT_FUZZ))
 def test_fuzz_native_entry_points(sanitize):
-    _fuzz(seed=1, count=150, sanitize=sanitize)
+    result = _SHORT_FUZZ[sanitize].result(check=False)
+    assert result.error is None, f"fuzz seed 1 (150 cases, SUPA_EMU_SANITIZE={sanitize}): {result.describe(3000)}"
+    _check_outcomes(result.stdout, 150)
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import run_python
+from harness import PRISTINE, shared_case
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -107,14 +107,17 @@ def test_fork_rng_restores_supa_state():
     assert torch.equal(torch.rand(4, device="supa").cpu(), expected.cpu())
 
 
+_SEEDED_BEFORE_INIT = shared_case("test_random: seeding before init", """
+    import torch
+    torch.manual_seed(77)
+    assert not torch.supa.is_initialized()
+    a = torch.rand(3, device="supa")
+    torch.supa.manual_seed(77)
+    b = torch.rand(3, device="supa")
+    print(torch.equal(a.cpu(), b.cpu()), torch.supa.initial_seed())
+""", stage=PRISTINE)
+
+
 def test_seeding_before_init_is_deferred():
-    out = run_python("""
-        import torch
-        torch.manual_seed(77)
-        assert not torch.supa.is_initialized()
-        a = torch.rand(3, device="supa")
-        torch.supa.manual_seed(77)
-        b = torch.rand(3, device="supa")
-        print(torch.equal(a.cpu(), b.cpu()), torch.supa.initial_seed())
-    """)
+    out = _SEEDED_BEFORE_INIT.result()
     assert out.stdout.split() == ["True", "77"]

@@ -6,7 +6,7 @@ test_batch_isend_irecv_nccl / _self_nccl (test_torch_distributed.py).
 """
 
 import pytest
-from harness import free_port, run_scenario
+from harness import shared_case
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
@@ -15,9 +15,9 @@ _SCENARIO = """
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("bccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("bccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     dev = torch.device("supa", 0)
-    results = {{}}
+    results = {}
 
     # batch_isend_irecv with the receive first, as torch's tests issue them
     sent = torch.arange(6, dtype=torch.float32, device=dev).reshape(2, 3)
@@ -53,9 +53,12 @@ _SCENARIO = """
 """
 
 
+_RUN = shared_case(f"{__name__}: the scenario", _SCENARIO, env={"SUPA_EMULATE": "1"})
+
+
 @pytest.fixture(scope="module")
 def outcome():
-    return run_scenario(_SCENARIO.format(port=free_port()), env={"SUPA_EMULATE": "1"})
+    return _RUN.scenario_result()
 
 
 def test_batch_exchange_with_itself_delivers_the_data_as_sent(outcome):

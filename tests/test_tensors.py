@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from harness import run_python
+from harness import LAST, shared_case
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -155,16 +155,19 @@ def test_float64_host_data_converted_before_the_copy_is_accepted():
     assert torch.zeros(2, device=DEV).copy_(torch.ones(2, dtype=_F64)).dtype == torch.float32
 
 
+_DEMOTION = shared_case("test_tensors: float64 demotion", """
+    import warnings, torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        t = torch.tensor([1 + 1e-12], dtype=torch.float64).to('supa')
+        u = torch.zeros(2, dtype=torch.float64, device='supa').copy_(torch.full((2,), 1 / 3, dtype=torch.float64))
+    print(t.item() == 1.0, any('float64' in str(w.message) for w in caught))
+    print(u.dtype, u.cpu().tolist() == torch.full((2,), 1 / 3).double().tolist())
+""", env={"SUPA_EMULATE": "1", "BRTB_ENABLE_DTYPE_DEMOTION": "1"})
+
+
 def test_float64_demotion_opt_in():
-    out = run_python("""
-        import warnings, torch
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter('always')
-            t = torch.tensor([1 + 1e-12], dtype=torch.float64).to('supa')
-            u = torch.zeros(2, dtype=torch.float64, device='supa').copy_(torch.full((2,), 1 / 3, dtype=torch.float64))
-        print(t.item() == 1.0, any('float64' in str(w.message) for w in caught))
-        print(u.dtype, u.cpu().tolist() == torch.full((2,), 1 / 3).double().tolist())
-    """, env={"SUPA_EMULATE": "1", "BRTB_ENABLE_DTYPE_DEMOTION": "1"}).stdout
+    out = _DEMOTION.result().stdout
     assert out.splitlines() == ["True True", "torch.float64 True"]
 
 
@@ -262,24 +265,25 @@ def test_lazily_conjugated_and_negated_tensors_keep_their_values_across_copies()
     torch.testing.assert_close(target.conj().cpu(), x.conj(), rtol=0, atol=0)
 
 
+# The six FFTs that conjugate lazily (fft.ifft of real input, hfft, ihfft, ...) used to crash the
+# process: copying a conj-bit supa tensor recursed until the stack overflowed. Hence not in this
+# process, and last in the interpreter it shares.
+_LAZY_CONJ_FFTS = shared_case("test_tensors: copies of lazily conjugated FFT results", """
+    import torch
+    x = torch.randn(5, 6, 7)
+    for fn, kwargs in [(torch.fft.ifft, dict(n=10, dim=1, norm="ortho")), (torch.fft.hfft, {}),
+                       (torch.fft.ihfft, {}), (torch.fft.hfftn, {}), (torch.fft.ihfftn, {}),
+                       (torch.fft.hfft2, {})]:
+        got = fn(x.to("supa"), **kwargs)
+        assert got.device.type == "supa"
+        torch.testing.assert_close(got.cpu(), fn(x, **kwargs))
+    print("ok")
+""", stage=LAST)
+
+
 def test_copying_a_lazily_conjugated_fft_result_does_not_crash():
-    # The six FFTs that conjugate lazily (fft.ifft of real input, hfft, ihfft, ...) used to
-    # crash the process: copying a conj-bit supa tensor recursed until the stack overflowed.
-    result = run_python(
-        """
-        import torch
-        x = torch.randn(5, 6, 7)
-        for fn, kwargs in [(torch.fft.ifft, dict(n=10, dim=1, norm="ortho")), (torch.fft.hfft, {}),
-                           (torch.fft.ihfft, {}), (torch.fft.hfftn, {}), (torch.fft.ihfftn, {}),
-                           (torch.fft.hfft2, {})]:
-            got = fn(x.to("supa"), **kwargs)
-            assert got.device.type == "supa"
-            torch.testing.assert_close(got.cpu(), fn(x, **kwargs))
-        print("ok")
-        """,
-        check=False,
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    result = _LAZY_CONJ_FFTS.result(check=False)
+    assert result.error is None and result.stdout.strip() == "ok", result.describe()
 
 
 def test_zero_tensors_from_autograd_have_no_memory_and_read_as_zeros():
