@@ -552,8 +552,10 @@ def _scenario_peer_stalls(rank: int, port: int) -> dict:
     import torch.distributed as dist
 
     dev = _init(rank, port, timeout_s=10)
+    # The rendezvous store (served by rank 0) says when rank 0 is done: until then rank 1 lives on.
+    done = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     if rank == 1:
-        time.sleep(25)
+        done.wait(["peer_stalls/done"])
         os._exit(0)
     start = time.monotonic()
     outcome = {}
@@ -563,6 +565,7 @@ def _scenario_peer_stalls(rank: int, port: int) -> dict:
     except Exception as error:
         outcome["error"] = f"{type(error).__name__}: {error}"
     outcome["seconds"] = time.monotonic() - start
+    done.set("peer_stalls/done", "1")
     return outcome
 
 
