@@ -97,22 +97,7 @@ def _device_properties(idx: int) -> _SupaDeviceProperties:
     physical = cfg.visible_devices[idx] if idx < len(cfg.visible_devices) else idx
     return _SupaDeviceProperties(
         name=profile.name,
-        major=profile.major,
-        minor=profile.minor,
-        is_multi_gpu_board=profile.is_multi_gpu_board,
-        is_integrated=profile.is_integrated,
-        multi_processor_count=profile.multi_processor_count,
         total_memory=int(process_state.core()._capacity(idx)),
-        max_threads_per_multi_processor=profile.max_threads_per_multi_processor,
-        max_threads_per_block=profile.max_threads_per_block,
-        warp_size=profile.warp_size,
-        shared_memory_per_block=profile.shared_memory_per_block,
-        clock_rate=profile.clock_rate,
-        memory_clock_rate=profile.memory_clock_rate,
-        memory_bus_width=profile.memory_bus_width,
-        shared_memory_per_block_optin=profile.shared_memory_per_block_optin,
-        shared_memory_per_multiprocessor=profile.shared_memory_per_multiprocessor,
-        regs_per_multiprocessor=profile.regs_per_multiprocessor,
         gcnArchName=profile.name,
         uuid=_SUuuid(profile.uuid_bytes(physical)),
         # A plausible PCI topology: one card per bus, identified by its physical slot, so
@@ -120,5 +105,14 @@ def _device_properties(idx: int) -> _SupaDeviceProperties:
         pci_bus_id=0x10 + physical,
         pci_device_id=0,
         pci_domain_id=0,
-        L2_cache_size=profile.L2_cache_size,
+        **{field: getattr(profile, field) for field in _FROM_PROFILE},
     )
+
+
+# Properties the device profile gives as they are.
+_FROM_PROFILE = (
+    "major", "minor", "is_multi_gpu_board", "is_integrated", "multi_processor_count",
+    "max_threads_per_multi_processor", "max_threads_per_block", "warp_size", "shared_memory_per_block",
+    "clock_rate", "memory_clock_rate", "memory_bus_width", "shared_memory_per_block_optin",
+    "shared_memory_per_multiprocessor", "regs_per_multiprocessor", "L2_cache_size",
+)
