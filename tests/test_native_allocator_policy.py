@@ -8,8 +8,8 @@ through torch.supa's statistics.
 """
 
 import pathlib
-import subprocess
 
+import harness
 from supa_emu import native, native_compile
 
 TEST_SOURCE = pathlib.Path(__file__).parent / "cpp" / "card_memory_test.cpp"
@@ -33,12 +33,8 @@ CASES = (
 
 def test_card_memory_block_policy(tmp_path):
     program = tmp_path / "card_memory_test"
-    build = subprocess.run(
-        [native_compile.compiler(), native_compile.CXX_STD, "-O1", "-Wall", "-Wextra", "-Werror",
-         f"-I{CARD_MODEL.parent}", str(TEST_SOURCE), str(CARD_MODEL), "-o", str(program)],
-        capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stdout + run.stderr
+    harness.run([native_compile.compiler(), native_compile.CXX_STD, "-O1", "-Wall", "-Wextra", "-Werror",
+                 f"-I{CARD_MODEL.parent}", TEST_SOURCE, CARD_MODEL, "-o", program], timeout=300, check=True)
+    run = harness.run([program], timeout=60, check=True)
     reported = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
     assert reported == [f"ok {name}" for name in CASES], run.stdout
