@@ -92,10 +92,17 @@ def flag(reason: str) -> None:
     _notes[reason] = _notes.get(reason, 0) + 1
 
 
-def collectives() -> List[dict]:
-    """Calls in the order each kind was first made: [{op, group_size, dtype, bytes, count}]."""
+def counts() -> Dict[Tuple[str, int, str, int], int]:
+    """A copy of the call counts by kind, in the order each kind was first made (the planner's
+    sections tell what a part of the script called by the difference of two copies)."""
+    return dict(_calls)
+
+
+def collectives(calls: Dict[Tuple[str, int, str, int], int] = None) -> List[dict]:
+    """Calls (all so far, or the counts given) in the order each kind was first made:
+    [{op, group_size, dtype, bytes, count}]."""
     return [{"op": op, "group_size": size, "dtype": dtype, "bytes": nbytes, "count": count}
-            for (op, size, dtype, nbytes), count in _calls.items()]
+            for (op, size, dtype, nbytes), count in (_calls if calls is None else calls).items()]
 
 
 def value_dependent() -> List[dict]:

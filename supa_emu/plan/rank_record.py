@@ -59,11 +59,7 @@ def _position():
     if _state is None:
         return None
     counts = [len(trace) for trace in torch.supa.memory._snapshot()["device_traces"]]
-    return counts, {_call_key(c): c["count"] for c in call_record.collectives()}
-
-
-def _call_key(call: dict) -> tuple:
-    return call["op"], call["group_size"], call["dtype"], call["bytes"]
+    return counts, call_record.counts()
 
 
 @contextlib.contextmanager
@@ -174,13 +170,10 @@ def _section_figures(entry: dict, device: int, running: list) -> dict:
     first = start_events[device] if device < len(start_events) else 0
     last = end_events[device] if device < len(end_events) else 0
     span = running[first:last + 1]
-    calls = []
-    for call in call_record.collectives():
-        count = end_calls.get(_call_key(call), 0) - start_calls.get(_call_key(call), 0)
-        if count:
-            calls.append(dict(call, count=count))
+    made = {kind: count - start_calls.get(kind, 0) for kind, count in end_calls.items()}
     return {"name": entry["name"], "peak_allocated": max(a for a, _ in span),
-            "peak_reserved": max(r for _, r in span), "collectives": calls}
+            "peak_reserved": max(r for _, r in span),
+            "collectives": call_record.collectives({kind: count for kind, count in made.items() if count})}
 
 
 def _thin(points, limit: int) -> list:
