@@ -37,10 +37,6 @@ def real_torch_supa_origin() -> str | None:
     return spec.origin or str(spec.submodule_search_locations)
 
 
-def is_active() -> bool:
-    return process_state.is_active()
-
-
 def activate() -> bool:
     # torch first, outside the lock: under SUPA_EMULATE=1 its backend autoload calls activate()
     # itself, which must find the lock free (else an explicit supa_emu.activate() before any

@@ -55,10 +55,10 @@ import torch  # noqa: E402,F401  (activates the emulator under SUPA_EMULATE=1, a
 
 def _emulated() -> bool:
     try:
-        from supa_emu import activation
+        from supa_emu import process_state
     except ImportError:
         return False
-    return activation.is_active()
+    return process_state.is_active()
 
 
 def pytest_collection_modifyitems(config, items):
