@@ -26,11 +26,9 @@ def _autoload() -> None:
         from supa_emu.config import emulation_requested  # validates the value
 
         if emulation_requested() and activate():
-            from supa_emu import process_state
+            from supa_emu import process_state, torch_supa
 
             if process_state.config().transfer:
-                from supa_emu import torch_supa
-
                 torch_supa._autoload()
     except Exception as error:
         _say_before_torch_wraps(error)
@@ -61,4 +59,20 @@ def activate() -> bool:
     """
     from supa_emu import activation
 
-    return activation.activate()
+    if not activation.activate():
+        return False
+    _import_torch_supa()
+    return True
+
+
+def _import_torch_supa() -> None:
+    """Imports the emulated torch_supa, as the real autoload imports the real package (whose import
+    applies torch_supa.contrib.module), leaving the autoload setting as it was: only a script's own
+    `import torch_supa` before torch turns it off."""
+    before = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
+    from supa_emu import torch_supa  # noqa: F401
+
+    if before is None:
+        os.environ.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    else:
+        os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = before

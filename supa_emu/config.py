@@ -61,6 +61,16 @@ def _flag(name: str, default: bool = False) -> bool:
 _SILENCE_ON = ("on", "1", "yes", "true", "y")
 
 
+# The real torch_supa.contrib.module reads BRTB_ENABLE_NATIVE_OP at each call and accepts these
+# spellings (case-insensitive) as "on"; anything else leaves the fused normalize/one_hot paths on.
+_NATIVE_OP_ON = ("1", "true", "on", "yes")
+
+
+def native_ops_preferred() -> bool:
+    """BRTB_ENABLE_NATIVE_OP: F.normalize / F.one_hot keep PyTorch's operators on supa (read per call)."""
+    return os.environ.get("BRTB_ENABLE_NATIVE_OP", "0").lower() in _NATIVE_OP_ON
+
+
 def emulation_requested() -> bool:
     """True when SUPA_EMULATE asks for emulation. Cheap: reads one variable."""
     return _flag("SUPA_EMULATE")

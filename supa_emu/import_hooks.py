@@ -1,5 +1,7 @@
 """Makes `import torch_supa` (and, with SUPA_EMU_EXT=1, `import torch_supa_ext`) resolve to
-the emulator's modules while emulation is active, the way the real packages would import.
+the emulator's modules while emulation is active, the way the real packages would import; and
+runs a callback right after a module of PyTorch's is first imported (`call_after_import`), so that
+registrations into modules that cost seconds to import wait until a program imports them.
 
 Two finders: the one activation installs (first on sys.meta_path, once activation has checked
 that no real torch_supa exists), and the start-up one that `supa_emu.pth` appends when
@@ -13,6 +15,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+from typing import Any, Callable
 
 # Public module name -> the emulator module that plays it.
 _BASE_ALIASES = {
@@ -76,3 +79,53 @@ def install(ext: bool) -> None:
             aliases.update(_EXT_ALIASES)
         _finder = EmulatedPackageFinder(aliases)
         sys.meta_path.insert(0, _finder)
+
+
+class _RunAfterExec(importlib.abc.Loader):
+    """Runs the real loader of a module, then the callbacks; everything else is the real loader's."""
+
+    def __init__(self, loader: importlib.abc.Loader, callbacks: list) -> None:
+        self._loader = loader
+        self._callbacks = callbacks
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        for callback in self._callbacks:
+            callback()
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect/linecache
+        return getattr(self._loader, name)
+
+
+class _AfterImportHook(importlib.abc.MetaPathFinder):
+    """Wraps the loader of each watched module, once, so that its callbacks run after it has run."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        callbacks = self.pending.pop(fullname, None)
+        if callbacks is None:
+            return None
+        if not self.pending:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RunAfterExec(spec.loader, callbacks)
+        return spec
+
+
+_after_import = _AfterImportHook()
+
+
+def call_after_import(module: str, callback: Callable[[], None]) -> None:
+    """Calls `callback` once `module` has been imported: now if it already is."""
+    if module in sys.modules:
+        callback()
+        return
+    _after_import.pending.setdefault(module, []).append(callback)
+    if _after_import not in sys.meta_path:
+        sys.meta_path.insert(0, _after_import)

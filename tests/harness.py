@@ -13,6 +13,8 @@ torch_distributed_driver.py, the os.fork of test_module_surface's fork checks).
 from __future__ import annotations
 
 import atexit
+import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -394,6 +397,47 @@ class RankChecks:
             self.outcomes[name] = f"{type(error).__name__}: {error}"
 
 
+# ------------------------------------------------------------------------------------------------
+# Distributed tests: a test function's body runs in every rank
+# ------------------------------------------------------------------------------------------------
+def run_in_ranks(body, world: int = 2, backend: str = "bccl", limit_s: float = 240, env: dict | None = None) -> None:
+    """Runs `body(rank, world)`, a module-level function of a test file, in `world` fresh rank
+    processes (SUPA_EMULATE=1, rank r on supa:r, a `backend` default group initialised), as
+    DeepSpeed's DistributedTest runs a test method: each rank asserts for itself, and a rank that
+    raises (or does not finish within `limit_s`) fails the test with its traceback.
+    """
+    source = inspect.getsourcefile(body)
+    port = free_port()
+    procs = [start([sys.executable, __file__, source, body.__name__, rank, world, port, backend],
+                   env={"SUPA_EMULATE": "1", **(env or {})}, checkout_first=True) for rank in range(world)]
+    failed = [f for f in wait(procs, limit_s, what=f"{body.__name__} of {os.path.basename(source)}") if f.returncode]
+    if failed:
+        raise AssertionError("\n\n".join(f.describe() for f in failed))
+
+
+def _run_body() -> None:
+    """A rank started by run_in_ranks: imports the test file, joins the group, runs the body."""
+    source, name, rank, world, port, backend = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]), sys.argv[6]
+    spec = importlib.util.spec_from_file_location(pathlib.Path(source).stem, source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import torch
+    import torch.distributed as dist
+
+    torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        getattr(module, name)(rank, world)
+        dist.barrier()  # no rank leaves while a peer may still need it
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # a peer may be waiting in a collective: no teardown
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def print_line(text: str) -> None:
     """Writes `text` and its newline to stdout in one system call: ranks that share a pipe then never
     interleave inside each other's lines (print() may write the text and the newline apart)."""
@@ -407,3 +451,7 @@ def serve_rank(namespace: dict) -> None:
     outcome = namespace[f"_scenario_{scenario}"](rank, port)
     print_line(_RANK_RESULT + json.dumps(outcome))
     os._exit(0)  # skip interpreter teardown: peers may already be gone in the failure scenarios
+
+
+if __name__ == "__main__":
+    _run_body()

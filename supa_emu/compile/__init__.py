@@ -11,11 +11,9 @@ backend for `supa`, each at the moment PyTorch first needs it.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 from typing import Any
 
+from supa_emu import import_hooks
 from supa_emu.device_type import DEVICE_TYPE
 
 _DYNAMO_DEVICE_INTERFACE = "torch._dynamo.device_interface"
@@ -39,10 +37,7 @@ def register_device_interface(device_type: str = DEVICE_TYPE) -> None:
     registration then happens when it is.
     """
     _pending_device_types.add(device_type)
-    if _DYNAMO_DEVICE_INTERFACE in sys.modules:
-        _register_pending()
-    else:
-        _install_import_hook()
+    import_hooks.call_after_import(_DYNAMO_DEVICE_INTERFACE, _register_pending)
 
 
 _pending_device_types: set[str] = set()
@@ -62,47 +57,6 @@ def _register_pending() -> None:
         registry.register_interface_for_device(device_type, SupaInterface)
         for index in range(torch.supa.device_count()):
             registry.register_interface_for_device(f"{device_type}:{index}", SupaInterface)
-
-
-class _RunAfterExec(importlib.abc.Loader):
-    """Runs the real loader of a module, then a callback; everything else is the real loader's."""
-
-    def __init__(self, loader: importlib.abc.Loader, callback) -> None:
-        self._loader = loader
-        self._callback = callback
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        self._callback()
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect/linecache
-        return getattr(self._loader, name)
-
-
-class _DeviceInterfaceImportHook(importlib.abc.MetaPathFinder):
-    """Registers the pending device interfaces as soon as Dynamo's registry module has run."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != _DYNAMO_DEVICE_INTERFACE:
-            return None
-        sys.meta_path.remove(self)  # one import is all it takes
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RunAfterExec(spec.loader, _register_pending)
-        return spec
-
-
-_hook: _DeviceInterfaceImportHook | None = None
-
-
-def _install_import_hook() -> None:
-    global _hook
-    if _hook is None or _hook not in sys.meta_path:
-        _hook = _DeviceInterfaceImportHook()
-        sys.meta_path.insert(0, _hook)
 
 
 def install() -> None:

@@ -42,12 +42,56 @@ def reduce_kind(op) -> torch.distributed.ReduceOp.RedOpType:
     return op.op
 
 
+# The dtype NCCL reads a PREMUL_SUM factor as, for each input dtype it premultiplies (a bfloat16
+# input takes a float factor); other input dtypes are refused.
+PREMUL_FACTOR_DTYPES = {
+    torch.float16: torch.float16,
+    torch.float32: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float64: torch.float64,
+}
+
+
 def check_reduce_op(kind, dtype: torch.dtype) -> None:
     # Checked before the agreement step: a collective that may start early must not fail after it.
-    if kind == torch.distributed.ReduceOp.RedOpType.PREMUL_SUM:
-        raise ValueError("bccl: ReduceOp.PREMUL_SUM is not supported")
+    if kind == torch.distributed.ReduceOp.RedOpType.PREMUL_SUM and dtype not in PREMUL_FACTOR_DTYPES:
+        raise TypeError(f"bccl: PreMulSum Data type must be half, float, bfloat16 or double, got {dtype}")
     if kind == torch.distributed.ReduceOp.RedOpType.AVG and dtype == torch.bool:
         raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
+
+
+def check_reduction(op, dtype: torch.dtype) -> torch.distributed.ReduceOp.RedOpType:
+    """The kind of reduction `op` (a ReduceOp or RedOpType) names, checked for inputs of `dtype`;
+    a PREMUL_SUM's factor is checked too (premul_factor)."""
+    kind = reduce_kind(op)
+    check_reduce_op(kind, dtype)
+    if kind == torch.distributed.ReduceOp.RedOpType.PREMUL_SUM:
+        premul_factor(op, dtype)
+    return kind
+
+
+def premul_factor(op, dtype: torch.dtype):
+    """The factor of PREMUL_SUM reduction `op` for inputs of `dtype`: a Python number, or a
+    one-element device tensor of the dtype NCCL reads it as (PREMUL_FACTOR_DTYPES)."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        raise ValueError("bccl: ReduceOp.PREMUL_SUM needs a factor: pass ReduceOp.PREMUL_SUM(factor) "
+                         "(a number or a one-element device tensor)")
+    if isinstance(factor, torch.Tensor):
+        if not host_memory.is_device_tensor(factor):
+            raise ValueError(f"bccl: a PREMUL_SUM tensor factor must live on {host_memory.DEVICE_TYPE} "
+                             f"(the card reads it), got a tensor on '{factor.device}'")
+        expected = PREMUL_FACTOR_DTYPES[dtype]
+        if factor.dtype != expected:
+            # What NCCL's unpacking of the factor raises (a typed read of the factor's data).
+            raise RuntimeError(f"expected scalar type {_scalar_type_name(expected)} but found "
+                               f"{_scalar_type_name(factor.dtype)}")
+    return factor
+
+
+def _scalar_type_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "Half", torch.float32: "Float", torch.bfloat16: "BFloat16",
+            torch.float64: "Double"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def check_dtypes(a: torch.Tensor, b: torch.Tensor, operation: str) -> None:

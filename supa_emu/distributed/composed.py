@@ -12,6 +12,8 @@
 - all_gather: one all-to-all that sends every peer a copy of the input (with 2 ranks, an exchange
   of the inputs themselves, with no send buffer), started by the native core
   (csrc/bccl/all_gather.h; host_memory.start_all_gather). Bit-exact: only placement.
+- PREMUL_SUM: each rank multiplies its own contribution by its own factor (in the tensor's dtype,
+  as NCCL does), then the ranks SUM (premultiply below; the reductions treat it as SUM).
 - stand_in: a rank that refuses a collective its peers already started (signatures.Agreement)
   runs the same gloo operation on scratch buffers, so theirs finishes and every rank's gloo stays
   at the same collective.
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from . import gloo_handoff, host_memory, signatures
+from .arguments import premul_factor
 from .host_memory import HostCall
 
 _RedOp = dist.ReduceOp.RedOpType
@@ -38,6 +41,7 @@ _RedOp = dist.ReduceOp.RedOpType
 # The reductions computed locally, as out-of-place kernels with `out=`; AVG sums, then divides.
 _LOCAL_REDUCTIONS = {
     _RedOp.SUM: torch.add,
+    _RedOp.PREMUL_SUM: torch.add,  # the contributions were premultiplied
     _RedOp.AVG: torch.add,
     _RedOp.PRODUCT: torch.mul,
     _RedOp.MIN: torch.minimum,
@@ -50,6 +54,19 @@ _LOCAL_REDUCTIONS = {
 # page faults); with 3 and 4 ranks, 0.3-0.85x up to 1 MiB sent per rank and 1.2-2x from 2 MiB up.
 _EXCHANGE_LIMIT_TWO_RANKS = 8 << 20
 _EXCHANGE_LIMIT_MORE_RANKS = 1 << 20
+
+
+def premultiply(contribution: torch.Tensor, op, out: torch.Tensor = None) -> torch.Tensor:
+    """`contribution` times the factor of PREMUL_SUM `op`, into `out` (a fresh host tensor if
+    None), rounded to the contribution's dtype as NCCL rounds it."""
+    factor = premul_factor(op, contribution.dtype)
+    if isinstance(factor, torch.Tensor):
+        factor = host_memory.host_view(factor).item()
+    if contribution.dtype == torch.float16:
+        factor = float(torch.tensor(factor, dtype=torch.float16))  # NCCL takes a half factor for half inputs
+    # A Python number multiplies in the dtype's compute type (float for half and bfloat16), as
+    # NCCL's premultiplication does, with one rounding to the dtype.
+    return torch.mul(contribution, factor, out=out)
 
 
 def reduces_locally(kind: _RedOp, dtype: torch.dtype) -> bool:

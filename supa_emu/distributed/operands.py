@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import (
-    check_chunk, check_dtypes, check_reduce_op, per_rank_list, reduce_kind, require_device, root_list, single,
-    split_counts)
+    check_chunk, check_dtypes, check_reduction, per_rank_list, require_device, root_list, single, split_counts)
 
 
 def all_reduce(tensors, opts) -> Tuple[torch.Tensor, object, dist.AllreduceOptions]:
@@ -24,9 +23,7 @@ def all_reduce(tensors, opts) -> Tuple[torch.Tensor, object, dist.AllreduceOptio
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     tensor = single(tensors, "input")
-    kind = reduce_kind(opts.reduceOp)
-    check_reduce_op(kind, tensor.dtype)
-    return tensor, kind, opts
+    return tensor, check_reduction(opts.reduceOp, tensor.dtype), opts
 
 
 def reduce_scatter(outputs, input_lists, group_size: int, rank: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:

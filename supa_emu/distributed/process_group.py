@@ -30,7 +30,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from . import (call_record, composed, gloo_handoff, host_memory, operands, profiling, self_p2p, signature_exchange,
                signatures)
 from .arguments import check_dtypes, check_sizes, numel as _numel, pairs, require_device, single
-from .arguments import check_reduce_op as _check_reduce_op, reduce_kind as _reduce_kind
+from .arguments import check_reduce_op as _check_reduce_op, check_reduction, reduce_kind as _reduce_kind
 from .c10d_backend import DEFAULT_TIMEOUT, C10dBackend
 from .host_memory import HostCall
 from supa_emu.supa import _sanitizer_switch as _sanitizer
@@ -141,7 +141,17 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
             # Integer average as the device libraries define it: the sum, truncated toward zero.
             call.after(lambda: [t.div_(size, rounding_mode="trunc") for t in result()])
             return dist.ReduceOp.SUM
+        if kind == _RedOp.PREMUL_SUM:
+            return dist.ReduceOp.SUM  # the contributions were premultiplied (composed.premultiply)
         return dist.ReduceOp(kind)
+
+    @staticmethod
+    def _premultiplied(view: torch.Tensor, op, in_place: bool) -> torch.Tensor:
+        """What this rank contributes to a reduction by `op`: a PREMUL_SUM's contribution is
+        multiplied by its factor first (in place for a buffer the result overwrites)."""
+        if _reduce_kind(op) != _RedOp.PREMUL_SUM:
+            return view
+        return composed.premultiply(view, op, out=view if in_place else None)
 
     def _options(self, kind: str, opts, reduce_op) -> object:
         if reduce_op is None or _reduce_kind(opts.reduceOp) == _reduce_kind(reduce_op):
@@ -184,7 +194,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         ticket = self._agreement.agree(
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         call = HostCall()
-        view = call.elementwise_view(tensor)
+        view = self._premultiplied(call.elementwise_view(tensor), opts.reduceOp, in_place=True)
         if composed.all_reduce_exchanges(kind, tensor.dtype, tensor.numel(), self.size()):
             part = composed.all_reduce(self._gloo, _flat(view), kind, call, opts.timeout)
         else:
@@ -196,6 +206,8 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         require_device(tensors, "input")
         kind = _reduce_kind(opts.reduceOp)
+        for tensor in tensors:
+            check_reduction(opts.reduceOp, tensor.dtype)
         layout = [n for t in tensors for n in (signatures.dtype_code(t.dtype), t.numel())]
         self._agreement.agree(
             signatures.make(
@@ -205,7 +217,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         )
         call, parts = HostCall(), []
         for tensor in tensors:
-            view = call.view(tensor)
+            view = self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True)
             gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda view=view: [view])
             options = dist.AllreduceOptions()
             options.reduceOp, options.timeout = gloo_op, opts.timeout
@@ -215,15 +227,16 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
         tensor = single(tensors, "input")
-        kind, root = _reduce_kind(opts.reduceOp), opts.rootRank
+        kind, root = check_reduction(opts.reduceOp, tensor.dtype), opts.rootRank
         self._agreement.agree(signatures.make("reduce", tensor.dtype, int(kind), root, tensor.numel()))
         call = HostCall()
         if self.rank() == root:
-            view = call.view(tensor)
+            view = self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True)
             gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda: [view])
         else:
             # gloo may use a non-root buffer as scratch; the device backends leave it intact.
             view = call.view(tensor, write=False).clone(memory_format=torch.contiguous_format)
+            view = self._premultiplied(view, opts.reduceOp, in_place=True)
             gloo_op = self._gloo_reduce_op(kind, tensor.dtype, HostCall(), lambda: [])
         part = self._gloo.reduce([view], self._options("reduce", opts, gloo_op))
         return self._finish([part], call, [tensor])
@@ -231,7 +244,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         output, inputs = operands.reduce_scatter(outputs, input_lists, self.size(), self.rank())
-        kind = _reduce_kind(opts.reduceOp)
+        kind = check_reduction(opts.reduceOp, output.dtype)
         self._agreement.agree(
             signatures.make(
                 "reduce_scatter", output.dtype, int(kind), shape_digest=signatures.digest(_numel(inputs))
@@ -239,7 +252,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         )
         call = HostCall()
         out_view = call.view(output, read=False)
-        in_views = [call.view(t, write=False) for t in inputs]
+        in_views = [self._premultiplied(call.view(t, write=False), opts.reduceOp, in_place=False) for t in inputs]
         gloo_op = self._gloo_reduce_op(kind, output.dtype, call, lambda: [out_view])
         part = self._gloo.reduce_scatter([out_view], [in_views], self._options("reduce_scatter", opts, gloo_op))
         return self._finish([part], call, [output])
@@ -260,7 +273,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         views = self._pairs_operands(outputs, inputs, operation, call, False)
         kind = _reduce_kind(opts.reduceOp)
         if outputs:
-            _check_reduce_op(kind, outputs[0].dtype)
+            check_reduction(opts.reduceOp, outputs[0].dtype)
         ticket = self._agreement.agree(
             signatures.make(
                 operation, outputs[0].dtype if outputs else None, int(kind),
@@ -271,6 +284,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         )
         parts = []
         for output, (out_view, in_view) in zip(outputs, views):
+            in_view = self._premultiplied(in_view, opts.reduceOp, in_place=False)
             if composed.reduces_locally(kind, output.dtype):
                 parts.append(composed.reduce_scatter(self._gloo, out_view, in_view, kind, call, opts.timeout))
                 continue

@@ -2,7 +2,7 @@
 
 The planner's rank process plays rank r of an N-rank world. Every collective answers as if each
 rank held this rank's data, so shapes, buffers and control flow are those of the real run:
-all_reduce SUM gives local x N (PRODUCT local ** N), AVG/MIN/MAX/BAND/BOR keep the local value,
+all_reduce SUM gives local x N (PREMUL_SUM: local x factor x N) (PRODUCT local ** N), AVG/MIN/MAX/BAND/BOR keep the local value,
 BXOR gives zero on an even group; gathers replicate the input; a reduce_scatter gives this
 rank's chunk reduced N times; barrier returns at once. A broadcast gives a non-root the root's
 value when it is small and the root was played first (see ROOT_VALUE_LIMIT), else the local one.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from supa_emu.distributed import call_record, operands
 from supa_emu.distributed.c10d_backend import check_split, group_options
-from supa_emu.distributed.arguments import check_reduce_op, reduce_kind, require_device, single
+from supa_emu.distributed.arguments import check_reduction, require_device, single
 from supa_emu.distributed.host_memory import HostCall, host_view
 from supa_emu.distributed.process_group import ProcessGroupBCCL
 
@@ -107,7 +107,7 @@ def _reduce_uniform(view: torch.Tensor, kind, size: int) -> None:
     """`view` becomes the reduction of `size` copies of itself (in place, on host memory)."""
     if view.dtype == torch.bool or kind in (_RedOp.AVG, _RedOp.MIN, _RedOp.MAX, _RedOp.BAND, _RedOp.BOR):
         return  # bool SUM/PRODUCT are OR/AND; an average or extremum of equal values is the value
-    if kind == _RedOp.SUM:
+    if kind in (_RedOp.SUM, _RedOp.PREMUL_SUM):  # a PREMUL_SUM's view was premultiplied
         view.mul_(size)
     elif kind == _RedOp.PRODUCT:
         view.pow_(size)
@@ -146,27 +146,25 @@ class ProcessGroupUniform(ProcessGroupBCCL):
     def allreduce(self, tensors, opts=None):
         tensor, kind, opts = operands.all_reduce(tensors, opts)
         call = HostCall()
-        _reduce_uniform(call.view(tensor), kind, self.size())
+        _reduce_uniform(self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
         return self._done(call, [tensor])
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         require_device(tensors, "input")
-        kind = reduce_kind(opts.reduceOp)
         call = HostCall()
         for tensor in tensors:
-            check_reduce_op(kind, tensor.dtype)
-            _reduce_uniform(call.view(tensor), kind, self.size())
+            kind = check_reduction(opts.reduceOp, tensor.dtype)
+            _reduce_uniform(self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
         return self._done(call, tensors)
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
         tensor = single(tensors, "input")
-        kind = reduce_kind(opts.reduceOp)
-        check_reduce_op(kind, tensor.dtype)
+        kind = check_reduction(opts.reduceOp, tensor.dtype)
         call = HostCall()
         if self.rank() == opts.rootRank:
-            _reduce_uniform(call.view(tensor), kind, self.size())
+            _reduce_uniform(self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
         else:
             call.track(tensor, write=False)
         return self._done(call, [tensor])
@@ -174,25 +172,23 @@ class ProcessGroupUniform(ProcessGroupBCCL):
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         output, inputs = operands.reduce_scatter(outputs, input_lists, self.size(), self.rank())
-        kind = reduce_kind(opts.reduceOp)
-        check_reduce_op(kind, output.dtype)
+        kind = check_reduction(opts.reduceOp, output.dtype)
         call = HostCall()
         out_view = call.view(output, read=False)
         in_views = [call.view(t, write=False) for t in inputs]
         out_view.copy_(in_views[self.rank()].reshape(out_view.shape))
-        _reduce_uniform(out_view, kind, self.size())
+        _reduce_uniform(self._premultiplied(out_view, opts.reduceOp, in_place=True), kind, self.size())
         return self._done(call, [output])
 
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         call = HostCall()
         views = self._pairs_operands(outputs, inputs, operation, call, False)
-        kind = reduce_kind(opts.reduceOp)
         for out_view, in_view in views:
-            check_reduce_op(kind, out_view.dtype)
+            kind = check_reduction(opts.reduceOp, out_view.dtype)
             chunk = out_view.numel()
             out_view.copy_(in_view[self.rank() * chunk:(self.rank() + 1) * chunk])
-            _reduce_uniform(out_view, kind, self.size())
+            _reduce_uniform(self._premultiplied(out_view, opts.reduceOp, in_place=True), kind, self.size())
         return self._done(call, outputs)
 
     # ---- data movement ------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Importing it does what importing the real package does (docs/real_stack.md, "Dev
 and autoload"): it turns PyTorch's
 backend autoload off before importing torch (so a script that starts with `import torch_supa`
 gets the native `supa` device only, without the CUDA transfer), makes sure the device is
-registered, and offers `_autoload()`, which applies `torch_supa.contrib.transfer_to_supa` and
+registered, applies `torch_supa.contrib.module`, and offers `_autoload()`, which applies `torch_supa.contrib.transfer_to_supa` and
 restores the autoload setting, as the real autoload hook does.
 """
 
@@ -20,6 +20,7 @@ from supa_emu import activation  # noqa: E402
 activation.activate()
 
 from supa_emu import supa  # noqa: E402,F401
+from supa_emu.torch_supa.contrib import module  # noqa: E402,F401  (its patches apply on import)
 
 __version__ = f"1.0.0.{''.join(torch.__version__.split('+')[0].split('.')[:2])}00+emulated"
 __supa_version__ = "emulated"
