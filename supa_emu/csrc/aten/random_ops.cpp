@@ -79,21 +79,14 @@ void fill_groups(const Tensor& out, const PhiloxRange& range, GroupValues group_
   }
 }
 
-// Uniforms of lane l in [0, 1) and (0, 1): 24 bits for single and reduced precision, 53 for double.
+// The uniform of lane l in [0, 1), or in (0, 1) with `open`: 24 bits for single and reduced
+// precision, 53 for double.
 template <class acc_t>
-acc_t unit(const Words* w, int lane) {
+acc_t unit(const Words* w, int lane, bool open = false) {
   if constexpr (std::is_same_v<acc_t, double>) {
-    return philox::unit_double(w[0].w[lane], w[1].w[lane]);
+    return philox::unit_double(w[0].w[lane], w[1].w[lane], open);
   } else {
-    return philox::unit_float(w[0].w[lane]);
-  }
-}
-template <class acc_t>
-acc_t open_unit(const Words* w, int lane) {
-  if constexpr (std::is_same_v<acc_t, double>) {
-    return philox::open_unit_double(w[0].w[lane], w[1].w[lane]);
-  } else {
-    return philox::open_unit_float(w[0].w[lane]);
+    return philox::unit_float(w[0].w[lane], open);
   }
 }
 uint64_t bits64(const Words* w, int lane) {
@@ -111,7 +104,7 @@ constexpr int draws_for() {
 template <class acc_t>
 void standard_normals(const Words* w, acc_t z[4]) {
   for (int pair = 0; pair < 2; ++pair) {
-    const acc_t radius = std::sqrt(acc_t(-2) * std::log(open_unit<acc_t>(w, 2 * pair)));
+    const acc_t radius = std::sqrt(acc_t(-2) * std::log(unit<acc_t>(w, 2 * pair, true)));
     const acc_t angle = acc_t(kTwoPi) * unit<acc_t>(w, 2 * pair + 1);
     z[2 * pair] = radius * std::cos(angle);
     z[2 * pair + 1] = radius * std::sin(angle);
@@ -126,7 +119,7 @@ void fill_open_uniform_transform(const Tensor& out, const std::optional<at::Gene
     using acc_t = acc_type<scalar_t>;
     fill_groups<scalar_t, draws_for<scalar_t>()>(out, range, [&](int64_t, const Words* w, scalar_t* v) {
       for (int lane = 0; lane < 4; ++lane) {
-        v[lane] = static_cast<scalar_t>(transform(open_unit<acc_t>(w, lane)));
+        v[lane] = static_cast<scalar_t>(transform(unit<acc_t>(w, lane, true)));
       }
     });
   });
@@ -153,40 +146,35 @@ struct UniformKernel {
   }
 };
 
+// Normal values mean + std * z (z standard normal), passed through `transform`.
+template <class Transform>
+void fill_normals(const Tensor& out, const std::optional<at::Generator>& gen, double mean, double std,
+                  Transform transform) {
+  const PhiloxRange range = reserve(gen, out.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "normal", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const acc_t m = static_cast<acc_t>(mean), s = static_cast<acc_t>(std);
+    fill_groups<scalar_t, draws_for<scalar_t>()>(out, range, [&](int64_t, const Words* w, scalar_t* v) {
+      acc_t z[4];
+      standard_normals<acc_t>(w, z);
+      for (int lane = 0; lane < 4; ++lane) {
+        v[lane] = static_cast<scalar_t>(transform(m + s * z[lane]));
+      }
+    });
+  });
+}
+
 template <typename RNG>
 struct NormalKernel {
   void operator()(Tensor& self, double mean, double std, std::optional<at::Generator> gen) {
-    const PhiloxRange range = reserve(gen, self.numel());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, self.scalar_type(), "normal_", [&] {
-      using acc_t = acc_type<scalar_t>;
-      const acc_t m = static_cast<acc_t>(mean), s = static_cast<acc_t>(std);
-      fill_groups<scalar_t, draws_for<scalar_t>()>(self, range, [&](int64_t, const Words* w, scalar_t* v) {
-        acc_t z[4];
-        standard_normals<acc_t>(w, z);
-        for (int lane = 0; lane < 4; ++lane) {
-          v[lane] = static_cast<scalar_t>(m + s * z[lane]);
-        }
-      });
-    });
+    fill_normals(self, gen, mean, std, [](auto x) { return x; });
   }
 };
 
 template <typename RNG>
 struct LogNormalKernel {
   void operator()(at::TensorIteratorBase& iter, double mean, double std, std::optional<at::Generator> gen) {
-    const Tensor& out = iter.tensor(0);
-    const PhiloxRange range = reserve(gen, out.numel());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "log_normal_", [&] {
-      using acc_t = acc_type<scalar_t>;
-      const acc_t m = static_cast<acc_t>(mean), s = static_cast<acc_t>(std);
-      fill_groups<scalar_t, draws_for<scalar_t>()>(out, range, [&](int64_t, const Words* w, scalar_t* v) {
-        acc_t z[4];
-        standard_normals<acc_t>(w, z);
-        for (int lane = 0; lane < 4; ++lane) {
-          v[lane] = static_cast<scalar_t>(std::exp(m + s * z[lane]));
-        }
-      });
-    });
+    fill_normals(iter.tensor(0), gen, mean, std, [](auto x) { return std::exp(x); });
   }
 };
 
@@ -217,22 +205,30 @@ struct GeometricKernel {
     AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "geometric_", [&] {
       fill_groups<scalar_t, 2>(out, range, [&](int64_t, const Words* w, scalar_t* v) {
         for (int lane = 0; lane < 4; ++lane) {
-          v[lane] = static_cast<scalar_t>(std::ceil(std::log(open_unit<double>(w, lane)) / log_failure));
+          v[lane] = static_cast<scalar_t>(std::ceil(std::log(unit<double>(w, lane, true)) / log_failure));
         }
       });
     });
   }
 };
 
-// Integers in [base, base + range) from 32 random bits when the range allows, else 64.
-template <class scalar_t>
-void fill_integers(const Tensor& out, const PhiloxRange& range, uint64_t span, int64_t base) {
-  fill_groups<scalar_t, 2>(out, range, [&](int64_t, const Words* w, scalar_t* v) {
+// Integers in [base, base + span): from one 32-bit word when the span allows, else from 64 bits.
+template <class scalar_t, int kDraws>
+void fill_integers_from(const Tensor& out, const PhiloxRange& range, uint64_t span, int64_t base) {
+  fill_groups<scalar_t, kDraws>(out, range, [&](int64_t, const Words* w, scalar_t* v) {
     for (int lane = 0; lane < 4; ++lane) {
-      const uint64_t bits = span <= (uint64_t{1} << 32) ? w[0].w[lane] : bits64(w, lane);
-      v[lane] = static_cast<scalar_t>(static_cast<int64_t>(static_cast<uint64_t>(base) + bits % span));
+      const uint64_t bits = kDraws == 1 ? w[0].w[lane] % static_cast<uint32_t>(span) : bits64(w, lane) % span;
+      v[lane] = static_cast<scalar_t>(static_cast<int64_t>(static_cast<uint64_t>(base) + bits));
     }
   });
+}
+template <class scalar_t>
+void fill_integers(const Tensor& out, const PhiloxRange& range, uint64_t span, int64_t base) {
+  if (span < (uint64_t{1} << 32)) {
+    fill_integers_from<scalar_t, 1>(out, range, span, base);
+  } else {
+    fill_integers_from<scalar_t, 2>(out, range, span, base);
+  }
 }
 
 #define SUPA_DISPATCH_RANDOM_TYPES(type, name, ...) \
@@ -461,7 +457,7 @@ Tensor& multinomial_out(const Tensor& self, int64_t n_sample, bool with_replacem
     fill_groups<double, 2>(keys, range, [&](int64_t first, const Words* w, double* v) {
       for (int lane = 0; lane < 4; ++lane) {
         const int64_t i = std::min(first + lane, keys.numel() - 1);
-        v[lane] = p[i] / -std::log(philox::open_unit_double(w[0].w[lane], w[1].w[lane]));
+        v[lane] = p[i] / -std::log(unit<double>(w, lane, true));
       }
     });
     const double* key = keys.const_data_ptr<double>();

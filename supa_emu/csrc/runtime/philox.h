@@ -34,21 +34,14 @@ inline Words philox4x32_10(uint64_t group, uint32_t draw, uint64_t seed) {
   return {{c0, c1, c2, c3}};
 }
 
-// Uniform floats from one word: 24 random bits, in [0, 1) or, with a half step added, in (0, 1).
-inline float unit_float(uint32_t word) {
-  return static_cast<float>(word >> 8) * (1.0f / 16777216.0f);
+// Uniform floats from one word: 24 random bits, in [0, 1), or with `open` (half a step added) in (0, 1).
+inline float unit_float(uint32_t word, bool open = false) {
+  return (static_cast<float>(word >> 8) + (open ? 0.5f : 0.0f)) * (1.0f / 16777216.0f);
 }
-inline float open_unit_float(uint32_t word) {
-  return (static_cast<float>(word >> 8) + 0.5f) * (1.0f / 16777216.0f);
-}
-// Uniform doubles from two words: 53 random bits.
-inline double unit_double(uint32_t high, uint32_t low) {
+// Uniform doubles from two words: 53 random bits, likewise.
+inline double unit_double(uint32_t high, uint32_t low, bool open = false) {
   const uint64_t bits = (static_cast<uint64_t>(high) << 21) ^ (low >> 11);
-  return static_cast<double>(bits) * (1.0 / 9007199254740992.0);
-}
-inline double open_unit_double(uint32_t high, uint32_t low) {
-  const uint64_t bits = (static_cast<uint64_t>(high) << 21) ^ (low >> 11);
-  return (static_cast<double>(bits) + 0.5) * (1.0 / 9007199254740992.0);
+  return (static_cast<double>(bits) + (open ? 0.5 : 0.0)) * (1.0 / 9007199254740992.0);
 }
 
 }  // namespace supa::philox
