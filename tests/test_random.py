@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from harness import PRISTINE, RankChecks, run_ranks, serve_rank, shared_case
+from harness import ANY, PRISTINE, RankChecks, run_ranks, serve_rank, shared_case
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -246,6 +246,37 @@ def test_rng_state_survives_a_checkpoint():
     buffer.seek(0)
     torch.supa.set_rng_state_all(torch.load(buffer)["supa"])
     assert torch.equal(torch.randn(6, device="supa").cpu(), expected)
+
+
+_FORK_AND_SPAWN = shared_case("test_random: generator state across fork and spawn", """
+    import multiprocessing
+    import torch
+
+    # The child's code as a string run by exec: a builtin is what a spawned child can unpickle here.
+    DRAW = ("import torch; state is None or torch.supa.set_rng_state(state); "
+            "queue.put(torch.rand(8, device='supa').cpu().tolist())")
+
+    def in_child(method, state=None):
+        context = multiprocessing.get_context(method)
+        queue = context.Queue()
+        child = context.Process(target=exec, args=(DRAW, {"queue": queue, "state": state}))
+        child.start()
+        values = queue.get(timeout=120)
+        child.join()
+        return values
+
+    torch.supa.manual_seed(31)
+    torch.rand(3, device="supa")
+    state = torch.supa.get_rng_state()
+    forked = in_child("fork")
+    spawned = in_child("spawn", state)
+    print(forked == spawned == torch.rand(8, device="supa").cpu().tolist())
+""", stage=ANY)
+
+
+@pytest.mark.slow  # the spawned child is a fresh interpreter
+def test_generator_state_carries_across_fork_and_spawn():
+    assert _FORK_AND_SPAWN.result().stdout.split() == ["True"]
 
 
 def test_clone_state_copies_and_graphsafe_state_shares():
