@@ -45,7 +45,7 @@ def get_rng_state_all() -> list[torch.Tensor]:
 def set_rng_state(new_state: torch.Tensor, device: _DeviceLike = DEVICE_TYPE) -> None:
     """Restore `device`'s RNG state from `get_rng_state` output (deferred until initialisation).
 
-    When applied, a state that is not a contiguous uint8 CPU tensor raises TypeError, one of another
+    When applied, a state that is not a uint8 CPU tensor raises TypeError, one of another
     size than 16 (or 8: a seed alone) RuntimeError("RNG state is wrong size"), as CUDA's generator does.
     """
     state = new_state.clone(memory_format=torch.contiguous_format)
