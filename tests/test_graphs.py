@@ -166,3 +166,82 @@ def test_make_graphed_callables_rejects_hooks_and_autocast_cache():
     with torch.autocast("supa", cache_enabled=True):
         with pytest.raises(RuntimeError, match="make_graphed_callables does not support the autocast caching"):
             torch.supa.make_graphed_callables(plain, (sample,))
+
+
+# Graph-safe RNG: a captured random call keeps its place in the graph's counter range; each replay
+# starts that range at the generator's offset of the moment and advances the generator past it.
+def _eager_draws(offset, generator=None):
+    generator = generator or torch.supa.default_generators[torch.supa.current_device()]
+    generator.set_offset(offset)
+    return (torch.rand(6, device="supa", generator=generator).cpu(),
+            torch.randn(5, device="supa", generator=generator).cpu())
+
+
+def test_replays_draw_fresh_numbers_from_the_generators_offset():
+    torch.supa.manual_seed(3)
+    gen = torch.supa.default_generators[torch.supa.current_device()]
+    uniform, normal = torch.empty(6, device="supa"), torch.empty(5, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        uniform.uniform_()
+        normal.normal_()
+    assert gen.get_offset() == 0  # capturing reserves counters in the graph, not in the generator
+    replays = []
+    for _ in range(2):
+        g.replay()
+        replays.append((uniform.cpu(), normal.cpu()))
+    assert gen.get_offset() == 2 * (8 + 8)
+    for offset, (u, n) in zip((0, 16), replays):
+        eager_u, eager_n = _eager_draws(offset)
+        assert torch.equal(u, eager_u) and torch.equal(n, eager_n)
+
+
+def test_replay_reads_the_seed_of_the_moment():
+    out = torch.empty(8, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        out.uniform_()
+    torch.supa.manual_seed(42)
+    g.replay()
+    torch.supa.manual_seed(42)
+    assert torch.equal(out.cpu(), torch.rand(8, device="supa").cpu())
+
+
+def test_registered_generator_is_graph_safe():
+    gen = torch.Generator(device="supa")
+    gen.manual_seed(9)
+    out = torch.empty(6, device="supa")
+    g = torch.supa.SUPAGraph()
+    g.register_generator_state(gen)
+    with torch.supa.graph(g):
+        out.uniform_(generator=gen)
+    g.replay()
+    assert gen.get_offset() == 8
+    check = torch.Generator(device="supa")
+    check.manual_seed(9)
+    assert torch.equal(out.cpu(), torch.rand(6, device="supa", generator=check).cpu())
+
+
+def test_unregistered_generator_under_capture_raises():
+    gen = torch.Generator(device="supa")
+    g = torch.supa.SUPAGraph()
+    with pytest.raises(RuntimeError, match="Attempt to increase offset for a SUPA generator not in capture mode"):
+        with torch.supa.graph(g):
+            torch.rand(4, device="supa", generator=gen)
+    torch.rand(4, device="supa", generator=gen)  # usable again after the failed capture
+    assert gen.get_offset() == 4
+
+
+def test_register_generator_state_during_capture_raises():
+    g, other = torch.supa.SUPAGraph(), torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        with pytest.raises(RuntimeError, match="Cannot register the state during capturing stage"):
+            other.register_generator_state(torch.Generator(device="supa"))
+
+
+def test_graphed_dropout_masks_differ_per_replay():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)).to("supa")
+    graphed = torch.supa.make_graphed_callables(model, (torch.randn(4, 16, device="supa"),), num_warmup_iters=1)
+    x = torch.randn(4, 16, device="supa")
+    first, second = graphed(x).detach().cpu(), graphed(x).detach().cpu()
+    assert not torch.equal(first == 0, second == 0)

@@ -268,6 +268,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_ipc_is_shared", [](py::handle storage) { return supa::is_shared_storage(unpack_storage(storage)); });
   m.def("_ipc_collect", [] { return supa::collect_shared_blocks(); });
   m.def("_is_current_stream_capturing", [] { return supa::is_capturing(); });
+  m.def("_register_generator_with_capture", &supa::register_generator_with_capture,
+        "Keep a supa generator graph-safe in the graph now capturing (SUPAGraph.register_generator_state)");
   m.def("_stream_priority", [](int64_t stream_id) { return supa::stream_priority(stream_id); });
   m.def("_event_elapsed_time", &event_elapsed_ms, "Milliseconds between two recorded timing events");
   m.def("_graph_pool_handle", [] {

@@ -47,6 +47,18 @@ class SUPAGraph(torch._C._acceleratorGraph):
     def __init__(self, keep_graph: bool = False) -> None:
         _lazy_init()
         super().__init__(keep_graph)
+        self._generators: list[torch.Generator] = []
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        """Keep `generator` graph-safe in this graph, as the current device's default generator is:
+        random calls captured with it take their numbers from its (seed, offset) at each replay,
+        and each replay advances its offset. Raises RuntimeError while a graph captures."""
+        if is_current_stream_capturing():
+            raise RuntimeError("Cannot register the state during capturing stage.")
+        if generator.device.type != DEVICE_TYPE:
+            raise RuntimeError(f"Expected a {DEVICE_TYPE} generator, got one of device {generator.device}")
+        if not any(g is generator for g in self._generators):
+            self._generators.append(generator)
 
     def capture_begin(self, pool: Optional[_MempoolId] = None, capture_error_mode: str = "global") -> None:
         """Start capturing the current stream's work.
@@ -60,6 +72,8 @@ class SUPAGraph(torch._C._acceleratorGraph):
                 "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, "
                 f"got {capture_error_mode}")
         super().capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        for generator in self._generators:
+            _native()._register_generator_with_capture(generator)
         sanitizer = _sanitizer_switch.active()
         if sanitizer is not None:
             sanitizer.graph_capture_begin(self)

@@ -1,5 +1,8 @@
 """Random-number state of SUPA devices: one `torch.Generator` per device.
 
+Each is a counter-based Philox generator whose state is CUDA's: 16 bytes, the seed (uint64) and
+the counter offset (int64, a multiple of 4).
+
 Seeding before the runtime is initialised is deferred (queued with `_lazy_call`) so that
 `torch.manual_seed(...)` at the top of a script works without touching the device.
 """
@@ -28,7 +31,8 @@ def _generators() -> tuple[torch.Generator, ...]:
 
 
 def get_rng_state(device: _DeviceLike = DEVICE_TYPE) -> torch.Tensor:
-    """The RNG state of `device` (default: current) as a uint8 CPU tensor. Initialises the runtime."""
+    """The RNG state of `device` (default: current) as a uint8 CPU tensor of 16 bytes, (seed, offset).
+    Initialises the runtime."""
     _lazy_init()
     return _generators()[_get_device_index(device, optional=True)].get_state()
 
@@ -39,7 +43,11 @@ def get_rng_state_all() -> list[torch.Tensor]:
 
 
 def set_rng_state(new_state: torch.Tensor, device: _DeviceLike = DEVICE_TYPE) -> None:
-    """Restore `device`'s RNG state from `get_rng_state` output (deferred until initialisation)."""
+    """Restore `device`'s RNG state from `get_rng_state` output (deferred until initialisation).
+
+    When applied, a state that is not a uint8 CPU tensor raises TypeError, one of another
+    size than 16 (or 8: a seed alone) RuntimeError("RNG state is wrong size"), as CUDA's generator does.
+    """
     state = new_state.clone(memory_format=torch.contiguous_format)
 
     def apply() -> None:

@@ -23,6 +23,7 @@
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace supa {
@@ -64,7 +65,7 @@ class FallbackCall {
     if (is_capturing()) {
       recorded_inputs_.assign(stack_.begin() + first, stack_.end());
     }
-    c10::SmallVector<size_t, 2> missing_generators;
+    c10::SmallVector<size_t, 1> generators;  // positions of Generator? arguments
     for (size_t i = 0; i < num_args; ++i) {
       const auto& arg = schema.arguments()[i];
       c10::IValue& value = stack_[first + i];
@@ -89,12 +90,11 @@ class FallbackCall {
         value = c10::IValue(c10::Device(c10::DeviceType::CPU));
       } else if (value.isInt() && value.toInt() != static_cast<int64_t>(c10::kStrided) && is_layout(arg.real_type())) {
         full_dispatch_ = true;  // a factory asked for a sparse result
-      } else if (value.isGenerator()) {
-        value = c10::IValue(host_generator_of(value.toGenerator()));
-      } else if (value.isNone() && arg.type()->kind() == c10::TypeKind::OptionalType &&
-                 arg.type()->castRaw<c10::OptionalType>()->getElementType()->kind() ==
-                     c10::TypeKind::GeneratorType) {
-        missing_generators.push_back(first + i);
+      } else if (value.isGenerator() ||
+                 (value.isNone() && arg.type()->kind() == c10::TypeKind::OptionalType &&
+                  arg.type()->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+                      c10::TypeKind::GeneratorType)) {
+        generators.push_back(first + i);
       }
     }
     if (device_ < 0) {
@@ -103,9 +103,16 @@ class FallbackCall {
     TORCH_CHECK(host_tensor_arg_.empty(), "Expected all tensors to be on the same device, but found at least two ",
                 "devices, ", device_name(c10::Device(kSupa, device_)), " and cpu! (argument '", host_tensor_arg_,
                 "' of ", schema.operator_name(), ")");
-    for (size_t position : missing_generators) {
-      // Sample from this device's generator, as a GPU kernel would, not the CPU default one.
-      stack_[position] = c10::IValue(host_generator_of(default_generator(device_)));
+    if (kernel_ == nullptr) {
+      for (size_t position : generators) {
+        // A random op without a supa kernel (random_ops.cpp has the card's): its CPU kernel draws
+        // from a CPU generator seeded from counters of this device's generator (or the one given),
+        // so its numbers too depend only on (seed, offset), and the offset moves on.
+        const c10::IValue& given = stack_[position];
+        stack_[position] = c10::IValue(host_generator_for_call(
+            given.isNone() ? std::nullopt : std::optional<at::Generator>(given.toGenerator()), device_,
+            largest_operand_numel_));
+      }
     }
     {
       CurrentDeviceScope guard(device_);
@@ -157,6 +164,7 @@ class FallbackCall {
     TORCH_CHECK(type == kSupa, "Expected all tensors to be on the same device, but found at least two devices, supa",
                 " and ", t.device(), "! (argument '", argument, "' of ", op_.schema().operator_name(), ")");
     note_device(t.device(), argument);
+    largest_operand_numel_ = std::max(largest_operand_numel_, static_cast<uint64_t>(t.numel()));
     if (t.layout() != c10::kStrided) {
       // Sparse: a CPU sparse tensor over host views of its index and value tensors.
       at::Tensor host = sparse_over(t, c10::Device(c10::DeviceType::CPU),
@@ -306,6 +314,7 @@ class FallbackCall {
   c10::SmallVector<HostOperand, 4> operands_;
   std::vector<HostOperand> sparse_operands_;  // their index/value tensors are in operands_
   bool full_dispatch_ = false;  // sparse operands or results: the CPU dispatch picks the kernel
+  uint64_t largest_operand_numel_ = 1;  // the counters a CPU random kernel's call reserves
   c10::SmallVector<std::pair<c10::StorageImpl*, size_t>, 2> result_holders_;
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted_;
   std::vector<c10::IValue> recorded_inputs_;

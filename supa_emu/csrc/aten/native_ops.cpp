@@ -9,9 +9,6 @@
 #include <ATen/InferSize.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/native/Resize.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/ones_like.h>
-#include <ATen/ops/zeros_like.h>
 #include <ATen/native/TensorFactories.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
@@ -209,19 +206,6 @@ void record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {
   // Execution is synchronous: memory is never reused while another stream still reads it.
 }
 
-std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
-  // The CPU kernel draws from the CPU generator (the op takes none); build it from
-  // bernoulli_, which the fallback points at this device's generator.
-  if (input.numel() == 0 || p == 0 || (train.has_value() && !*train)) {
-    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
-  }
-  if (p == 1) {
-    return {at::zeros_like(input), at::zeros_like(input, input.options().dtype(at::kBool))};
-  }
-  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p);
-  return {input.mul(mask).mul_(1.0 / (1.0 - p)), mask};
-}
-
 bool is_dense_host_or_supa(c10::DispatchKeySet keys) {
   return keys.has(c10::DispatchKey::Dense) &&
          (keys.has_backend(c10::BackendComponent::CPUBit) || keys.has_backend(c10::BackendComponent::PrivateUse1Bit));
@@ -246,7 +230,6 @@ TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
-  m.impl("native_dropout", native_dropout);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("_efficientzerotensor", efficient_zero_tensor);

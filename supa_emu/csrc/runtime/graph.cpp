@@ -4,10 +4,16 @@
 //
 // Capture is process-wide (CUDA's "global" mode): autograd runs backward passes on its own
 // device thread, and those calls belong to the graph too.
+//
+// Random calls are graph-safe as on CUDA: the graph holds the generators' states (the current
+// device's default one and those registered with register_generator_state); a captured call keeps
+// its place in the graph's counter range, and each replay starts that range at the generator's
+// offset of the moment and advances the generator past it, so replays draw fresh numbers.
 #include "graph.h"
 
 #include "caching_allocator.h"
 #include "devices.h"
+#include "generator.h"
 #include "host_alias.h"
 #include "mem_pool.h"
 
@@ -16,6 +22,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <optional>
 
 namespace supa {
 namespace {
@@ -24,6 +31,7 @@ struct RecordedCall {
   c10::OperatorHandle op;
   std::vector<c10::IValue> inputs;
   std::vector<c10::IValue> outputs;
+  std::vector<CapturedDraw> draws;  // the counters a random call took, in order
 };
 
 class SupaGraph;
@@ -54,6 +62,7 @@ class SupaGraph final : public at::GraphImplInterface {
     SupaGraph* self = this;
     if (g_capturing.compare_exchange_strong(self, nullptr)) {
       set_capture_pool({0, 0});
+      end_generator_capture();
     }
     if (pool_.first != 0 || pool_.second != 0) {
       // The pool's free blocks serve no one else; its live blocks return to it when freed.
@@ -67,6 +76,11 @@ class SupaGraph final : public at::GraphImplInterface {
                 "create a new instance or call reset() first.");
     pool_ = (pool.first != 0 || pool.second != 0) ? pool : new_graph_pool_id();
     calls_.clear();
+    add_generator_state(philox_state_of(default_generator(current_device())));
+    for (auto& [state, increment] : generator_states_) {
+      capture_prologue(*state);
+    }
+    take_captured_draws();
     set_capture_pool(pool_);
     g_capturing = this;
   }
@@ -74,6 +88,7 @@ class SupaGraph final : public at::GraphImplInterface {
     TORCH_CHECK(g_capturing.load() == this, "capture_end() called on a graph that is not capturing");
     set_capture_pool({0, 0});
     g_capturing = nullptr;
+    end_generator_capture();
     captured_ = true;
   }
   void instantiate() override {
@@ -81,8 +96,15 @@ class SupaGraph final : public at::GraphImplInterface {
   }
   void replay() override {
     TORCH_CHECK(captured_, "Called SUPAGraph::replay without a preceding successful capture.");
+    for (auto& [state, increment] : generator_states_) {
+      replay_prologue(*state, increment);
+    }
     for (const auto& call : calls_) {
       std::vector<c10::IValue> stack = call.inputs;
+      std::optional<ReplayedDraws> draws;
+      if (!call.draws.empty()) {
+        draws.emplace(call.draws);
+      }
       call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), &stack);
       for (size_t i = 0; i < call.outputs.size() && i < stack.size(); ++i) {
         write_into(call.outputs[i], stack[i]);
@@ -104,12 +126,33 @@ class SupaGraph final : public at::GraphImplInterface {
 
   void record(const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
               const std::vector<c10::IValue>& outputs) {
+    std::vector<CapturedDraw> draws = take_captured_draws();
     std::lock_guard<std::mutex> lock(g_record_mutex);
-    calls_.push_back({op, inputs, outputs});
+    calls_.push_back({op, inputs, outputs, std::move(draws)});
+  }
+
+  // A generator whose state the graph keeps graph-safe; joining during capture starts its capture.
+  void add_generator_state(const PhiloxStatePtr& state) {
+    for (const auto& known : generator_states_) {
+      if (known.first.get() == state.get()) {
+        return;
+      }
+    }
+    generator_states_.emplace_back(state, 0);
+    if (g_capturing.load() == this) {
+      capture_prologue(*state);
+    }
   }
 
  private:
+  void end_generator_capture() {
+    for (auto& [state, increment] : generator_states_) {
+      increment = capture_epilogue(*state);
+    }
+  }
+
   std::vector<RecordedCall> calls_;
+  std::vector<std::pair<PhiloxStatePtr, uint64_t>> generator_states_;  // state, offset increment per replay
   c10::MempoolId_t pool_{0, 0};
   bool captured_ = false;
 };
@@ -125,6 +168,12 @@ void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& 
   if (SupaGraph* graph = g_capturing.load()) {
     graph->record(op, inputs, outputs);
   }
+}
+
+void register_generator_with_capture(const at::Generator& generator) {
+  SupaGraph* graph = g_capturing.load();
+  TORCH_CHECK(graph != nullptr, "register_generator_with_capture: no SUPA graph is capturing");
+  graph->add_generator_state(philox_state_of(generator));
 }
 
 void register_graph_impl() {
