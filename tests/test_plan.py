@@ -157,6 +157,7 @@ COLLECTIVES_SCRIPT = """
     out = {"rank": rank, "world": world, "backend": dist.get_backend()}
     for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX)):
         t = local.clone(); dist.all_reduce(t, op=op); out[name] = t.tolist()
+    t = local.clone(); dist.all_reduce(t, op=dist.ReduceOp.PREMUL_SUM(0.5)); out["premul_sum"] = t.tolist()
     gathered = torch.empty(4 * world, device="supa"); dist.all_gather_into_tensor(gathered, local)
     out["all_gather_into_tensor"] = gathered.tolist()
     chunk = torch.empty(1, device="supa"); dist.reduce_scatter_tensor(chunk, torch.arange(world, dtype=torch.float32, device="supa"))
@@ -190,6 +191,7 @@ def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
         assert (out["rank"], out["world"], out["backend"]) == (rank, world, "bccl")
         assert out["sum"] == [v * world for v in local]
         assert out["avg"] == local and out["max"] == local
+        assert out["premul_sum"] == [v * 0.5 * world for v in local]
         assert out["all_gather_into_tensor"] == local * world
         assert out["reduce_scatter_tensor"] == [float(rank * world)]
         assert out["all_gather"] == [local] * world
@@ -197,7 +199,7 @@ def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
         assert out["broadcast"] == [0.0, 1.0, 2.0, 3.0]
         assert out["subgroup_sum"] == [v * 2 for v in local]
         calls = {(c["op"], c["group_size"]): c for c in report["ranks"][str(rank)]["collectives"]}
-        assert calls[("all_reduce", world)]["count"] == 3 and calls[("all_reduce", world)]["bytes"] == 16
+        assert calls[("all_reduce", world)]["count"] == 4 and calls[("all_reduce", world)]["bytes"] == 16
         assert calls[("all_gather_into_tensor", world)]["bytes"] == 16 * world
         assert calls[("reduce_scatter_tensor", world)]["bytes"] == 4 * world
         assert calls[("all_reduce", 2)]["count"] == 1
@@ -342,6 +344,8 @@ def test_plan_record_names_a_directory(tmp_path, monkeypatch):
     (["--world-size", "4", "--plot", "out.png", "--", str(GPT)], "needs matplotlib"),
     (["--world-size", "4", "--", "no/such/script.py"], "no/such/script.py: no such script"),
     (["--world-size", "4"], "no script"),
+    (["--world-size", "4", "--", "-m", "no_such_module_here"], "-m no_such_module_here: no module named"),
+    (["--world-size", "4", "--", "-m"], "-m needs a module name"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert plan_main(argv) == 2
@@ -363,3 +367,74 @@ def test_plot_draws_each_rank_and_the_capacity(tmp_path):
     far = dict(report, capacity=64 << 30)
     assert "above the chart" in plot.svg(far)
 
+
+
+MODULE_MAIN = """
+import sys, torch, torch.distributed as dist
+
+def fill_the_card():
+    return torch.empty(1 << 22, device="supa")  # the peak: 16 MiB
+
+dist.init_process_group("bccl")
+keep = fill_the_card()
+with open(sys.argv[1] + f".{dist.get_rank()}", "w") as f:
+    f.write(repr((sys.argv, __name__)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_module_runs_as_python_m_runs_it_and_the_peak_names_its_frame(tmp_path):
+    package = tmp_path / "planned_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(MODULE_MAIN)
+    out = tmp_path / "argv"
+    result = run([sys.executable, "-m", "supa_emu.plan", "--world-size", "2", "--json", tmp_path / "plan.json",
+                  "--", "-m", "planned_pkg.train", str(out)], cwd=tmp_path, timeout=900, check=True)
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["script"] == "-m planned_pkg.train" and "plan of -m planned_pkg.train" in result.stdout
+    for rank in ("0", "1"):
+        argv, name = eval((tmp_path / f"argv.{rank}").read_text())
+        assert argv == [str(package / "train.py"), str(out)] and name == "__main__"
+        entry = report["ranks"][rank]
+        assert entry["peak_location"] == f"{package / 'train.py'}:5 (fill_the_card)"
+        assert entry["peak_phase"] == "unknown"  # the main thread, outside any training step
+
+
+FSDP_TP_SCRIPT = """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+torch.supa.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("bccl")
+mesh = init_device_mesh("supa", (2, 2), mesh_dim_names=("dp", "tp"))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).to("supa")
+parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+fully_shard(model, mesh=mesh["dp"])
+model.set_gradient_divide_factor(8.0)  # reduce-scatters with PREMUL_SUM(1/8)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for _ in range(2):
+    model(torch.randn(8, 64, device="supa")).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_planned_fsdp2_tp_rank_matches_the_real_four_rank_job(tmp_path):
+    script = tmp_path / "fsdp_tp.py"
+    script.write_text(FSDP_TP_SCRIPT)
+    real = real_run([str(script)], 4, tmp_path / "real")
+    report, _ = plan([str(script)], 4, tmp_path / "plan.json")
+    for rank, planned in report["ranks"].items():
+        actual = real[int(rank)]
+        assert planned["failure"] is None, planned["failure"]
+        assert planned["peak_allocated"] == actual["peak_allocated"] > 0, f"rank {rank}"
+        assert planned["peak_reserved"] == actual["peak_reserved"], f"rank {rank}"
+        assert planned["collectives"] == actual["collectives"], f"rank {rank}"
+        assert {c["op"] for c in planned["collectives"]} >= {"reduce_scatter_tensor", "all_gather_into_tensor"}

@@ -1,4 +1,5 @@
 """`python -m supa_emu.plan --world-size N [--rank R]... [--cards-per-host K] [--json OUT] [--plot OUT] -- SCRIPT [ARGS...]`
+(or `-- -m MODULE [ARGS...]`, run as `python -m MODULE` would run it)
 
 Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each in its own process
 that plays that rank of an N-card world (see supa_emu/plan/__init__.py), one after the other,
@@ -8,6 +9,7 @@ included: the report says where), 2 for bad arguments.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -31,7 +33,7 @@ def parse(argv):
     parser.add_argument("--cards-per-host", type=int, help="cards per host (LOCAL_WORLD_SIZE); default min(N, 8)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write the memory chart here (.svg, or .html with a table)")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] or -- -m MODULE [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     n = args.world_size
@@ -50,10 +52,29 @@ def parse(argv):
                          f"matplotlib, which the project does not depend on)")
     if not command:
         raise UsageError("no script: give it after --, e.g. -- examples/train_gpt.py --config CONFIG")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise UsageError("-m needs a module name, e.g. -- -m torchtitan.train ARGS")
+        _check_module(command[1])
+        args.target, args.script, args.script_args = command[:2], f"-m {command[1]}", command[2:]
+        return args
     if not os.path.isfile(command[0]):
         raise UsageError(f"{command[0]}: no such script")
-    args.script, args.script_args = command[0], command[1:]
+    args.target, args.script, args.script_args = command[:1], command[0], command[1:]
     return args
+
+
+def _check_module(name: str) -> None:
+    """Refuses a module `python -m` could not run (finding it imports its parent packages only)."""
+    sys.path.insert(0, os.getcwd())  # `python -m` looks in the working directory first
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as error:
+        raise UsageError(f"-m {name}: {error}") from None
+    finally:
+        sys.path.pop(0)
+    if spec is None:
+        raise UsageError(f"-m {name}: no module named {name!r}")
 
 
 def rank_environment(rank: int, world_size: int, cards_per_host: int) -> dict:
@@ -75,7 +96,7 @@ def rank_environment(rank: int, world_size: int, cards_per_host: int) -> dict:
 def run_rank(rank: int, args, values: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="supa_emu-plan-") as directory:
         path = os.path.join(directory, "rank.json")
-        command = [sys.executable, "-m", "supa_emu.plan.rank_process", path, values, args.script, *args.script_args]
+        command = [sys.executable, "-m", "supa_emu.plan.rank_process", path, values, *args.target, *args.script_args]
         result = subprocess.run(command, env=rank_environment(rank, args.world_size, args.cards_per_host))
         if os.path.exists(path):
             with open(path) as record:

@@ -1,14 +1,16 @@
-"""The process that plays one rank: `python -m supa_emu.plan.rank_process RECORD VALUES SCRIPT [ARGS...]`.
+"""The process that plays one rank: `python -m supa_emu.plan.rank_process RECORD VALUES SCRIPT [ARGS...]`
+(or `... VALUES -m MODULE [ARGS...]`).
 
 Started by the planner with the environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK,
 ...) plus SUPA_PLAN_SIMULATE=1. It hosts the rendezvous store itself (as torchrun's agent does,
 TORCHELASTIC_USE_AGENT_STORE), so init_process_group by env:// finds a store and no peer is
 waited for; records memory and collectives from the first line of the script on; runs the
-script unchanged as __main__; and writes this rank's record (with the failure, if the script
+script unchanged as __main__ (a module as `python -m` runs it); and writes this rank's record (with the failure, if the script
 failed) to RECORD as JSON. VALUES holds the small values roots broadcast, written by the first
 rank played and read by the others (see uniform_group).
 """
 
+import importlib.util
 import json
 import os
 import runpy
@@ -23,8 +25,27 @@ def _failure(error: BaseException) -> dict:
             "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
 
 
+def _runner(target: list):
+    """(the code's name for messages, its directory for peak locations, what runs it as __main__)."""
+    if target[0] == "-m":
+        module = target[1]
+        sys.path.insert(0, os.getcwd())  # as `python -m`
+        spec = importlib.util.find_spec(module)
+        origin = spec.origin if spec is not None and spec.origin else module
+        sys.argv[0] = origin
+        # The code's own package is the user's code, even when it is installed in site-packages.
+        top = importlib.util.find_spec(module.split(".")[0])
+        roots = list(top.submodule_search_locations or []) if top is not None else []
+        return f"-m {module}", roots or [os.path.dirname(origin)], lambda: runpy.run_module(
+            module, run_name="__main__", alter_sys=True)
+    script = target[0]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    return script, [os.path.dirname(os.path.abspath(script))], lambda: runpy.run_path(script, run_name="__main__")
+
+
 def main(argv) -> int:
-    record_path, values_path, script, *args = argv
+    record_path, values_path, *command = argv
+    target, args = (command[:2], command[2:]) if command[0] == "-m" else (command[:1], command[1:])
     import torch  # noqa: F401  (activates the emulator: SUPA_EMULATE=1 is in the environment)
     import torch.distributed as dist
 
@@ -36,13 +57,14 @@ def main(argv) -> int:
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     uniform_group.play(rank, world_size, values_path)
     uniform_group.refuse_gloo()
-    rank_record.start(None, rank)
 
     failure = None
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    rank_record.start(None, rank)
+    sys.argv = [target[-1], *args]
+    script, user_code, run = _runner(target)
+    rank_record.name_user_code(user_code)
     try:
-        runpy.run_path(script, run_name="__main__")
+        run()
     except SystemExit as exit:
         if exit.code not in (None, 0):
             failure = _failure(exit)

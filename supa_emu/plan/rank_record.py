@@ -51,6 +51,12 @@ def start(directory: Optional[pathlib.Path], rank: int) -> None:
         atexit.register(_write_at_exit)
 
 
+def name_user_code(directories) -> None:
+    """Peak locations name the innermost frame under these directories (the script's, or the
+    package of a module run with -m) rather than the first frame outside PyTorch and DeepSpeed."""
+    _state["user_code"] = [os.path.join(os.path.abspath(d), "") for d in directories]
+
+
 def started() -> bool:
     return _state is not None
 
@@ -104,11 +110,24 @@ def _phase(frames) -> tuple:
         for part, function, name in _PHASES:
             if part in filename and frame["name"] == function and not (phase == "optimizer" and name == "step"):
                 phase = name
-    if phase is None and frames and frames[-1]["name"] != "<module>":
+    if phase is None and frames and not any(f["name"] == "<module>" for f in frames):
         phase = "backward"  # a stack that does not start in the script ran on autograd's device thread
-    location = next((f"{f['filename']}:{f['line']} ({f['name']})" for f in frames
-                     if "site-packages" not in f["filename"] and "/supa_emu/" not in f["filename"]), None)
-    return phase or "unknown", location
+    return phase or "unknown", _location(frames)
+
+
+def _location(frames):
+    """The innermost frame of the user's code: under the directories name_user_code gave, else the
+    first outside installed packages, the emulator and Python's own frozen modules (runpy)."""
+    def described(frame):
+        return f"{frame['filename']}:{frame['line']} ({frame['name']})"
+
+    user_code = (_state or {}).get("user_code", [])
+    for frame in frames:
+        path = os.path.abspath(frame["filename"])
+        if "/supa_emu/" not in path and any(path.startswith(d) for d in user_code):
+            return described(frame)
+    return next((described(f) for f in frames if "site-packages" not in f["filename"]
+                 and "/supa_emu/" not in f["filename"] and not f["filename"].startswith("<")), None)
 
 
 def _device_events(snapshot) -> tuple:
