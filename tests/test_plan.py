@@ -292,7 +292,6 @@ def test_a_failing_rank_is_reported_and_the_others_still_run(tmp_path):
     ("import torch.multiprocessing as mp, torch.distributed as dist\n"
      "def run(i):\n    dist.init_process_group('bccl', rank=i, world_size=2)\n"
      "if __name__ == '__main__':\n    mp.spawn(run, nprocs=2)\n", "spawns its own ranks"),
-    ("import torch.distributed as dist\ndist.init_process_group('gloo')\n", "gloo group"),
 ])
 def test_scripts_a_planned_world_cannot_run_fail_with_one_line(tmp_path, body, message):
     script = tmp_path / "script.py"
@@ -438,3 +437,48 @@ def test_a_planned_fsdp2_tp_rank_matches_the_real_four_rank_job(tmp_path):
         assert planned["peak_reserved"] == actual["peak_reserved"], f"rank {rank}"
         assert planned["collectives"] == actual["collectives"], f"rank {rank}"
         assert {c["op"] for c in planned["collectives"]} >= {"reduce_scatter_tensor", "all_gather_into_tensor"}
+
+
+GLOO_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+
+dist.init_process_group(sys.argv[2])
+rank, world = dist.get_rank(), dist.get_world_size()
+cpu = dist.new_group(backend="gloo")  # as Megatron keeps one beside each device group
+out = {"world_backend": dist.get_backend(), "cpu_backend": dist.get_backend(cpu)}
+t = torch.arange(4.0) + rank
+dist.all_reduce(t, group=cpu); out["sum"] = t.tolist()
+t = torch.arange(4.0) + rank
+dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu); out["max"] = t.tolist()
+parts = [torch.empty(2) for _ in range(world)]
+dist.all_gather(parts, torch.full((2,), float(rank)), group=cpu); out["all_gather"] = [p.tolist() for p in parts]
+objects = [None] * world
+dist.all_gather_object(objects, {"rank": rank}, group=cpu); out["objects"] = objects
+chosen = [f"from rank {rank}"]
+dist.broadcast_object_list(chosen, src=0, group=cpu); out["broadcast_object"] = chosen[0]
+dist.barrier(group=cpu)
+with open(sys.argv[1] + f".{rank}", "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_backend", ["bccl", "gloo"])
+def test_gloo_groups_follow_the_uniform_rule(tmp_path, world_backend):
+    script = tmp_path / "gloo_groups.py"
+    script.write_text(GLOO_SCRIPT)
+    world = 4
+    report, _ = plan([str(script), str(tmp_path / "out"), world_backend], world, tmp_path / "plan.json")
+    for rank in (0, world - 1):
+        out = json.loads((tmp_path / f"out.{rank}").read_text())
+        local = [float(i + rank) for i in range(4)]
+        assert (out["world_backend"], out["cpu_backend"]) == (world_backend, "gloo")
+        assert out["sum"] == [v * world for v in local] and out["max"] == local
+        assert out["all_gather"] == [[float(rank)] * 2] * world
+        assert out["objects"] == [{"rank": rank}] * world
+        assert out["broadcast_object"] == "from rank 0"  # the root's value, from rank 0 played first
+        entry = report["ranks"][str(rank)]
+        assert entry["failure"] is None, entry["failure"]
+        # As in a recorded real run, host (gloo) groups add nothing to the card's collectives.
+        assert all(c["op"] != "all_reduce" or c["dtype"] != "float32" for c in entry["collectives"])

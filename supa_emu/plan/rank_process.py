@@ -49,14 +49,14 @@ def main(argv) -> int:
     import torch  # noqa: F401  (activates the emulator: SUPA_EMULATE=1 is in the environment)
     import torch.distributed as dist
 
-    from supa_emu.plan import rank_record, uniform_group
+    from supa_emu.plan import rank_record, uniform_group, uniform_host_group
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, None, True, wait_for_workers=False)
     os.environ["MASTER_PORT"] = str(store.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     uniform_group.play(rank, world_size, values_path)
-    uniform_group.refuse_gloo()
+    uniform_host_group.install()
 
     failure = None
     rank_record.start(None, rank)

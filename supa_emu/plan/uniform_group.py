@@ -57,22 +57,34 @@ def play(rank: int, world_size: int, values_file: Optional[str] = None) -> None:
         _root_values.update(torch.load(values_file))
 
 
-def refuse_gloo() -> None:
-    """Makes a gloo group in this process fail at once with a PlanError.
+def root_value(group_name: str, host: torch.Tensor, is_root: bool) -> Optional[torch.Tensor]:
+    """What the root of a broadcast of `host` (this rank's tensor, in host memory) sent, for a
+    non-root rank where it is known: a small value of the first rank played. None where this
+    rank's own value stands: on the root (whose small values are kept for the ranks played
+    later), for large tensors, and where the root's value is not known (flagged for the report)."""
+    _broadcasts[group_name] = _broadcasts.get(group_name, 0) + 1
+    key = (group_name, _broadcasts[group_name], host.dtype, host.numel())
+    small = host.numel() * host.element_size() <= ROOT_VALUE_LIMIT
+    if is_root:
+        if small and _values_file is not None and not os.path.exists(_values_file):
+            _root_values[key] = host.clone()
+        return None
+    if not small:
+        return None  # a large value: every rank holds this rank's
+    if key not in _root_values:
+        call_record.flag("broadcast: the root's value is not known (its rank was not played first); "
+                         "this rank's own value stands in")
+    return _root_values.get(key)
 
-    A gloo group would wait (for its whole timeout) for peer processes that a planned world does
-    not have. c10d builds gloo groups from the ProcessGroupGloo name in distributed_c10d, so the
-    planner's rank process replaces that one name with a class that refuses (monkeypatch, listed
-    in the README; only in this process, and subclassing keeps c10d's isinstance checks valid).
-    """
-    from torch.distributed import distributed_c10d
 
-    class RefusedGloo(distributed_c10d.ProcessGroupGloo):
-        def __init__(self, *args, **kwargs):
-            raise PlanError("planner: the script creates a gloo group, which mixes real ranks (gloo needs every "
-                            "peer's process) into the planned world; only bccl groups can be planned")
-
-    distributed_c10d.ProcessGroupGloo = RefusedGloo
+def receive_own_chunk(chunks: List[torch.Tensor], mine: torch.Tensor, operation: str) -> None:
+    """An all_to_all's received chunks under the rule: every rank sent this rank what it sends itself."""
+    if any(chunk.numel() != mine.numel() for chunk in chunks):
+        call_record.flag(f"{operation} with uneven splits: what each rank sends depends on its own data "
+                         f"(e.g. MoE routing); chunks of another size keep their contents")
+    for chunk in chunks:
+        if chunk.numel() == mine.numel():
+            chunk.copy_(mine.reshape(chunk.shape))
 
 
 def save_root_values() -> None:
@@ -85,20 +97,25 @@ def groups_created() -> int:
     return _groups_created
 
 
-def create(backend_options, pg_options=None) -> "ProcessGroupUniform":
-    """The bccl backend's creator while planning (supa_emu.distributed routes here)."""
+def admit(group_rank: int, group_size: int) -> None:
+    """Checks that a group this process creates belongs to the planned world (raises PlanError)."""
     global _groups_created
     if _played is None or _played[2] != os.getpid():
         raise PlanError(
             "planner: the script spawns its own ranks (a process it started initialises a process group); "
             "the planner runs one process per rank as a launcher does: run the script without spawning")
     rank, world_size, _ = _played
-    if _groups_created == 0 and (backend_options.group_size, backend_options.group_rank) != (world_size, rank):
+    if _groups_created == 0 and (group_size, group_rank) != (world_size, rank):
         raise PlanError(
-            f"planner: the script asks for rank {backend_options.group_rank} of {backend_options.group_size}, "
+            f"planner: the script asks for rank {group_rank} of {group_size}, "
             f"but this process plays rank {rank} of {world_size}: take rank and world size from the "
             f"environment (RANK, WORLD_SIZE) as under a launcher")
     _groups_created += 1
+
+
+def create(backend_options, pg_options=None) -> "ProcessGroupUniform":
+    """The bccl backend's creator while planning (supa_emu.distributed routes here)."""
+    admit(backend_options.group_rank, backend_options.group_size)
     return ProcessGroupUniform(backend_options.store, backend_options.group_rank, backend_options.group_size,
                                group_options(backend_options, pg_options))
 
@@ -196,26 +213,12 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         tensor, opts = operands.broadcast(tensors, opts)
         call = HostCall()
         is_root = self.rank() == opts.rootRank
-        key = (self.options.group_name, self._next_broadcast(), tensor.dtype, tensor.numel())
-        small = tensor.numel() * tensor.element_size() <= ROOT_VALUE_LIMIT
-        if is_root or not small:
-            call.track(tensor, read=is_root)  # a large value: every rank holds this rank's
-            if is_root and small and _values_file is not None and not os.path.exists(_values_file):
-                _root_values[key] = host_view(tensor).clone()
+        value = root_value(self.options.group_name, host_view(tensor), is_root)
+        if value is None:
+            call.track(tensor, read=is_root)  # this rank's own value stands
         else:
-            view = call.view(tensor, read=False)
-            if key in _root_values:
-                view.copy_(_root_values[key].reshape(view.shape))
-            else:
-                view.copy_(host_view(tensor))
-                call_record.flag("broadcast: the root's value is not known (its rank was not played first); "
-                                 "this rank's own value stands in")
+            call.view(tensor, read=False).copy_(value.reshape(tensor.shape))
         return self._done(call, [tensor])
-
-    def _next_broadcast(self) -> int:
-        name = self.options.group_name
-        _broadcasts[name] = _broadcasts.get(name, 0) + 1
-        return _broadcasts[name]
 
     def allgather(self, output_lists, inputs, opts=None):
         input, outputs = operands.all_gather(output_lists, inputs, self.size(), self.rank())
@@ -270,7 +273,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         for i, input in enumerate(inputs):
             if i != self.rank():
                 call.track(input, write=False)
-        self._receive_own_chunk(call, [call.view(t, read=False) for t in outputs], mine, "all_to_all")
+        receive_own_chunk([call.view(t, read=False) for t in outputs], mine, "all_to_all")
         return self._done(call, outputs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -280,18 +283,10 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         out_view = call.view(output, read=False)
         start = sum(send[:self.rank()])
         mine = in_flat[start:start + send[self.rank()]]
-        self._receive_own_chunk(call, list(out_view.view(-1).split(receive)), mine, "all_to_all_single")
+        receive_own_chunk(list(out_view.view(-1).split(receive)), mine, "all_to_all_single")
         return self._done(call, [output])
 
     alltoall_base = all_to_all_single
-
-    def _receive_own_chunk(self, call: HostCall, chunks: List[torch.Tensor], mine: torch.Tensor, operation: str):
-        if any(chunk.numel() != mine.numel() for chunk in chunks):
-            call_record.flag(f"{operation} with uneven splits: what each rank sends depends on its own data "
-                             f"(e.g. MoE routing); chunks of another size keep their contents")
-        for chunk in chunks:
-            if chunk.numel() == mine.numel():
-                chunk.copy_(mine.reshape(chunk.shape))
 
     # ---- synchronisation and point-to-point -------------------------------------------------
     def barrier(self, opts=None):
@@ -313,4 +308,5 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         return self.recv(tensors, -1, tag)
 
 
-__all__ = ["PlanError", "ProcessGroupUniform", "create", "groups_created", "play", "save_root_values"]
+__all__ = ["PlanError", "ProcessGroupUniform", "admit", "create", "groups_created", "play", "receive_own_chunk", "root_value",
+           "save_root_values"]
