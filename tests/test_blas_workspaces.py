@@ -140,6 +140,19 @@ def test_backward_on_autograd_s_device_threads_holds_the_same():
     assert int(_DEVICE_THREADS.result().stdout.split()[-1]) == workspaces(2)
 
 
+_CONFIGURED = shared_case("test_blas_workspaces: SUPA_EMU_SUBLAS_WORKSPACE_CONFIG", """
+    import torch
+    x = torch.randn(64, 64, device="supa")
+    before = torch.supa.memory_allocated()
+    y = x @ x
+    print(torch.supa.memory_allocated() - before - y.untyped_storage().nbytes())
+""", env={"SUPA_EMULATE": "1", "SUPA_EMU_SUBLAS_WORKSPACE_CONFIG": ":16:8"})
+
+
+def test_the_workspace_size_is_configurable_as_cublas_s():
+    assert int(_CONFIGURED.result().stdout.split()[-1]) == pytest.approx(128 << 10, abs=SLACK)
+
+
 def test_clearing_frees_every_workspace_and_the_next_product_takes_one_again(dev):
     x, bias = matrices(dev)
     F.linear(x, x, bias)
