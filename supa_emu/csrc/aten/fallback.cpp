@@ -1,7 +1,10 @@
 // The boxed fallback: every operator without a supa kernel of its own runs PyTorch's CPU
 // kernel on CPU views of the supa operands. Nothing is copied: inputs are viewed in place,
 // and results that the CPU kernel allocates come from the device's memory pool (see
-// DeviceOutputScope), so they become supa tensors by relabelling their memory.
+// DeviceOutputScope), so they become supa tensors by relabelling their memory. So does the
+// kernel's scratch, which then counts as the card's; for the families whose card kernels have
+// none (matrix products), run_cpu_kernel_with_host_scratch keeps it on the host and copies the
+// results instead.
 //
 // Sparse operands (COO and compressed layouts) cross the same way: CPU sparse tensors over
 // host views of their index and value tensors.
@@ -24,6 +27,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <optional>
 
 namespace supa {
 namespace {
@@ -54,8 +58,9 @@ struct HostOperand {
 
 class FallbackCall {
  public:
-  FallbackCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel)
-      : op_(op), stack_(*stack), kernel_(kernel) {}
+  FallbackCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel,
+               bool scratch_on_card = true)
+      : op_(op), stack_(*stack), kernel_(kernel), scratch_on_card_(scratch_on_card) {}
 
   void run() {
     const auto& schema = op_.schema();
@@ -109,7 +114,10 @@ class FallbackCall {
     }
     {
       CurrentDeviceScope guard(device_);
-      DeviceOutputScope route_outputs(device_);
+      std::optional<DeviceOutputScope> route_outputs;
+      if (scratch_on_card_) {
+        route_outputs.emplace(device_);
+      }
       if (kernel_ != nullptr) {
         kernel_(op_, &stack_);
       } else if (full_dispatch_) {
@@ -300,6 +308,7 @@ class FallbackCall {
   const c10::OperatorHandle& op_;
   torch::jit::Stack& stack_;
   HostKernel kernel_;  // runs on the host operands; nullptr: the op's own CPU kernel
+  bool scratch_on_card_;  // the kernel's allocations come from the card (results taken over); else the host's
   c10::DeviceIndex device_ = -1;
   std::string host_tensor_arg_;
   // Small inline buffers: a typical call then allocates nothing for its bookkeeping.
@@ -315,6 +324,10 @@ class FallbackCall {
 
 void run_cpu_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   FallbackCall(op, stack, nullptr).run();
+}
+
+void run_cpu_kernel_with_host_scratch(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  FallbackCall(op, stack, nullptr, /*scratch_on_card=*/false).run();
 }
 
 void run_host_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
