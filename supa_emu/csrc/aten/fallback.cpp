@@ -3,8 +3,8 @@
 // and results that the CPU kernel allocates come from the device's memory pool (see
 // DeviceOutputScope), so they become supa tensors by relabelling their memory. So does the
 // kernel's scratch, which then counts as the card's; for the families whose card kernels have
-// none (matrix products), run_cpu_kernel_with_host_scratch keeps it on the host and copies the
-// results instead.
+// none (matrix products), run_cpu_kernel_with_host_scratch keeps it on the host: only the
+// kernel's first allocations (its results) come from the card.
 //
 // Sparse operands (COO and compressed layouts) cross the same way: CPU sparse tensors over
 // host views of their index and value tensors.
@@ -27,7 +27,6 @@
 #include <torch/library.h>
 
 #include <cstring>
-#include <optional>
 
 namespace supa {
 namespace {
@@ -40,6 +39,15 @@ bool accepts_host_indices(const c10::OperatorName& name, const std::string& argu
 
 std::string device_name(const c10::Device& d) {
   return d.str();
+}
+
+// Results that are not one of the operands (out=, in-place): the allocations a kernel makes for them.
+int new_results(const c10::FunctionSchema& schema) {
+  int count = 0;
+  for (const auto& result : schema.returns()) {
+    count += result.alias_info() == nullptr ? 1 : 0;
+  }
+  return count;
 }
 
 bool is_layout(const c10::TypePtr& type) {
@@ -114,10 +122,9 @@ class FallbackCall {
     }
     {
       CurrentDeviceScope guard(device_);
-      std::optional<DeviceOutputScope> route_outputs;
-      if (scratch_on_card_) {
-        route_outputs.emplace(device_);
-      }
+      // Structured kernels allocate their new results first: those go to the card, the scratch after
+      // them to the host (a result allocated later is copied to the card: slower, never wrong).
+      DeviceOutputScope route_outputs(device_, scratch_on_card_ ? -1 : new_results(schema));
       if (kernel_ != nullptr) {
         kernel_(op_, &stack_);
       } else if (full_dispatch_) {
