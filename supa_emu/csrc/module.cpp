@@ -1,8 +1,10 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native`).
+#include "aten/blas_ops.h"
 #include "aten/fallback.h"
 #include "bccl/all_gather.h"
 #include "bccl/card_operands.h"
 #include "bccl/signature_board.h"
+#include "runtime/blas_workspace.h"
 #include "runtime/caching_allocator.h"
 #include "runtime/collective_operands.h"
 #include "runtime/device_guard.h"
@@ -28,6 +30,9 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <sstream>
+#include <unordered_map>
+
 // From torch/csrc/profiler/python/combined_traceback.h, which cannot be included here: it pulls
 // in nlohmann/json.hpp, which the installed torch does not ship. Both are exported by
 // libtorch_python with these exact signatures.
@@ -43,6 +48,7 @@ void init(int count, const std::vector<int64_t>& capacities, bool dtype_demotion
   supa::install_host_routing_allocator();
   supa::register_hooks();
   supa::register_graph_impl();
+  supa::register_blas_ops();
   supa::route_composite_ops_to_cpu_kernels();
 }
 
@@ -80,7 +86,23 @@ py::tuple pool_id(int64_t graph_id, int64_t user_id) {
   return py::make_tuple(graph_id, user_id);
 }
 
+// The frame that names a BLAS workspace in a snapshot, above the Python frames of the call that made it.
+py::dict workspace_frame(const supa::BlasWorkspaceInfo& workspace) {
+  std::ostringstream name;
+  name << "supa BLAS " << (workspace.kind == "workspace" ? "workspace" : "Lt workspace") << " (handle 0x" << std::hex
+       << workspace.handle << std::dec << ", stream " << workspace.stream << ")";
+  py::dict frame;
+  frame["name"] = name.str();
+  frame["filename"] = "supa_emu/csrc/runtime/blas_workspace.cpp";
+  frame["line"] = 0;
+  return frame;
+}
+
 py::list memory_snapshot(int device) {
+  std::unordered_map<uintptr_t, supa::BlasWorkspaceInfo> workspaces;
+  for (const auto& workspace : supa::blas_workspaces()) {
+    workspaces.emplace(reinterpret_cast<uintptr_t>(workspace.ptr), workspace);
+  }
   py::list segments;
   for (const auto& fields : supa::segment_snapshot(static_cast<c10::DeviceIndex>(device))) {
     py::dict segment;
@@ -111,8 +133,12 @@ py::list memory_snapshot(int device) {
     block["requested_size"] = segment["requested_size"];
     block["state"] = allocated > 0 ? "active_allocated" : "inactive";
     const auto address = static_cast<uintptr_t>(segment["address"].cast<int64_t>());
-    block["frames"] = allocated > 0 ? symbolize({supa::block_stack(reinterpret_cast<void*>(address))})[0]
+    py::list frames = allocated > 0 ? symbolize({supa::block_stack(reinterpret_cast<void*>(address))})[0]
                                     : py::list();
+    if (auto it = workspaces.find(address); allocated > 0 && it != workspaces.end()) {
+      frames.insert(0, workspace_frame(it->second));
+    }
+    block["frames"] = frames;
     py::list blocks;
     blocks.append(block);
     segment["blocks"] = blocks;
@@ -197,6 +223,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_set_allocator_knobs", &supa::set_allocator_knobs, py::arg("max_split_size"), py::arg("gc_threshold"),
         py::arg("divisions"));
+  m.def("_set_blas_workspace_sizes", &supa::set_blas_workspace_sizes, py::arg("workspace"), py::arg("lt_workspace"));
+  m.def("_current_blas_handle", [](int device) {
+    return supa::current_blas_handle(static_cast<c10::DeviceIndex>(device));
+  });
+  m.def("_clear_blas_workspaces", &supa::clear_blas_workspaces);
   m.def("_capacity", [](int device) { return supa::capacity(static_cast<c10::DeviceIndex>(device)); });
   m.def("_memory_snapshot", &memory_snapshot, py::arg("device") = -1);
   m.def("_raw_alloc", [](size_t nbytes, int device) {

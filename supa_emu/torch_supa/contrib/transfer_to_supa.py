@@ -200,6 +200,7 @@ def _patch_torch_c() -> None:
     c._cuda_setStream = _c_entry(supa.set_stream_by_id)
     c._cuda_getCurrentRawStream = lambda index: supa.current_stream(index).supa_stream
     c._cuda_ipc_collect = _c_entry(supa.ipc_collect)
+    c._cuda_clearCublasWorkspaces = _c_entry(supa._clear_sublas_workspaces)
     c._graph_pool_handle = _c_entry(supa.graph_pool_handle)
     # Inductor's CUDA-graph trees import this when torch.backends.cuda.is_built() (now True);
     # the real package supplies the SUPA allocator's checkpoint state, which the emulator does
