@@ -205,16 +205,19 @@ void efficient_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* st
     const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, q);
     HostScratch scratch;
     at::Tensor gq, gk, gv, gbias;
+    const host_attention::Call call{q, k, v, bias, is_causal, scale, dropout_p, seed, offset};
+    // Forward skips the log-sum-exp when no input of its own needs a gradient (the mask may).
+    const at::Tensor row_lse =
+        lse.size(2) >= rows ? lse.narrow(2, 0, rows) : std::get<1>(host_attention::forward(call));
     if (cpu_flash_serves(q, v, bias, dropout_p) && !bias_grad) {
       // The CPU kernel's log-sum-exp layout: (B, L, H) memory.
       at::Tensor cpu_lse = at::empty({q.size(0), rows, q.size(1)}, lse.options()).transpose(1, 2);
-      cpu_lse.copy_(lse.narrow(2, 0, rows));
+      cpu_lse.copy_(row_lse);
       std::tie(gq, gk, gv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
           grad_out, q, k, v, out, cpu_lse, 0.0, is_causal,
           bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, scale);
     } else {
-      std::tie(gq, gk, gv, gbias) = host_attention::backward(
-          {q, k, v, bias, is_causal, scale, dropout_p, seed, offset}, grad_out, out, lse.narrow(2, 0, rows), bias_grad);
+      std::tie(gq, gk, gv, gbias) = host_attention::backward(call, grad_out, out, row_lse, bias_grad);
     }
     dq.host.copy_(gq);
     dk.host.copy_(gk);
