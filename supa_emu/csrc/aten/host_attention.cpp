@@ -60,18 +60,25 @@ at::Tensor dropout_scale(const Call& call, c10::IntArrayRef block_shape, int64_t
   return keep.to(at::kFloat).div_(1.0 - call.dropout_p);
 }
 
+// The operands in float32, key and value with the query's heads, and the block size.
+struct Operands {
+  int64_t batch, heads, rows, step;
+  at::Tensor q, k, v;
+};
+
+Operands float_operands(const Call& call) {
+  const int64_t heads = call.query.size(1);
+  const at::Tensor k = heads_like_query(call.key, heads).to(at::kFloat);
+  return {call.query.size(0), heads, call.query.size(2), rows_per_block(call.query.size(0) * heads, k.size(2)),
+          call.query.to(at::kFloat), k, heads_like_query(call.value, heads).to(at::kFloat)};
+}
+
 }  // namespace blocks
 
 std::tuple<at::Tensor, at::Tensor> forward(const Call& call) {
-  const int64_t batch = call.query.size(0);
-  const int64_t heads = call.query.size(1);
-  const int64_t rows = call.query.size(2);
-  const at::Tensor q = call.query.to(at::kFloat);
-  const at::Tensor k = blocks::heads_like_query(call.key, heads).to(at::kFloat);
-  const at::Tensor v = blocks::heads_like_query(call.value, heads).to(at::kFloat);
+  const auto [batch, heads, rows, step, q, k, v] = blocks::float_operands(call);
   at::Tensor out = at::empty({batch, heads, rows, v.size(3)}, q.options());
   at::Tensor lse = at::empty({batch, heads, rows}, q.options());
-  const int64_t step = blocks::rows_per_block(batch * heads, k.size(2));
   for (int64_t begin = 0; begin < rows; begin += step) {
     const int64_t end = std::min(rows, begin + step);
     at::Tensor s = blocks::scores(call, q, k, begin, end);
@@ -90,12 +97,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const Call& call) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(const Call& call, const at::Tensor& grad_out,
                                                                     const at::Tensor& out, const at::Tensor& lse,
                                                                     bool bias_grad) {
-  const int64_t batch = call.query.size(0);
-  const int64_t heads = call.query.size(1);
-  const int64_t rows = call.query.size(2);
-  const at::Tensor q = call.query.to(at::kFloat);
-  const at::Tensor k = blocks::heads_like_query(call.key, heads).to(at::kFloat);
-  const at::Tensor v = blocks::heads_like_query(call.value, heads).to(at::kFloat);
+  const auto [batch, heads, rows, step, q, k, v] = blocks::float_operands(call);
   const at::Tensor d_out = grad_out.to(at::kFloat);
   const at::Tensor lse_f = lse.to(at::kFloat);
   // Row sums of dO * O: the softmax's backward term, dropout included.
@@ -104,7 +106,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(const Call& 
   at::Tensor dk = at::zeros_like(k);
   at::Tensor dv = at::zeros_like(v);
   at::Tensor dbias = bias_grad ? at::empty({batch, heads, rows, k.size(2)}, q.options()) : at::Tensor();
-  const int64_t step = blocks::rows_per_block(batch * heads, k.size(2));
   for (int64_t begin = 0; begin < rows; begin += step) {
     const int64_t end = std::min(rows, begin + step);
     const int64_t n = end - begin;
@@ -125,9 +126,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(const Call& 
     dq.narrow(2, begin, n).copy_(at::matmul(ds, k).mul_(call.scale));
     dk.add_(at::matmul(ds.transpose(-2, -1), q.narrow(2, begin, n)).mul_(call.scale));
   }
-  const auto to_key_heads = [&](const at::Tensor& g, const at::Tensor& like) {
+  const int64_t query_heads = heads;  // a plain variable: lambdas capture no structured bindings before C++20
+  const auto to_key_heads = [query_heads](const at::Tensor& g, const at::Tensor& like) {
     const int64_t key_heads = like.size(1);
-    at::Tensor summed = key_heads == heads ? g : g.unflatten(1, {key_heads, heads / key_heads}).sum(2);
+    at::Tensor summed = key_heads == query_heads ? g : g.unflatten(1, {key_heads, query_heads / key_heads}).sum(2);
     return summed.to(like.scalar_type());
   };
   return {dq.to(call.query.scalar_type()), to_key_heads(dk, call.key), to_key_heads(dv, call.value), dbias};
