@@ -56,10 +56,11 @@ double softmax_scale(const at::Tensor& query, const c10::IValue& scale) {
 }
 
 // The card's transient buffers of a backward pass (see the file comment); freed when it returns.
-std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::Tensor& query) {
+// The kernel reads the output gradient in the output's layout: any other needs a dense copy.
+std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& query) {
   std::vector<at::Tensor> scratch;
   const auto options = at::TensorOptions().device(c10::Device(kSupa, current_device()));
-  if (!grad_out.transpose(1, 2).is_contiguous()) {
+  if (!grad_out.is_non_overlapping_and_dense() || grad_out.strides() != out.strides()) {
     scratch.push_back(at::empty(grad_out.sizes(), options.dtype(grad_out.scalar_type())));
   }
   scratch.push_back(at::empty(query.sizes(), options.dtype(at::kFloat)));
@@ -122,7 +123,7 @@ void flash_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack)
   CardTensor dk = on_card(k.sizes(), blhe, k.scalar_type());
   CardTensor dv = on_card(v.sizes(), blhe, v.scalar_type());
   {
-    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, q);
+    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q);
     HostScratch scratch;
     auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, dropout_p, is_causal,
@@ -202,7 +203,7 @@ void efficient_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* st
     dbias_card = on_card(padded, {}, bias.scalar_type()).card.narrow(-1, 0, bias.size(-1));
   }
   {
-    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, q);
+    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q);
     HostScratch scratch;
     at::Tensor gq, gk, gv, gbias;
     const host_attention::Call call{q, k, v, bias, is_causal, scale, dropout_p, seed, offset};
