@@ -25,7 +25,10 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
 
 namespace supa::fused_attention {
 
@@ -80,6 +83,10 @@ std::pair<at::Tensor, at::Tensor> draw_philox_state(double dropout_p) {
   return {seed, offset};
 }
 
+std::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 uint64_t read_long(const at::Tensor& t) {
   const at::Tensor host = t.device().type() == kSupa ? host_view(t) : t;
   return static_cast<uint64_t>(host.item<int64_t>());
@@ -100,7 +107,7 @@ void flash_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) 
   {
     HostScratch scratch;
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p, is_causal, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, scale);
+        q, k, v, dropout_p, is_causal, present(mask), scale);
     out.host.copy_(o);
     lse.host.transpose(1, 2).copy_(l);
   }
@@ -127,7 +134,7 @@ void flash_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack)
     HostScratch scratch;
     auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, dropout_p, is_causal,
-        mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, scale);
+        present(mask), scale);
     dq.host.copy_(gq);
     dk.host.copy_(gk);
     dv.host.copy_(gv);
@@ -161,7 +168,7 @@ void efficient_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* sta
     at::Tensor o, l;
     if (cpu_flash_serves(q, v, bias, dropout_p)) {
       std::tie(o, l) = at::_scaled_dot_product_flash_attention_for_cpu(
-          q, k, v, 0.0, is_causal, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, scale);
+          q, k, v, 0.0, is_causal, present(bias), scale);
     } else {
       std::tie(o, l) = host_attention::forward({q, k, v, bias, is_causal, scale, dropout_p, read_long(seed),
                                                 read_long(offset)});
@@ -216,7 +223,7 @@ void efficient_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* st
       cpu_lse.copy_(row_lse);
       std::tie(gq, gk, gv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
           grad_out, q, k, v, out, cpu_lse, 0.0, is_causal,
-          bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, scale);
+          present(bias), scale);
     } else {
       std::tie(gq, gk, gv, gbias) = host_attention::backward(call, grad_out, out, row_lse, bias_grad);
     }
