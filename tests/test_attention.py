@@ -289,6 +289,31 @@ def test_fused_attention_holds_what_the_h200_holds(dtype):
 
 
 @pytest.mark.emulation_only
+def test_grouped_query_attention_backward_holds_what_the_h200_holds():
+    # q (2, 16, 1024, 128), k and v with 4 heads, bf16, causal: the card's kernel keeps the key and
+    # value gradients of all 16 query heads while it runs (tests/data/fidelity/h200_gqa_attention.json).
+    import json
+    import pathlib
+
+    measured = json.loads((pathlib.Path(__file__).parent / "data" / "fidelity" / "h200_gqa_attention.json").read_text())
+    device = torch.device(DEV, torch.supa.device_count() - 1)
+    figures = {}
+    for name, heads in (("default_gqa", 4), ("default_no_gqa_16heads", 16)):
+        q = torch.randn(2, 16, 1024, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+        k, v = (torch.randn(2, heads, 1024, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+                for _ in range(2))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != 16)
+        grad = torch.ones_like(out)
+        start = torch.supa.memory_allocated(device)
+        torch.supa.reset_peak_memory_stats(device)
+        out.backward(grad)
+        figures[name] = torch.supa.max_memory_allocated(device) - start
+        card = measured[name]["backward_peak_over_start"]
+        assert 1.0 <= figures[name] / card < 1.01, (name, figures[name], card)
+    assert figures["default_gqa"] > figures["default_no_gqa_16heads"]  # as on the card
+
+
+@pytest.mark.emulation_only
 @pytest.mark.slow  # the math path materialises 4 x 16 x 1024 x 1024 probabilities
 def test_math_path_holds_the_probabilities_as_on_the_h200():
     emulated = card_memory(torch.bfloat16, [SDPBackend.MATH])

@@ -9,7 +9,9 @@
 //   the dropout seed and offset of memory-efficient attention; nothing of size L x S;
 // - backward: the gradients, and for the kernel's duration a dense copy of the output gradient
 //   when it is not dense in the output's layout, a float32 accumulator of the query gradient and
-//   the float32 row sums of dO * O.
+//   the float32 row sums of dO * O; with grouped-query attention (fewer key/value heads than
+//   query heads) also the key and value gradients of every query head, which the card's kernel
+//   sums over each group at the end (H200, tests/data/fidelity/h200_gqa_attention.json).
 // Shapes and strides of every result are those of PyTorch's meta functions for these ops, which
 // compiled graphs check.
 #include "fallback.h"
@@ -60,7 +62,8 @@ double softmax_scale(const at::Tensor& query, const c10::IValue& scale) {
 
 // The card's transient buffers of a backward pass (see the file comment); freed when it returns.
 // The kernel reads the output gradient in the output's layout: any other needs a dense copy.
-std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& query) {
+std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& query,
+                                         const at::Tensor& key, const at::Tensor& value) {
   std::vector<at::Tensor> scratch;
   const auto options = at::TensorOptions().device(c10::Device(kSupa, current_device()));
   if (!grad_out.is_non_overlapping_and_dense() || grad_out.strides() != out.strides()) {
@@ -68,6 +71,11 @@ std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::T
   }
   scratch.push_back(at::empty(query.sizes(), options.dtype(at::kFloat)));
   scratch.push_back(at::empty({query.size(0), query.size(1), query.size(2)}, options.dtype(at::kFloat)));
+  if (key.size(1) != query.size(1)) {
+    scratch.push_back(at::empty({key.size(0), query.size(1), key.size(2), key.size(3)}, options.dtype(key.scalar_type())));
+    scratch.push_back(at::empty({value.size(0), query.size(1), value.size(2), value.size(3)},
+                                options.dtype(value.scalar_type())));
+  }
   return scratch;
 }
 
@@ -130,7 +138,7 @@ void flash_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack)
   CardTensor dk = on_card(k.sizes(), blhe, k.scalar_type());
   CardTensor dv = on_card(v.sizes(), blhe, v.scalar_type());
   {
-    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q);
+    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q, k, v);
     HostScratch scratch;
     auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, dropout_p, is_causal,
@@ -210,7 +218,7 @@ void efficient_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* st
     dbias_card = on_card(padded, {}, bias.scalar_type()).card.narrow(-1, 0, bias.size(-1));
   }
   {
-    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q);
+    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q, k, v);
     HostScratch scratch;
     at::Tensor gq, gk, gv, gbias;
     const host_attention::Call call{q, k, v, bias, is_causal, scale, dropout_p, seed, offset};
