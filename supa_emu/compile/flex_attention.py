@@ -28,7 +28,7 @@ import copy
 import torch
 import torch.fx
 from torch._higher_order_ops.flex_attention import sdpa_dense, sdpa_dense_backward
-from torch._inductor import ir
+from torch._inductor import config, ir
 from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported, lower_cpu
 from torch._inductor.lowering import lowerings, register_lowering
 from torch._inductor.pattern_matcher import fwd_only
@@ -110,11 +110,13 @@ def _lower_graph(graph_module: torch.fx.GraphModule, operands: list):
         for node in graph_module.graph.nodes:
             if node.op == "placeholder":
                 graph.env[node] = next(inputs)
-            elif node.op == "get_attr":  # a constant the trace made (e.g. a -inf fill value)
+            elif node.op == "get_attr":  # a scalar the trace made (the -inf of masked scores)
                 constant = getattr(graph_module, node.target)
-                graph.env[node] = (ir.Constant(value=constant.item(), dtype=constant.dtype,
-                                               device=constant.device)
-                                   if constant.dim() == 0 else graph.add_tensor_constant(constant))
+                if constant.dim() != 0:
+                    raise NotImplementedError(f"supa flex attention: traced a tensor constant {node.target} "
+                                              f"of shape {tuple(constant.shape)}")
+                graph.env[node] = ir.Constant(value=constant.item(), dtype=constant.dtype,
+                                              device=constant.device)
             elif node.op == "output":
                 return graph.fetch_args_kwargs_from_env(node)[0][0]
             else:
@@ -134,7 +136,10 @@ def _forward(original):
             return original(*args)
         inference = not (kernel_options.get("OUTPUT_LOGSUMEXP") or kernel_options.get("OUTPUT_MAX"))
         if inference and check_cpu_supported():
-            return lower_cpu(*args)
+            # The template renders its kernel once here, for the node's device; Inductor names
+            # the code generator of a device type it does not know by `cuda_backend`.
+            with config.patch(cuda_backend="cpp"):
+                return lower_cpu(*args)
         return _inline_dense(sdpa_dense, args)
 
     return flex_attention
