@@ -18,7 +18,7 @@ pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 
 DEV = "supa"
 FLASH = "ScaledDotProductFlashAttentionForCpuBackward0"  # PyTorch's flash call on a device other than CUDA
 EFFICIENT = "ScaledDotProductEfficientAttentionBackward0"
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+TOLERANCE = {torch.float32: dict(atol=5e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
              torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
@@ -144,7 +144,7 @@ CHOICES = [
     (dict(), dict(is_causal=True), SDPBackend.FLASH_ATTENTION),
     (dict(dtype=torch.float16), dict(), SDPBackend.FLASH_ATTENTION),
     (dict(dtype=torch.float32), dict(is_causal=True), SDPBackend.EFFICIENT_ATTENTION),
-    (dict(), dict(attn_mask=torch.ones(L, L, dtype=torch.bool, device=DEV).tril()), SDPBackend.EFFICIENT_ATTENTION),
+    (dict(), dict(attn_mask=torch.ones(L, L, dtype=torch.bool).tril()), SDPBackend.EFFICIENT_ATTENTION),
     (dict(head_dim=6), dict(), SDPBackend.FLASH_ATTENTION),  # flash has no alignment rule
     (dict(dtype=torch.float32, head_dim=6), dict(), SDPBackend.MATH),  # memory-efficient needs 4 | head_dim
     (dict(head_dim=512), dict(), SDPBackend.EFFICIENT_ATTENTION),  # flash takes head_dim <= 256
@@ -159,6 +159,7 @@ CHOICES = [
 @pytest.mark.parametrize("inputs, kwargs, backend", CHOICES, ids=[str(i) for i in range(len(CHOICES))])
 def test_choice_follows_the_cuda_rules_and_is_what_runs(inputs, kwargs, backend):
     q, k, v = qkv(**inputs)
+    kwargs = {name: value.to(DEV) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
     assert choice(q, k, v, **kwargs) == backend
     kernels = {SDPBackend.FLASH_ATTENTION: FLASH, SDPBackend.EFFICIENT_ATTENTION: EFFICIENT}
     ran = F.scaled_dot_product_attention(q.requires_grad_(), k, v, **kwargs).grad_fn.name()

@@ -18,6 +18,7 @@
 #include "host_attention.h"
 
 #include "../runtime/devices.h"
+#include "../runtime/generator.h"
 #include "../runtime/host_alias.h"
 #include "../runtime/host_routing_allocator.h"
 
@@ -79,14 +80,17 @@ std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::T
   return scratch;
 }
 
-// The dropout seed and offset of memory-efficient attention, drawn from the card's default
-// generator through an ordinary random operator, so that they follow torch.supa.manual_seed.
-std::pair<at::Tensor, at::Tensor> draw_philox_state(double dropout_p) {
+// The dropout seed and offset of memory-efficient attention: the Philox counters of one number per
+// attention weight, reserved from the card's default generator as CUDA's kernel reserves them
+// (its offset advances by batch x heads x L x S), so dropout follows torch.supa.manual_seed.
+std::pair<at::Tensor, at::Tensor> draw_philox_state(double dropout_p, uint64_t weights) {
   const auto options = at::TensorOptions().dtype(at::kLong).device(c10::Device(kSupa, current_device()));
   at::Tensor seed = at::zeros({}, options);
   at::Tensor offset = at::zeros({}, options);
   if (dropout_p > 0.0) {
-    seed.random_();
+    const PhiloxRange counters = reserve_counters(std::nullopt, current_device(), weights);
+    seed.fill_(static_cast<int64_t>(counters.seed));
+    offset.fill_(static_cast<int64_t>(counters.offset));
   }
   return {seed, offset};
 }
@@ -170,7 +174,7 @@ void efficient_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* sta
   CardTensor out = on_card({batch, heads, rows, v.size(3)}, bhle, q.scalar_type());
   const int64_t lse_rows = compute_log_sumexp ? (rows + 31) / 32 * 32 : 0;
   CardTensor lse = on_card({batch, heads, lse_rows}, {}, at::kFloat);
-  auto [seed, offset] = draw_philox_state(dropout_p);
+  auto [seed, offset] = draw_philox_state(dropout_p, static_cast<uint64_t>(batch * heads * rows * k.size(2)));
   {
     HostScratch scratch;
     at::Tensor o, l;
