@@ -30,6 +30,7 @@ def parse_args():
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--checkpoint-dir", default="megatron_ckpt", help="created if missing; every rank writes its shards there")
+    p.add_argument("--no-checkpoint", action="store_true", help="train only (for the planner: see docs/frameworks.md)")
     return p.parse_args()
 
 
@@ -136,9 +137,10 @@ def main():
             loss = losses[0]["lm loss"].item()
             print(f"step {step}: loss {loss:.4f}, {time.perf_counter() - start:.2f} s", flush=True)
 
-    os.makedirs(args.checkpoint_dir, exist_ok=True)
-    same = checkpoint_round_trip(model, optimizer, args.checkpoint_dir)
-    print(f"rank {rank}: checkpoint saved and loaded, weights equal: {same}", flush=True)
+    if not args.no_checkpoint:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        same = checkpoint_round_trip(model, optimizer, args.checkpoint_dir)
+        print(f"rank {rank}: checkpoint saved and loaded, weights equal: {same}", flush=True)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
