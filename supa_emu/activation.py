@@ -70,6 +70,7 @@ def _register() -> None:
     core = native.load(cfg.cache_dir, cfg.cache_dir_from_env)
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
     core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion)
+    core._set_blas_workspace_sizes(cfg.blas_workspace_bytes, cfg.profile.blaslt_workspace_size)
     process_state.record_core(core)
 
     from supa_emu import supa as supa_module

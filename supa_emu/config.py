@@ -44,6 +44,7 @@ class EmulatorConfig:
     autograd_device_threads: bool  # backward on autograd's per-device threads (as on a card), not the caller's
     plan_record: pathlib.Path | None  # SUPA_PLAN_RECORD: write this rank's memory and collectives to DIR/rank-R.json
     plan_simulate: bool  # SUPA_PLAN_SIMULATE: bccl groups are a planned world (set by `python -m supa_emu.plan`)
+    blas_workspace_bytes: int  # one BLAS workspace per (handle, stream); SUPA_EMU_SUBLAS_WORKSPACE_CONFIG or the profile's
 
 
 def _flag(name: str, default: bool = False) -> bool:
@@ -207,6 +208,23 @@ def _plan_record() -> pathlib.Path | None:
     return path
 
 
+def blas_workspace_bytes(profile: DeviceProfile) -> int:
+    """SUPA_EMU_SUBLAS_WORKSPACE_CONFIG in CUBLAS_WORKSPACE_CONFIG's form, ':SIZE:COUNT' repeated
+    (SIZE in KiB; the workspace is the sum of SIZE x COUNT, so ':4096:8' is 32 MiB and ':0:0' none);
+    unset: the profile's size."""
+    name = "SUPA_EMU_SUBLAS_WORKSPACE_CONFIG"
+    raw = os.environ.get(name)
+    if raw is None:
+        return profile.blas_workspace_size
+    pairs = re.fullmatch(r"(?::[0-9]+:[0-9]+)+", raw.strip())
+    if pairs is None:
+        raise ConfigError(f"{name}={raw!r} is invalid; accepted: one or more ':SIZE:COUNT' pairs as in "
+                          f"CUBLAS_WORKSPACE_CONFIG (SIZE in KiB, COUNT chunks, summed), e.g. ':4096:8' (32 MiB), "
+                          f"':4096:2:16:8', or ':0:0' for no workspace")
+    numbers = [int(part) for part in raw.strip().split(":")[1:]]
+    return sum(size * count for size, count in zip(numbers[::2], numbers[1::2])) * 1024
+
+
 def load() -> EmulatorConfig:
     """Read and validate every variable; raises ConfigError on the first bad one."""
     profile_name = os.environ.get("SUPA_EMU_PROFILE", DEFAULT_PROFILE).strip().upper()
@@ -237,4 +255,5 @@ def load() -> EmulatorConfig:
         autograd_device_threads=_flag("SUPA_EMU_AUTOGRAD_DEVICE_THREADS"),
         plan_record=_plan_record(),
         plan_simulate=_flag("SUPA_PLAN_SIMULATE"),
+        blas_workspace_bytes=blas_workspace_bytes(profile),
     )

@@ -16,7 +16,8 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:
-    """Static properties of one emulated SUPA card (field names of `_SupaDeviceProperties`)."""
+    """Static properties of one emulated SUPA card (field names of `_SupaDeviceProperties`), then
+    the sizes its libraries keep."""
 
     name: str
     total_memory: int
@@ -36,6 +37,12 @@ class DeviceProfile:
     memory_clock_rate: int = 1_600_000  # kHz
     memory_bus_width: int = 4096
     L2_cache_size: int = 8 * MiB
+    # The BLAS library's workspaces, one per (thread's handle, stream) once it has run a matrix
+    # product, and the extra one of its bias-epilogue (Lt) path. Biren publishes no Sublas figure;
+    # these are what cuBLAS keeps on an H200 (tests/data/fidelity/h200_kernels.json), the card the
+    # emulator's memory is held to. SUPA_EMU_SUBLAS_WORKSPACE_CONFIG overrides the first.
+    blas_workspace_size: int = 32 * MiB
+    blaslt_workspace_size: int = 1 * MiB
 
     def uuid_bytes(self, physical_index: int) -> bytes:
         """A stable 16-byte UUID per (profile, physical card index)."""

@@ -10,7 +10,7 @@ from supa_emu.device_profile import PROFILES
 def clean_env(monkeypatch):
     for name in ("SUPA_EMULATE", "SUPA_EMU_DEVICE_COUNT", "SUPA_VISIBLE_DEVICES", "SUPA_EMU_MEMORY",
                  "SUPA_EMU_PROFILE", "SUPA_EMU_EXT", "BRTB_ENABLE_DTYPE_DEMOTION", "SUPA_DS_ACCELERATOR",
-                 "SUPA_EMU_SANITIZE", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS"):
+                 "SUPA_EMU_SANITIZE", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS", "SUPA_EMU_SUBLAS_WORKSPACE_CONFIG"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -121,3 +121,21 @@ def test_startup_line_installs_the_finder_only_when_emulation_is_wanted(raw, ins
     out = harness.run([sys.executable, "-S", "-c", probe], env={"SUPA_EMULATE": raw, "PYTHONPATH": harness.ROOT},
                       timeout=60)
     assert out.stdout.split() == [str(installs_finder), "False"], out.stderr
+
+
+def test_blas_workspace_defaults_to_the_profile_s(monkeypatch):
+    assert config.load().blas_workspace_bytes == PROFILES["BR104"].blas_workspace_size == 32 << 20
+
+
+@pytest.mark.parametrize("raw, expected", [(":4096:8", 32 << 20), (":4096:2:16:8", (8192 + 128) << 10), (":0:0", 0),
+                                           (" :16:8 ", 128 << 10)])
+def test_blas_workspace_config_in_cublas_form(monkeypatch, raw, expected):
+    monkeypatch.setenv("SUPA_EMU_SUBLAS_WORKSPACE_CONFIG", raw)
+    assert config.load().blas_workspace_bytes == expected
+
+
+@pytest.mark.parametrize("raw", ["", "4096:8", ":4096", ":4096:8:", "32MiB", ":-1:8", ":4096:x"])
+def test_bad_blas_workspace_config(monkeypatch, raw):
+    monkeypatch.setenv("SUPA_EMU_SUBLAS_WORKSPACE_CONFIG", raw)
+    with pytest.raises(config.ConfigError, match=r"SUPA_EMU_SUBLAS_WORKSPACE_CONFIG=.*':SIZE:COUNT'"):
+        config.load()

@@ -10,6 +10,7 @@ from harness import PRISTINE, UNTOUCHED, run_python, shared_case
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+import torch_supa  # noqa: E402  (its _C clears the BLAS workspaces)
 
 MiB = 1 << 20
 ROUNDING = 512 + 32  # the allocator pads each block and rounds it up to 512 bytes
@@ -17,7 +18,9 @@ ROUNDING = 512 + 32  # the allocator pads each block and rounds it up to 512 byt
 
 @pytest.fixture(scope="module", autouse=True)
 def no_garbage_of_earlier_tests():
+    # Nor the BLAS workspaces their matrix products left (the tests below count bytes from zero).
     gc.collect()
+    torch_supa._C._supa_clearSublasWorkspaces()
 
 
 @pytest.fixture(autouse=True)
@@ -537,11 +540,13 @@ def test_cpu_side_state_of_a_kernel_never_stays_on_the_card(name):
     kernel = _kernel(name, f"supa:{dev}")
     for _ in range(2):  # the first call fills the caches, the second reuses them
         gc.collect()
+        torch.supa._clear_sublas_workspaces()  # what the card's BLAS keeps is the card's (test_blas_workspaces.py)
         before = torch.supa.memory_allocated(dev)
         result = kernel()
         assert result.device == torch.device("supa", dev)
         del result
         gc.collect()
+        torch.supa._clear_sublas_workspaces()
         assert torch.supa.memory_allocated(dev) == before
 
 

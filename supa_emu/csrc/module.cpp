@@ -1,8 +1,11 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native`).
+#include "aten/blas_ops.h"
 #include "aten/fallback.h"
+#include "aten/sdp_choice.h"
 #include "bccl/all_gather.h"
 #include "bccl/card_operands.h"
 #include "bccl/signature_board.h"
+#include "runtime/blas_workspace.h"
 #include "runtime/caching_allocator.h"
 #include "runtime/collective_operands.h"
 #include "runtime/device_guard.h"
@@ -22,11 +25,15 @@
 // optim, data), which this file does not use and which dominated the build time.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Event.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/profiler/combined_traceback.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
+
+#include <sstream>
+#include <unordered_map>
 
 // From torch/csrc/profiler/python/combined_traceback.h, which cannot be included here: it pulls
 // in nlohmann/json.hpp, which the installed torch does not ship. Both are exported by
@@ -43,6 +50,7 @@ void init(int count, const std::vector<int64_t>& capacities, bool dtype_demotion
   supa::install_host_routing_allocator();
   supa::register_hooks();
   supa::register_graph_impl();
+  supa::register_blas_ops();
   supa::route_composite_ops_to_cpu_kernels();
 }
 
@@ -80,7 +88,23 @@ py::tuple pool_id(int64_t graph_id, int64_t user_id) {
   return py::make_tuple(graph_id, user_id);
 }
 
+// The frame that names a BLAS workspace in a snapshot, above the Python frames of the call that made it.
+py::dict workspace_frame(const supa::BlasWorkspaceInfo& workspace) {
+  std::ostringstream name;
+  name << "supa BLAS " << (workspace.kind == "workspace" ? "workspace" : "Lt workspace") << " (handle 0x" << std::hex
+       << workspace.handle << std::dec << ", stream " << workspace.stream << ")";
+  py::dict frame;
+  frame["name"] = name.str();
+  frame["filename"] = "supa_emu/csrc/runtime/blas_workspace.cpp";
+  frame["line"] = 0;
+  return frame;
+}
+
 py::list memory_snapshot(int device) {
+  std::unordered_map<uintptr_t, supa::BlasWorkspaceInfo> workspaces;
+  for (const auto& workspace : supa::blas_workspaces()) {
+    workspaces.emplace(reinterpret_cast<uintptr_t>(workspace.ptr), workspace);
+  }
   py::list segments;
   for (const auto& fields : supa::segment_snapshot(static_cast<c10::DeviceIndex>(device))) {
     py::dict segment;
@@ -111,8 +135,12 @@ py::list memory_snapshot(int device) {
     block["requested_size"] = segment["requested_size"];
     block["state"] = allocated > 0 ? "active_allocated" : "inactive";
     const auto address = static_cast<uintptr_t>(segment["address"].cast<int64_t>());
-    block["frames"] = allocated > 0 ? symbolize({supa::block_stack(reinterpret_cast<void*>(address))})[0]
+    py::list frames = allocated > 0 ? symbolize({supa::block_stack(reinterpret_cast<void*>(address))})[0]
                                     : py::list();
+    if (auto it = workspaces.find(address); allocated > 0 && it != workspaces.end()) {
+      frames.insert(0, workspace_frame(it->second));
+    }
+    block["frames"] = frames;
     py::list blocks;
     blocks.append(block);
     segment["blocks"] = blocks;
@@ -179,11 +207,42 @@ void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_ent
   supa::set_memory_history(trace, stacks, cpp_stacks, max_entries);
 }
 
+// torch.backends.cuda.SDPAParams (torch._C._SDPAParams) as the card's choice reads it.
+sdp::sdp_params sdpa_params(py::handle params) {
+  py::object mask = params.attr("attn_mask");
+  return sdp::sdp_params{params.attr("query").cast<at::Tensor>(),
+                         params.attr("key").cast<at::Tensor>(),
+                         params.attr("value").cast<at::Tensor>(),
+                         mask.is_none() ? std::nullopt : std::optional<at::Tensor>(mask.cast<at::Tensor>()),
+                         params.attr("dropout").cast<double>(),
+                         params.attr("is_causal").cast<bool>(),
+                         params.attr("enable_gqa").cast<bool>()};
+}
+
+// torch._C._can_use_*_attention(params, debug) for supa inputs; `debug` warnings reach Python.
+template <bool (*can_use)(const sdp::sdp_params&, bool)>
+bool can_use_attention(py::handle params, bool debug) {
+  const sdp::sdp_params parsed = sdpa_params(params);
+  bool result = false;
+  {
+    torch::PyWarningHandler warnings;
+    result = can_use(parsed, debug);
+  }
+  return result;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native core of the emulated SUPA device";
   m.def("_init", &init, "Create the emulated devices (once per process)");
+  m.def("_is_flash_attention_available", [] { return true; });
+  m.def("_can_use_flash_attention", &can_use_attention<&supa::can_use_flash_attention>, py::arg("params"),
+        py::arg("debug") = false);
+  m.def("_can_use_mem_efficient_attention", &can_use_attention<&supa::can_use_mem_efficient_attention>,
+        py::arg("params"), py::arg("debug") = false);
+  m.def("_can_use_cudnn_attention", &can_use_attention<&supa::can_use_cudnn_attention>, py::arg("params"),
+        py::arg("debug") = false);
   m.def("_device_count", [] { return supa::device_count(); });
   m.def("_get_device", [] { return static_cast<int>(supa::current_device()); });
   m.def("_set_device", [](int index) { supa::set_device(static_cast<c10::DeviceIndex>(index)); });
@@ -197,6 +256,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_set_allocator_knobs", &supa::set_allocator_knobs, py::arg("max_split_size"), py::arg("gc_threshold"),
         py::arg("divisions"));
+  m.def("_set_blas_workspace_sizes", &supa::set_blas_workspace_sizes, py::arg("workspace"), py::arg("lt_workspace"));
+  m.def("_current_blas_handle", [](int device) {
+    return supa::current_blas_handle(static_cast<c10::DeviceIndex>(device));
+  });
+  m.def("_clear_blas_workspaces", &supa::clear_blas_workspaces);
   m.def("_capacity", [](int device) { return supa::capacity(static_cast<c10::DeviceIndex>(device)); });
   m.def("_memory_snapshot", &memory_snapshot, py::arg("device") = -1);
   m.def("_raw_alloc", [](size_t nbytes, int device) {

@@ -19,7 +19,7 @@ from typing import Any
 from supa_emu import process_state
 
 from ._runtime import (  # noqa: F401
-    DeferredSupaCallError, SupaError, _DeviceContext, _DeviceGuard, _exchange_device, _get_device_index,
+    DeferredSupaCallError, SupaError, _clear_sublas_workspaces, _DeviceContext, _DeviceGuard, _exchange_device, _get_device_index,
     _is_compiled, _is_in_bad_fork, _lazy_call, _lazy_init, _maybe_exchange_device, _native, _probe_bf16,
     _sleep, can_device_access_peer, check_error, current_blas_handle, current_device, device, device_count,
     get_device_capability, get_device_name, get_device_properties, init, is_available, is_bf16_supported,

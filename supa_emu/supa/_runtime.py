@@ -340,8 +340,17 @@ def _sleep(cycles: int) -> None:
 
 
 def current_blas_handle() -> int:
-    """An opaque non-zero handle of the current device's BLAS context (stable per device)."""
-    return 0x5B1A0000 + (current_device() + 1) * 0x100
+    """This thread's BLAS handle on the current device (an opaque non-zero int; initialises).
+    Each thread has its own per device; a thread that ends gives its handles back for reuse."""
+    _lazy_init()
+    return int(_native()._current_blas_handle(current_device()))
+
+
+def _clear_sublas_workspaces() -> None:
+    """Free the BLAS workspaces every (handle, stream) keeps since its first matrix product (the
+    real stack's `torch_supa._C._supa_clearSublasWorkspaces`, CUDA's `_cuda_clearCublasWorkspaces`)."""
+    if _is_compiled():
+        _native()._clear_blas_workspaces()
 
 
 def set_stream_by_id(stream_id: int, device_index: int, device_type: int) -> None:

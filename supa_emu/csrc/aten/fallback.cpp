@@ -1,7 +1,10 @@
 // The boxed fallback: every operator without a supa kernel of its own runs PyTorch's CPU
 // kernel on CPU views of the supa operands. Nothing is copied: inputs are viewed in place,
 // and results that the CPU kernel allocates come from the device's memory pool (see
-// DeviceOutputScope), so they become supa tensors by relabelling their memory.
+// DeviceOutputScope), so they become supa tensors by relabelling their memory. So does the
+// kernel's scratch, which then counts as the card's; for the families whose card kernels have
+// none (matrix products), run_cpu_kernel_with_host_scratch keeps it on the host: only the
+// kernel's first allocations (its results) come from the card.
 //
 // Sparse operands (COO and compressed layouts) cross the same way: CPU sparse tensors over
 // host views of their index and value tensors.
@@ -39,6 +42,15 @@ std::string device_name(const c10::Device& d) {
   return d.str();
 }
 
+// Results that are not one of the operands (out=, in-place): the allocations a kernel makes for them.
+int new_results(const c10::FunctionSchema& schema) {
+  int count = 0;
+  for (const auto& result : schema.returns()) {
+    count += result.alias_info() == nullptr ? 1 : 0;
+  }
+  return count;
+}
+
 bool is_layout(const c10::TypePtr& type) {
   if (type->kind() == c10::TypeKind::OptionalType) {
     return is_layout(type->castRaw<c10::OptionalType>()->getElementType());
@@ -55,8 +67,9 @@ struct HostOperand {
 
 class FallbackCall {
  public:
-  FallbackCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel)
-      : op_(op), stack_(*stack), kernel_(kernel) {}
+  FallbackCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel,
+               bool scratch_on_card = true)
+      : op_(op), stack_(*stack), kernel_(kernel), scratch_on_card_(scratch_on_card) {}
 
   void run() {
     const auto& schema = op_.schema();
@@ -116,7 +129,9 @@ class FallbackCall {
     }
     {
       CurrentDeviceScope guard(device_);
-      DeviceOutputScope route_outputs(device_);
+      // Structured kernels allocate their new results first: those go to the card, the scratch after
+      // them to the host (a result allocated later is copied to the card: slower, never wrong).
+      DeviceOutputScope route_outputs(device_, scratch_on_card_ ? -1 : new_results(schema));
       if (kernel_ != nullptr) {
         kernel_(op_, &stack_);
       } else if (full_dispatch_) {
@@ -308,6 +323,7 @@ class FallbackCall {
   const c10::OperatorHandle& op_;
   torch::jit::Stack& stack_;
   HostKernel kernel_;  // runs on the host operands; nullptr: the op's own CPU kernel
+  bool scratch_on_card_;  // the kernel's allocations come from the card (results taken over); else the host's
   c10::DeviceIndex device_ = -1;
   std::string host_tensor_arg_;
   // Small inline buffers: a typical call then allocates nothing for its bookkeeping.
@@ -324,6 +340,10 @@ class FallbackCall {
 
 void run_cpu_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   FallbackCall(op, stack, nullptr).run();
+}
+
+void run_cpu_kernel_with_host_scratch(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  FallbackCall(op, stack, nullptr, /*scratch_on_card=*/false).run();
 }
 
 void run_host_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {

@@ -14,6 +14,10 @@ void route_composite_ops_to_cpu_kernels();
 // The boxed fallback: runs the op's CPU kernel on CPU views of its supa operands (zero
 // copy) and hands the results back as supa tensors. Usable as any op's supa kernel.
 void run_cpu_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// The same, with the CPU kernel's scratch in host memory, not on the card: for operator families
+// whose card kernels allocate nothing beyond their results (docs/card_memory.md, "Kernel scratch by
+// operator family"). The kernel's first allocations (its results) still come from the card.
+void run_cpu_kernel_with_host_scratch(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // The same call machinery (placement checks, host views, results into device memory), but
 // `kernel` runs on the host operands instead of the op's CPU kernel: for ops that have no
 // CPU kernel because PyTorch only calls them for GPUs.

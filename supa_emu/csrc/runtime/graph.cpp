@@ -37,6 +37,23 @@ struct RecordedCall {
 class SupaGraph;
 std::atomic<SupaGraph*> g_capturing{nullptr};
 std::mutex g_record_mutex;
+thread_local bool t_replaying = false;
+
+// Marks this thread as replaying while the scope lives.
+class ReplayScope {
+ public:
+  ReplayScope() : previous_(t_replaying) {
+    t_replaying = true;
+  }
+  ~ReplayScope() {
+    t_replaying = previous_;
+  }
+  ReplayScope(const ReplayScope&) = delete;
+  ReplayScope& operator=(const ReplayScope&) = delete;
+
+ private:
+  bool previous_;
+};
 
 void write_into(const c10::IValue& captured, const c10::IValue& fresh) {
   if (captured.isTensor() && fresh.isTensor()) {
@@ -99,6 +116,7 @@ class SupaGraph final : public at::GraphImplInterface {
     for (auto& [state, increment] : generator_states_) {
       replay_prologue(*state, increment);
     }
+    ReplayScope replaying;
     for (const auto& call : calls_) {
       std::vector<c10::IValue> stack = call.inputs;
       std::optional<ReplayedDraws> draws;
@@ -161,6 +179,10 @@ class SupaGraph final : public at::GraphImplInterface {
 
 bool is_capturing() {
   return g_capturing.load(std::memory_order_relaxed) != nullptr;
+}
+
+bool is_replaying() {
+  return t_replaying;
 }
 
 void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,

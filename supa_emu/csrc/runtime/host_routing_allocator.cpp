@@ -16,6 +16,7 @@ namespace supa {
 namespace {
 
 thread_local c10::DeviceIndex t_output_device = -1;
+thread_local int t_device_allocations_left = -1;  // -1: every allocation in the scope
 c10::Allocator* g_base_cpu_allocator = nullptr;
 
 void routed_raw_delete(void* ptr) {
@@ -29,8 +30,11 @@ void routed_raw_delete(void* ptr) {
 class HostRoutingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
-    if (t_output_device < 0 || nbytes == 0) {
+    if (t_output_device < 0 || nbytes == 0 || t_device_allocations_left == 0) {
       return g_base_cpu_allocator->allocate(nbytes);
+    }
+    if (t_device_allocations_left > 0) {
+      --t_device_allocations_left;
     }
     void* ptr = allocate_block(nbytes, t_output_device);
     return {ptr, ptr, &delete_device_ptr, c10::Device(c10::DeviceType::CPU)};
@@ -47,12 +51,15 @@ HostRoutingAllocator g_routing_allocator;
 
 }  // namespace
 
-DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device) : previous_(t_output_device) {
+DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device, int first_allocations)
+    : previous_(t_output_device), previous_left_(t_device_allocations_left) {
   t_output_device = device;
+  t_device_allocations_left = first_allocations;
 }
 
 DeviceOutputScope::~DeviceOutputScope() {
   t_output_device = previous_;
+  t_device_allocations_left = previous_left_;
 }
 
 c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device) {

@@ -1,0 +1,17 @@
+"""The emulated `torch_supa._C`: the native entry points of the real package that code calls by name.
+
+Only the ones the emulator answers are here; the rest of the real `_C` (docs/real_stack.md) is
+reached through `torch.supa`.
+"""
+
+from supa_emu.supa import _runtime
+
+
+def _supa_getCurrentBlasHandle() -> int:
+    """This thread's BLAS handle on the current device."""
+    return _runtime.current_blas_handle()
+
+
+def _supa_clearSublasWorkspaces() -> None:
+    """Free every BLAS workspace (as torch._C._cuda_clearCublasWorkspaces on CUDA)."""
+    _runtime._clear_sublas_workspaces()

@@ -1,0 +1,105 @@
+"""The emulated card's memory held to a real GPU's: each configuration of tests/data/fidelity/h200_reference.jsonl
+runs as the planner's rank 0 of N, and its peaks and steady state must be within the bar of the card's.
+
+A plan may read a little high, never low: step peak and what stays allocated at the end of each step
+within [1.00, 1.05] of the card's, the initialize() peak within [0.99, 1.05]. Each line of the reference
+is one test, so a configuration added there is held to the same bar. The fast tier runs the cheapest
+configuration (GPT 355M, ZeRO-2, N=8, 256 tokens x 2: about 40 s on 2 cores); the others take minutes.
+"""
+
+import json
+import pathlib
+import shlex
+import sys
+
+import pytest
+
+from harness import run
+
+pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+pytestmark = pytest.mark.emulation_only
+
+DATA = pathlib.Path(__file__).resolve().parent / "data" / "fidelity"
+PROBE = DATA / "memory_probe.py"
+REFERENCE = [json.loads(line) for line in (DATA / "h200_reference.jsonl").read_text().splitlines() if line.strip()]
+FAST = "--fake-world 8 --stage 2"
+STEP_BAR = (1.00, 1.05)
+INIT_BAR = (0.99, 1.05)
+# Configurations measured below the bar, with the lowest ratio (fused attention merged, 2026-11-26) and why:
+# the card's caching allocator hands out a whole free block where splitting it would leave at most 1 MiB,
+# and counts the whole block; the emulated allocator counts what was asked for (docs/card_memory.md, "Held
+# to a real card"). Strict: a configuration that starts passing must leave this table.
+_SLACK = "the H200's allocator counts unsplit block remainders the emulated allocator does not have"
+BELOW_THE_CARD = {
+    "--fake-world 8 --stage 3": f"0.9987 (step 2 peak, -4.4 MiB): {_SLACK}",
+    "--fake-world 8 --stage 2": f"0.9991 (end of step, -1.2 MiB): {_SLACK}",
+    "--fake-world 8 --stage 1 --dtype fp32": f"0.9999 (step peak, -0.5 MiB): {_SLACK}",
+    "--fake-world 8 --stage 2 --model hf-gpt2 --seq 1024 --micro 2": f"0.9994 (end of step, -0.8 MiB): {_SLACK}",
+    "--fake-world 8 --engine fsdp2 --model hf-llama --dim 2048 --layers 16 --heads 16 --vocab 32000 --seq 1024 "
+    "--micro 2": f"0.9846 (step 1 peak, -66 MiB; end of step 0.9861, -17.5 MiB, where the card's snapshot shows 17.75 "
+                 f"MiB in 50 unsplit blocks): {_SLACK}; the peaks' further shortfall is in grouped-query attention",
+}
+
+
+def planner_arguments(card_args: str) -> tuple[int, list[str]]:
+    """(N, the probe's other arguments) from the card's `--fake-world N ...`."""
+    args = shlex.split(card_args)
+    at = args.index("--fake-world")
+    world = int(args[at + 1])
+    return world, args[:at] + args[at + 2:]
+
+
+def plan(card_args: str) -> dict:
+    """The probe's RESULT as the planner's rank 0 of N."""
+    world, args = planner_arguments(card_args)
+    finished = run([sys.executable, "-m", "supa_emu.plan", "--world-size", str(world), "--rank", "0", "--",
+                    str(PROBE), *args], timeout=1800, check=True)
+    [result] = finished.json_lines("RESULT ")
+    return result
+
+
+def ratios(card: dict, emulated: dict) -> dict:
+    """Emulated / card, per figure: init_peak, and peak and end of each step."""
+    out = {"init_peak": emulated["init_peak"] / card["init_peak"]}
+    for i, (c, e) in enumerate(zip(card["steps"], emulated["steps"], strict=True)):
+        out[f"step {i + 1} peak"] = e["peak"] / c["peak"]
+        out[f"step {i + 1} end"] = e["end"] / c["end"]
+    return out
+
+
+def within_bar(name: str, ratio: float) -> bool:
+    low, high = INIT_BAR if name == "init_peak" else STEP_BAR
+    return low <= ratio <= high
+
+
+def row(card: dict, emulated: dict) -> str:
+    """The configuration's line of docs/card_memory.md's table (MiB; highest step peak, last step's end)."""
+    mib = 2 ** 20
+    card_peak, emulated_peak = max(s["peak"] for s in card["steps"]), max(s["peak"] for s in emulated["steps"])
+    card_end, emulated_end = card["steps"][-1]["end"], emulated["steps"][-1]["end"]
+    return (f"| `{card['args']}` | {card_peak / mib:.0f} | {emulated_peak / mib:.0f} | {emulated_peak / card_peak:.3f} "
+            f"| {card_end / mib:.0f} | {emulated_end / mib:.0f} | {emulated_end / card_end:.3f} "
+            f"| {emulated['init_peak'] / card['init_peak']:.3f} |")
+
+
+def marks(args: str) -> list:
+    known = [pytest.mark.xfail(raises=AssertionError, strict=True, reason=f"below the card: {BELOW_THE_CARD[args]}")] \
+        if args in BELOW_THE_CARD else []
+    return known + ([] if args == FAST else [pytest.mark.slow])
+
+
+@pytest.mark.parametrize("card", [pytest.param(line, id=line["args"], marks=marks(line["args"])) for line in REFERENCE])
+def test_planned_memory_is_within_the_bar_of_the_card_s(card):
+    emulated = plan(card["args"])
+    print("\n" + row(card, emulated))
+    measured = ratios(card, emulated)
+    outside = {name: round(value, 4) for name, value in measured.items() if not within_bar(name, value)}
+    assert not outside, f"emulated / card outside the bar: {outside}; all: " \
+                        f"{ {name: round(value, 4) for name, value in measured.items()} }"
+
+
+def test_the_planner_s_arguments_are_the_card_s_without_the_fake_world():
+    assert planner_arguments("--fake-world 16 --engine fsdp2 --seq 512 --ckpt") == \
+        (16, ["--engine", "fsdp2", "--seq", "512", "--ckpt"])
+    assert any(line["args"] == FAST for line in REFERENCE)
+    assert set(BELOW_THE_CARD) <= {line["args"] for line in REFERENCE}
