@@ -23,10 +23,12 @@ scores in fp32, as eager flex attention does.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx
 from torch._higher_order_ops.flex_attention import sdpa_dense, sdpa_dense_backward
-from torch._inductor import ir
+from torch._inductor import config, ir
 from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported, lower_cpu
 from torch._inductor.lowering import lowerings, register_lowering
 from torch._inductor.pattern_matcher import fwd_only
@@ -45,6 +47,26 @@ def _on_supa(query) -> bool:
     return query.get_device().type == DEVICE_TYPE
 
 
+def _batchable(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`graph_module` with its dtype conversions spelled as `aten._to_copy`.
+
+    The dense definition vmaps the score_mod, mask_mod and joint graphs over (b, h, q, kv). By the
+    time Inductor lowers a graph, Inductor's decompositions have turned `.to(dtype)` in those
+    graphs into `prims.convert_element_type`, which has no batching rule: vmap would run it once
+    per score element, and the trace would grow with Lq * Lkv. `_to_copy` batches.
+    """
+    convert = torch.ops.prims.convert_element_type.default
+    if not any(node.target is convert for node in graph_module.graph.nodes):
+        return graph_module
+    graph_module = copy.deepcopy(graph_module)
+    for node in graph_module.graph.nodes:
+        if node.target is convert:
+            source, dtype = node.args
+            node.target, node.args, node.kwargs = torch.ops.aten._to_copy.default, (source,), {"dtype": dtype}
+    graph_module.recompile()
+    return graph_module
+
+
 def _inline_dense(dense, args: tuple):
     """Lowers `dense(*args)` (an eager HOP implementation) in place of the current HOP node.
 
@@ -61,7 +83,7 @@ def _inline_dense(dense, args: tuple):
     operands, examples = [], []
     for i, (value, arg) in enumerate(zip(values, nodes)):
         if isinstance(value, ir.Subgraph):
-            values[i] = value.graph_module
+            values[i] = _batchable(value.graph_module)
         elif isinstance(arg, torch.fx.Node) and isinstance(
                 arg.meta.get("val"), (torch.Tensor, torch.SymInt)):
             operands.append((i, value))
@@ -88,19 +110,18 @@ def _lower_graph(graph_module: torch.fx.GraphModule, operands: list):
         for node in graph_module.graph.nodes:
             if node.op == "placeholder":
                 graph.env[node] = next(inputs)
-            elif node.op == "get_attr":  # a constant the trace made (e.g. a -inf fill value)
+            elif node.op == "get_attr":  # a scalar the trace made (the -inf of masked scores)
                 constant = getattr(graph_module, node.target)
-                graph.env[node] = (ir.Constant(value=constant.item(), dtype=constant.dtype,
-                                               device=constant.device)
-                                   if constant.dim() == 0 else graph.add_tensor_constant(constant))
+                if constant.dim() != 0:
+                    raise NotImplementedError(f"supa flex attention: traced a tensor constant {node.target} "
+                                              f"of shape {tuple(constant.shape)}")
+                graph.env[node] = ir.Constant(value=constant.item(), dtype=constant.dtype,
+                                              device=constant.device)
             elif node.op == "output":
                 return graph.fetch_args_kwargs_from_env(node)[0][0]
             else:
                 graph.current_node = node
-                try:
-                    graph.env[node] = graph.run_node(node)
-                except Exception:
-                    print("FAILED", node.format_node(), [u.format_node() for u in node.users]); print(graph_module.graph); raise
+                graph.env[node] = graph.run_node(node)
     finally:
         graph.current_node = outer_node
     raise RuntimeError("supa flex attention: the traced graph has no output")
@@ -115,7 +136,10 @@ def _forward(original):
             return original(*args)
         inference = not (kernel_options.get("OUTPUT_LOGSUMEXP") or kernel_options.get("OUTPUT_MAX"))
         if inference and check_cpu_supported():
-            return lower_cpu(*args)
+            # The template renders its kernel once here, for the node's device; Inductor names
+            # the code generator of a device type it does not know by `cuda_backend`.
+            with config.patch(cuda_backend="cpp"):
+                return lower_cpu(*args)
         return _inline_dense(sdpa_dense, args)
 
     return flex_attention
