@@ -268,17 +268,10 @@ RELATIVE_SLOPE = 0.05
 
 
 @pytest.fixture
-def flex_attention(monkeypatch):
-    """torch's flex_attention, its device check accepting supa (as torch_supa.contrib.module does)."""
+def flex_attention():
+    """torch's flex_attention; its device check accepts supa (torch_supa.contrib.module, applied at activation)."""
     from torch.nn.attention import flex_attention as module
 
-    check = module._validate_device
-
-    def validate_device(query, key, value):
-        if query.device.type != "supa":
-            check(query, key, value)
-
-    monkeypatch.setattr(module, "_validate_device", validate_device)
     return module.flex_attention
 
 

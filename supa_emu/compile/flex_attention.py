@@ -16,9 +16,9 @@ Why at lowering time: it is the one place that already chooses a kernel per devi
 `lowerings` is Inductor's registration table; the HOP stays a HOP through Dynamo, AOTAutograd
 (its autograd rule makes the backward HOP) and the partitioner, so graphs, export and other
 devices see what they always did. A decomposition before AOTAutograd would need a hook into the
-HOP's tracing rule for every graph that holds supa tensors; a fallback kernel could not take the
-HOP's score_mod/mask_mod graphs as arguments. The dense form materialises the (B, H, Lq, Lkv)
-scores in fp32, as eager flex attention does.
+HOP's tracing rule (Python dispatch, which knows no devices) for every graph with supa tensors;
+a fallback kernel would run the eager dense code, unfused, vmapping the score_mod again on every
+call. Like eager flex attention, the dense form materialises the (B, H, Lq, Lkv) scores in fp32.
 """
 
 from __future__ import annotations
@@ -104,26 +104,20 @@ def _inline_dense(dense, args: tuple):
 def _lower_graph(graph_module: torch.fx.GraphModule, operands: list):
     """Lowers each node of `graph_module` into the graph being compiled; returns its outputs."""
     inputs = iter(operands)
-    graph = V.graph
-    outer_node = graph.current_node
-    try:
-        for node in graph_module.graph.nodes:
-            if node.op == "placeholder":
-                graph.env[node] = next(inputs)
-            elif node.op == "get_attr":  # a scalar the trace made (the -inf of masked scores)
-                constant = getattr(graph_module, node.target)
-                if constant.dim() != 0:
-                    raise NotImplementedError(f"supa flex attention: traced a tensor constant {node.target} "
-                                              f"of shape {tuple(constant.shape)}")
-                graph.env[node] = ir.Constant(value=constant.item(), dtype=constant.dtype,
-                                              device=constant.device)
-            elif node.op == "output":
-                return graph.fetch_args_kwargs_from_env(node)[0][0]
-            else:
-                graph.current_node = node
-                graph.env[node] = graph.run_node(node)
-    finally:
-        graph.current_node = outer_node
+    for node in graph_module.graph.nodes:
+        if node.op == "placeholder":
+            value = next(inputs)
+        elif node.op == "get_attr":  # a scalar the trace made (the -inf of masked scores)
+            constant = getattr(graph_module, node.target)
+            if constant.dim() != 0:
+                raise NotImplementedError(f"supa flex attention: traced a tensor constant {node.target} "
+                                          f"of shape {tuple(constant.shape)}")
+            value = ir.Constant(value=constant.item(), dtype=constant.dtype, device=constant.device)
+        elif node.op == "output":
+            return V.graph.fetch_args_kwargs_from_env(node)[0][0]
+        else:
+            value = V.graph.run_node(node)
+        V.graph.env[node] = value
     raise RuntimeError("supa flex attention: the traced graph has no output")
 
 
