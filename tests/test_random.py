@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from harness import ANY, PRISTINE, RankChecks, run_ranks, serve_rank, shared_case
+from harness import ANY, PRISTINE, distributed_test, shared_case
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -598,62 +598,43 @@ def test_random_ops_without_a_card_kernel_follow_seed_and_offset(op):
 # ------------------------------------------------------------------------------------------------
 # DTensor: a sharded random init equals the unsharded one (real ranks)
 # ------------------------------------------------------------------------------------------------
-_MESHES = {"dtensor_1d": (2,), "dtensor_2d": (2, 2)}
-
-
-def _scenario_dtensor(rank, port, mesh_shape):
-    import datetime
-
-    import torch.distributed as dist
+def _sharded_init_equals_unsharded(mesh_shape: tuple, placements: list, shape: tuple) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
-    world = math.prod(mesh_shape)
-    torch.supa.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("bccl", store=store, rank=rank, world_size=world)
     mesh = init_device_mesh("supa", mesh_shape)
-    layouts = [[Shard(0)]] if len(mesh_shape) == 1 else [[Shard(0), Replicate()], [Replicate(), Shard(0)]]
-    check = RankChecks()
-    for placements in layouts:
-        for shape in ((8, 8), (5, 8)):  # (5, 8): shards of 3 and 2 rows
-            def sharded_equals_unsharded(placements=placements, shape=shape):
-                torch.manual_seed(1234)
-                normal = torch.empty(shape, device="supa").normal_()
-                uniform = torch.empty(shape, device="supa").uniform_()
-                state = torch.supa.get_rng_state()
-                torch.manual_seed(1234)
-                sharded_normal = distribute_tensor(torch.empty(shape, device="supa"), mesh, placements).normal_()
-                sharded_uniform = distribute_tensor(torch.empty(shape, device="supa"), mesh, placements).uniform_()
-                assert torch.equal(sharded_normal.full_tensor().cpu(), normal.cpu()), "normal_"
-                assert torch.equal(sharded_uniform.full_tensor().cpu(), uniform.cpu()), "the next call"
-                assert torch.equal(torch.supa.get_rng_state(), state), "the generator's state after"
-
-            check(f"{placements}/{shape}", sharded_equals_unsharded)
-    dist.destroy_process_group()
-    return check.outcomes
+    torch.manual_seed(1234)
+    normal = torch.empty(shape, device="supa").normal_()
+    uniform = torch.empty(shape, device="supa").uniform_()
+    state = torch.supa.get_rng_state()
+    torch.manual_seed(1234)
+    sharded_normal = distribute_tensor(torch.empty(shape, device="supa"), mesh, placements).normal_()
+    sharded_uniform = distribute_tensor(torch.empty(shape, device="supa"), mesh, placements).uniform_()
+    assert torch.equal(sharded_normal.full_tensor().cpu(), normal.cpu()), "normal_"
+    assert torch.equal(sharded_uniform.full_tensor().cpu(), uniform.cpu()), "the next call"
+    assert torch.equal(torch.supa.get_rng_state(), state), "the generator's state after"
 
 
-def _scenario_dtensor_1d(rank, port):
-    return _scenario_dtensor(rank, port, _MESHES["dtensor_1d"])
-
-
-def _scenario_dtensor_2d(rank, port):
-    return _scenario_dtensor(rank, port, _MESHES["dtensor_2d"])
+_SHAPES = [(8, 8), (5, 8)]  # (5, 8): shards of 3 and 2 rows
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", sorted(_MESHES))
-def test_sharded_dtensor_init_equals_the_unsharded_init(scenario):
-    world = math.prod(_MESHES[scenario])
-    if torch.supa.device_count() < world:
-        pytest.skip(f"needs {world} SUPA devices")
-    results = run_ranks(__file__, scenario, world=world, limit_s=300)
-    for rank, (code, outcome, err) in enumerate(results):
-        assert code == 0 and outcome is not None, f"rank {rank} failed ({code}):\n{err[-4000:]}"
-        assert len(outcome) == (2 if world == 2 else 4), outcome
-        assert all(value == "ok" for value in outcome.values()), f"rank {rank}: {outcome}"
+@pytest.mark.parametrize("shape", _SHAPES)
+@distributed_test(world=2)
+def test_sharded_dtensor_init_equals_the_unsharded_init_on_a_1d_mesh(rank, world, shape):
+    from torch.distributed.tensor import Shard
+
+    _sharded_init_equals_unsharded((2,), [Shard(0)], shape)
 
 
-if __name__ == "__main__":
-    serve_rank(globals())
+@pytest.mark.slow
+@pytest.mark.skipif(torch.supa.device_count() < 4, reason="needs 4 SUPA devices")
+@pytest.mark.parametrize("shape", _SHAPES)
+@pytest.mark.parametrize("sharded_dim", [0, 1], ids=["dp_sharded", "tp_sharded"])
+@distributed_test(world=4)
+def test_sharded_dtensor_init_equals_the_unsharded_init_on_a_2d_mesh(rank, world, sharded_dim, shape):
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = [Replicate(), Replicate()]
+    placements[sharded_dim] = Shard(0)
+    _sharded_init_equals_unsharded((2, 2), placements, shape)
