@@ -170,6 +170,49 @@ def _last_result(values: list, describe):
     return values[-1]
 
 
+_RETURNED = "FUNCTION-RETURNED "
+
+
+class Returned(Finished):
+    """A fresh interpreter that ran a function: its output (less the line that carried the return
+    value) and `value`, what the function returned (as JSON gives it back; None if it raised)."""
+
+    def __init__(self, finished: Finished):
+        lines = finished.stdout.splitlines(keepends=True)
+        values = [json.loads(line[len(_RETURNED):]) for line in lines if line.startswith(_RETURNED)]
+        stdout = "".join(line for line in lines if not line.startswith(_RETURNED))
+        super().__init__(finished.command, finished.returncode, stdout, finished.stderr)
+        self.value = values[-1] if values else None
+
+
+def run_function(fn, *args, env: dict | None = None, timeout: float = 300, check: bool = True,
+                 cwd=ROOT) -> Returned:
+    """Runs `fn(*args)`, a module-level function of a test file, in a fresh interpreter that imports
+    that file first (so autoload and environment handling are exercised for real); a function that
+    raises makes the interpreter exit with 1 and its traceback on stderr. `args` are pickled to it;
+    what it returns must be JSON.
+    """
+    command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, _pickled(args)]
+    finished = run(command, env=env, cwd=cwd, timeout=timeout)
+    result = Returned(finished)
+    return result.require_success() if check else result
+
+
+def _pickled(value) -> str:
+    return base64.b64encode(pickle.dumps(value)).decode()
+
+
+def _unpickled(text: str):
+    return pickle.loads(base64.b64decode(text))
+
+
+def _call(source: str, name: str, args: str) -> None:
+    """The interpreter started by run_function."""
+    value = getattr(_import_test_file(source), name)(*_unpickled(args))
+    sys.stdout.flush()
+    os.write(sys.__stdout__.fileno(), (_RETURNED + json.dumps(value) + "\n").encode())
+
+
 # ------------------------------------------------------------------------------------------------
 # Shared fresh interpreters: snippets of several tests (of any file) that need a fresh interpreter
 # with the same environment run one after the other in one
@@ -184,42 +227,51 @@ _ONE_PER_INTERPRETER = (PRISTINE, LAST)
 
 _CASE_START, _CASE_RESULT = "SHARED-CASE-START ", "SHARED-CASE-RESULT "
 
-# Runs the snippets of a JSON file in order, each with its own stdout, and reports each one's output
-# or traceback on a line of its own (so that a crash loses only the snippet it happened in). A snippet
-# past its time limit ends the interpreter with every thread's stack on stderr.
-_SHARED_DRIVER = r'''
-import contextlib, faulthandler, io, json, linecache, os, sys, traceback
 
-def report(prefix, value):
-    sys.__stdout__.flush()
+def _report(prefix: str, value) -> None:
+    sys.stdout.flush()
     os.write(sys.__stdout__.fileno(), (prefix + json.dumps(value) + "\n").encode())
 
-with open(sys.argv[1]) as cases_file:
-    cases = json.load(cases_file)
-for name, code, limit in cases:
-    report(%(start)r, name)
-    faulthandler.dump_traceback_later(limit, exit=True)
-    filename = f"<shared case {name}>"
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # tracebacks show the code
-    out, error = io.StringIO(), None
-    try:
-        with contextlib.redirect_stdout(out):
-            exec(compile(code, filename, "exec"), {"__name__": "__shared_case__"})
-    except BaseException:  # reported as this snippet's failure; the next snippets still run
-        error = traceback.format_exc()
-    faulthandler.cancel_dump_traceback_later()
-    sys.stderr.flush()
-    report(%(result)r, {"name": name, "stdout": out.getvalue(), "error": error})
-''' % {"start": _CASE_START, "result": _CASE_RESULT}
+
+def _run_shared_cases(cases_path: str) -> None:
+    """The shared interpreter: runs the snippets of a JSON file in order, each with its own stdout,
+    and reports each one's output or traceback on a line of its own (so that a crash loses only the
+    snippet it happened in). A snippet past its time limit ends the interpreter with every thread's
+    stack on stderr."""
+    import contextlib
+    import faulthandler
+    import io
+    import linecache
+
+    with open(cases_path) as cases_file:
+        cases = json.load(cases_file)
+    for name, kind, payload, limit in cases:
+        _report(_CASE_START, name)
+        faulthandler.dump_traceback_later(limit, exit=True)
+        out, error, value = io.StringIO(), None, None
+        try:
+            with contextlib.redirect_stdout(out):
+                if kind == "call":
+                    source, function, args = payload
+                    value = getattr(_import_test_file(source), function)(*_unpickled(args))
+                else:
+                    filename = f"<shared case {name}>"
+                    linecache.cache[filename] = (len(payload), None, payload.splitlines(True), filename)
+                    exec(compile(payload, filename, "exec"), {"__name__": "__shared_case__"})
+        except BaseException:  # reported as this snippet's failure; the next snippets still run
+            error = traceback.format_exc()
+        faulthandler.cancel_dump_traceback_later()
+        sys.stderr.flush()
+        _report(_CASE_RESULT, {"name": name, "stdout": out.getvalue(), "error": error, "value": value})
 
 
 class CaseResult(Finished):
     """What one snippet of a shared interpreter did: its own stdout and error (its traceback, or
     None), with the whole interpreter's stderr and return code (they are not the snippet's alone)."""
 
-    def __init__(self, name: str, stdout: str, error, finished: Finished):
+    def __init__(self, name: str, stdout: str, error, finished: Finished, value=None):
         super().__init__(finished.command, finished.returncode, stdout, finished.stderr)
-        self.name, self.error, self.finished = name, error, finished
+        self.name, self.error, self.finished, self.value = name, error, finished, value
 
     def describe(self, tail: int = 6000) -> str:
         return (f"shared case {self.name!r} printed:\n{self.stdout[-tail:]}\nerror:\n{self.error}\n"
@@ -236,7 +288,7 @@ class _SharedInterpreter:
 
     def __init__(self, env: dict):
         self.env = env
-        self.cases: dict[str, tuple[str, str, float]] = {}  # name -> (stage, code, time limit), as registered
+        self.cases: dict[str, tuple[str, tuple, float]] = {}  # name -> (stage, (kind, payload), time limit)
         self.results: dict[str, CaseResult] | None = None
 
     def has_room_for(self, stage: str) -> bool:
@@ -258,7 +310,8 @@ class _SharedInterpreter:
             reported = {value["name"]: value for value in finished.json_lines(_CASE_RESULT)}
             for name in remaining:
                 if name in reported:
-                    self.results[name] = CaseResult(name, reported[name]["stdout"], reported[name]["error"], finished)
+                    self.results[name] = CaseResult(name, reported[name]["stdout"], reported[name]["error"], finished,
+                                                    reported[name]["value"])
             stopped_in = next((name for name in finished.json_lines(_CASE_START) if name not in reported), None)
             if stopped_in is None:  # ended without starting the rest (it did not come up, or exited)
                 for name in remaining:
@@ -270,11 +323,9 @@ class _SharedInterpreter:
 
     def _run_in_one_interpreter(self, names: list) -> Finished:
         timeout = sum(self.cases[name][2] for name in names) + 60
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as driver, \
-                tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cases_file:
-            driver.write(_SHARED_DRIVER)
-            json.dump([(name, code, limit) for name in names for _, code, limit in [self.cases[name]]], cases_file)
-        proc = start([sys.executable, driver.name, cases_file.name], env=self.env)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cases_file:
+            json.dump([(name, *case, limit) for name in names for _, case, limit in [self.cases[name]]], cases_file)
+        proc = start([sys.executable, __file__, "shared", cases_file.name], env=self.env)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:  # a hang the driver could not end; its output says which snippet
@@ -283,7 +334,6 @@ class _SharedInterpreter:
             err += f"\n(killed: still running after {timeout:.0f} s)"
         finally:
             _kill_group(proc)
-            os.unlink(driver.name)
             os.unlink(cases_file.name)
         return Finished(proc.args, proc.returncode, out, err)
 
@@ -313,7 +363,20 @@ def shared_case(name: str, code: str, env: dict | None = None, stage: str = ANY,
     environment (`env` as for run_python), at `stage` of its life; call at import time, before any
     test runs. The snippet sees its own stdout only; its globals are its own. Its interpreter starts
     when a test first asks for a result of it, and runs every snippet registered with it by then.
+    Where the code is not the point of the test, prefer a function (`shared_call`).
     """
+    return _register(name, ("code", textwrap.dedent(code)), env, stage, timeout)
+
+
+def shared_call(fn, *args, env: dict | None = None, stage: str = ANY, timeout: float = 300) -> SharedCase:
+    """As shared_case, for `fn(*args)`, a module-level function of a test file: the shared interpreter
+    imports that file (at the snippet's turn) and calls it; the CaseResult's `value` is what it
+    returned (JSON). `args` are pickled to it."""
+    name = f"{pathlib.Path(inspect.getsourcefile(fn)).stem}.{fn.__name__}{args if args else ''}"
+    return _register(name, ("call", [inspect.getsourcefile(fn), fn.__name__, _pickled(args)]), env, stage, timeout)
+
+
+def _register(name: str, case: tuple, env: dict | None, stage: str, timeout: float) -> SharedCase:
     if stage not in _STAGES:
         raise ValueError(f"stage {stage!r}: expected one of {_STAGES}")
     # Overrides that change nothing (unsetting what is unset, setting what is set) do not make another environment.
@@ -327,7 +390,7 @@ def shared_case(name: str, code: str, env: dict | None = None, stage: str = ANY,
     if not room:
         room = [_SharedInterpreter(dict(key))]
         interpreters.append(room[0])
-    room[0].cases[name] = (stage, textwrap.dedent(code), timeout)
+    room[0].cases[name] = (stage, case, timeout)
     return SharedCase(name, room[0])
 
 
@@ -490,7 +553,7 @@ class _RankPool:
     def run(self, body, backend: str | None, params: dict, limit_s: float) -> None:
         self.serial += 1
         request = json.dumps({"source": inspect.getsourcefile(body), "name": body.__name__, "backend": backend,
-                              "params": base64.b64encode(pickle.dumps(params)).decode(), "serial": self.serial})
+                              "params": _pickled(params), "serial": self.serial})
         for rank in range(self.world):
             self.outputs[rank].clear()
             self.errors[rank].seek(0, os.SEEK_END)
@@ -586,17 +649,14 @@ def _serve_rank_pool(rank: int, world: int, port: int) -> None:
         torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
     _pool_report(0, _PASSED)
-    modules = {}
     for line in sys.stdin:
         request = json.loads(line)
         _SERIAL = request["serial"]
         _BODY_STORE = dist.PrefixStore(f"body-{_SERIAL}/", store)
         try:
-            source = request["source"]
-            if source not in modules:
-                modules[source] = _import_test_file(source)
-            params = pickle.loads(base64.b64decode(request["params"]))
-            test = getattr(modules[source], request["name"])
+            module = _import_test_file(request["source"])
+            params = _unpickled(request["params"])
+            test = getattr(module, request["name"])
             backend = request["backend"]
             if dist.is_initialized() and dist.get_backend() != backend:
                 dist.destroy_process_group()
@@ -623,8 +683,10 @@ def _serve_rank_pool(rank: int, world: int, port: int) -> None:
 
 
 def _import_test_file(source: str):
-    """The test file at `source`, imported under the name pytest gives it (its pickled values name it)."""
+    """The test file at `source`, imported (once) under the name pytest gives it (pickled values name it)."""
     name = pathlib.Path(source).stem
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == source:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, source)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -637,3 +699,7 @@ if __name__ == "__main__":
 
     if sys.argv[1] == "rank-pool":
         harness._serve_rank_pool(*map(int, sys.argv[2:5]))
+    elif sys.argv[1] == "shared":
+        harness._run_shared_cases(sys.argv[2])
+    elif sys.argv[1] == "call":
+        harness._call(*sys.argv[2:5])

@@ -184,3 +184,40 @@ def test_a_rank_ended_on_purpose_passes_and_the_ranks_are_replaced():
 def test_a_body_that_skips_skips_the_test():
     with pytest.raises(pytest.skip.Exception, match="nothing to do here"):
         harness.run_in_ranks(_skips)
+
+
+# ------------------------------------------------------------------------------------------------
+# Functions in fresh interpreters
+# ------------------------------------------------------------------------------------------------
+def _where_and_what(offset):
+    return {"pid": os.getpid(), "variable": os.environ.get("HARNESS_TEST_SET"), "sum": offset + 1}
+
+
+def _raises():
+    raise ValueError("the function disagrees")
+
+
+def test_a_function_runs_in_a_fresh_interpreter_and_returns_its_value():
+    result = harness.run_function(_where_and_what, 41, env={"HARNESS_TEST_SET": "yes"})
+    assert result.value["pid"] != os.getpid()
+    assert (result.value["variable"], result.value["sum"]) == ("yes", 42)
+    assert "FUNCTION-RETURNED" not in result.stdout
+
+
+def test_a_function_that_raises_fails_with_its_traceback():
+    with pytest.raises(AssertionError, match=r"(?s)in _raises.*ValueError: the function disagrees"):
+        harness.run_function(_raises)
+    assert harness.run_function(_raises, check=False).returncode == 1
+
+
+_FIRST = harness.shared_call(_where_and_what, 1, env={"HARNESS_TEST_SET": "shared"})
+_RAISES = harness.shared_call(_raises, env={"HARNESS_TEST_SET": "shared"})
+_SECOND = harness.shared_call(_where_and_what, 2, env={"HARNESS_TEST_SET": "shared"})
+
+
+def test_shared_functions_of_one_environment_run_in_one_interpreter_and_fail_alone():
+    first, second = _FIRST.result().value, _SECOND.result().value
+    assert first["pid"] == second["pid"] != os.getpid()
+    assert (first["sum"], second["sum"], second["variable"]) == (2, 3, "shared")
+    with pytest.raises(AssertionError, match="ValueError: the function disagrees"):
+        _RAISES.result()
