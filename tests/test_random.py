@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from harness import ANY, PRISTINE, distributed_test, shared_case
+from harness import PRISTINE, distributed_test, shared_call
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -118,20 +118,21 @@ def test_fork_rng_restores_supa_state():
     assert torch.equal(torch.rand(4, device="supa").cpu(), expected.cpu())
 
 
-_SEEDED_BEFORE_INIT = shared_case("test_random: seeding before init", """
-    import torch
+def _seeded_before_init() -> None:
     torch.manual_seed(77)
     assert not torch.supa.is_initialized()
     a = torch.rand(3, device="supa")
     torch.supa.manual_seed(77)
     b = torch.rand(3, device="supa")
-    print(torch.equal(a.cpu(), b.cpu()), torch.supa.initial_seed())
-""", stage=PRISTINE)
+    assert torch.equal(a.cpu(), b.cpu())
+    assert torch.supa.initial_seed() == 77
+
+
+_SEEDED_BEFORE_INIT = shared_call(_seeded_before_init, stage=PRISTINE)
 
 
 def test_seeding_before_init_is_deferred():
-    out = _SEEDED_BEFORE_INIT.result()
-    assert out.stdout.split() == ["True", "77"]
+    _SEEDED_BEFORE_INIT.result()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,35 +249,40 @@ def test_rng_state_survives_a_checkpoint():
     assert torch.equal(torch.randn(6, device="supa").cpu(), expected)
 
 
-_FORK_AND_SPAWN = shared_case("test_random: generator state across fork and spawn", """
+def _draw(queue, state) -> None:
+    """A child process's draw, from `state` (if any) or the state it inherited."""
+    if state is not None:
+        torch.supa.set_rng_state(state)
+    queue.put(torch.rand(8, device="supa").cpu().tolist())
+
+
+def _draw_in_child(method: str, state=None) -> list:
     import multiprocessing
-    import torch
 
-    # The child's code as a string run by exec: a builtin is what a spawned child can unpickle here.
-    DRAW = ("import torch; state is None or torch.supa.set_rng_state(state); "
-            "queue.put(torch.rand(8, device='supa').cpu().tolist())")
+    context = multiprocessing.get_context(method)
+    queue = context.Queue()
+    child = context.Process(target=_draw, args=(queue, state))
+    child.start()
+    values = queue.get(timeout=120)
+    child.join()
+    return values
 
-    def in_child(method, state=None):
-        context = multiprocessing.get_context(method)
-        queue = context.Queue()
-        child = context.Process(target=exec, args=(DRAW, {"queue": queue, "state": state}))
-        child.start()
-        values = queue.get(timeout=120)
-        child.join()
-        return values
 
+def _generator_state_across_fork_and_spawn() -> None:
     torch.supa.manual_seed(31)
     torch.rand(3, device="supa")
     state = torch.supa.get_rng_state()
-    forked = in_child("fork")
-    spawned = in_child("spawn", state)
-    print(forked == spawned == torch.rand(8, device="supa").cpu().tolist())
-""", stage=ANY)
+    forked = _draw_in_child("fork")
+    spawned = _draw_in_child("spawn", state)
+    assert forked == spawned == torch.rand(8, device="supa").cpu().tolist()
+
+
+_FORK_AND_SPAWN = shared_call(_generator_state_across_fork_and_spawn)
 
 
 @pytest.mark.slow  # the spawned child is a fresh interpreter
 def test_generator_state_carries_across_fork_and_spawn():
-    assert _FORK_AND_SPAWN.result().stdout.split() == ["True"]
+    _FORK_AND_SPAWN.result()
 
 
 def test_clone_state_copies_and_graphsafe_state_shares():
