@@ -9,14 +9,13 @@ nn.Sequential) run eagerly on the CPU.
 
 import copy
 import gc
-import json
 import os
 import re
 import sys
 
 import pytest
 
-from harness import run_python
+from harness import run_function, run_python
 import torch
 import torch.nn as nn
 
@@ -386,23 +385,22 @@ def test_cpp_wrapper_fails_with_an_error_that_says_it_is_unsupported():
 # ------------------------------------------------------------------------------------------------
 # The on-disk compile cache
 # ------------------------------------------------------------------------------------------------
-CACHE_PROBE = """
-    import json, torch
+def _compile_a_model() -> dict:
+    """In a fresh interpreter: compiles a small model; Inductor's FX graph cache hits and misses."""
     from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to("supa")
     with torch.no_grad():
         out = torch.compile(model)(torch.randn(8, 16, device="supa"))
-    print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
-                      "miss": counters["inductor"]["fxgraph_cache_miss"], "sum": out.sum().item()}))
-"""
+    return {"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+            "sum": out.sum().item()}
 
 
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_second_process_reuses_the_on_disk_compile_cache(tmp_path):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
-    first, second = (json.loads(run_python(CACHE_PROBE, env=env).stdout.splitlines()[-1])
-                     for _ in range(2))
+    first, second = (run_function(_compile_a_model, env=env).value for _ in range(2))
     assert (first["hit"], first["miss"]) == (0, 1), first
     assert (second["hit"], second["miss"]) == (1, 0), second
     assert second["sum"] == first["sum"]
