@@ -427,11 +427,21 @@ def launch(make_command, *, env: dict | None = None, timeout: float = 900) -> Fi
     return result
 
 
-def print_line(text: str) -> None:
-    """Writes `text` and its newline to stdout in one system call: ranks that share a pipe then never
-    interleave inside each other's lines (print() may write the text and the newline apart)."""
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (text + "\n").encode())
+def run_as_main(argv: list) -> None:
+    """Runs the script argv[0] as __main__ with `argv` as its sys.argv: for a test file that a
+    launcher starts in place of a script, to change something around it."""
+    import runpy
+
+    sys.argv = [str(arg) for arg in argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def print_line(text: str, stream=None) -> None:
+    """Writes `text` and its newline to `stream` (stdout) in one system call: ranks that share a pipe
+    then never interleave inside each other's lines (print() may write the text and the newline apart)."""
+    stream = stream or sys.stdout
+    stream.flush()
+    os.write(stream.fileno(), (text + "\n").encode())
 
 
 # ------------------------------------------------------------------------------------------------
