@@ -186,14 +186,14 @@ class Returned(Finished):
 
 
 def run_function(fn, *args, env: dict | None = None, timeout: float = 300, check: bool = True,
-                 cwd=ROOT) -> Returned:
+                 cwd=ROOT, checkout_first: bool = False) -> Returned:
     """Runs `fn(*args)`, a module-level function of a test file, in a fresh interpreter that imports
     that file first (so autoload and environment handling are exercised for real); a function that
     raises makes the interpreter exit with 1 and its traceback on stderr. `args` are pickled to it;
-    what it returns must be JSON.
+    what it returns must be JSON. `env`, `cwd` and `checkout_first` as for `run`.
     """
     command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, _pickled(args)]
-    finished = run(command, env=env, cwd=cwd, timeout=timeout)
+    finished = run(command, env=env, cwd=cwd, timeout=timeout, checkout_first=checkout_first)
     result = Returned(finished)
     return result.require_success() if check else result
 
