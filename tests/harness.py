@@ -192,10 +192,16 @@ def run_function(fn, *args, env: dict | None = None, timeout: float = 300, check
     raises makes the interpreter exit with 1 and its traceback on stderr. `args` are pickled to it;
     what it returns must be JSON. `env`, `cwd` and `checkout_first` as for `run`.
     """
-    command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, _pickled(args)]
-    finished = run(command, env=env, cwd=cwd, timeout=timeout, checkout_first=checkout_first)
+    [finished] = wait([start_function(fn, *args, env=env, cwd=cwd, checkout_first=checkout_first)], timeout)
     result = Returned(finished)
     return result.require_success() if check else result
+
+
+def start_function(fn, *args, env: dict | None = None, cwd=ROOT, checkout_first: bool = False) -> subprocess.Popen:
+    """As run_function, without waiting for it (see `start`; `Returned(...)` of what `wait` gives
+    reads its value)."""
+    command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, _pickled(args)]
+    return start(command, env=env, cwd=cwd, checkout_first=checkout_first)
 
 
 def _pickled(value) -> str:
