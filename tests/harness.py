@@ -158,18 +158,6 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, check: 
         os.unlink(script.name)
 
 
-def run_scenario(code: str, env: dict | None = None, timeout: float = 300):
-    """Runs `code` with run_python and returns what it printed as JSON on a line 'RESULT <json>'."""
-    result = run_python(code, env=env, timeout=timeout)
-    return _last_result(result.json_lines("RESULT "), result.describe)
-
-
-def _last_result(values: list, describe):
-    if not values:
-        raise AssertionError(f"no RESULT line in the output:\n{describe()}")
-    return values[-1]
-
-
 _RETURNED = "FUNCTION-RETURNED "
 
 
@@ -357,11 +345,6 @@ class SharedCase:
         """The snippet's CaseResult; with `check`, a snippet that raised fails the test with its traceback."""
         result = self._interpreter.result(self.name)
         return result.require_success() if check else result
-
-    def scenario_result(self):
-        """What the snippet printed as JSON on a line 'RESULT <json>' (the last one), as run_scenario."""
-        result = self.result()
-        return _last_result(result.json_lines("RESULT "), result.describe)
 
 
 def shared_case(name: str, code: str, env: dict | None = None, stage: str = ANY, timeout: float = 300) -> SharedCase:

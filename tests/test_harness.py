@@ -61,14 +61,14 @@ def test_output_and_return_code_are_captured():
         harness.run_python("import sys; sys.exit(3)")
 
 
+def _the_test_variables() -> dict:
+    return {name: os.environ.get(name) for name in ("HARNESS_TEST_DROPPED", "HARNESS_TEST_KEPT", "HARNESS_TEST_SET")}
+
+
 def test_environment_values_are_set_and_none_unsets(monkeypatch):
     monkeypatch.setenv("HARNESS_TEST_DROPPED", "inherited")
     monkeypatch.setenv("HARNESS_TEST_KEPT", "inherited")
-    report = harness.run_scenario("""
-        import json, os
-        print("RESULT " + json.dumps({name: os.environ.get(name) for name in
-                                      ("HARNESS_TEST_DROPPED", "HARNESS_TEST_KEPT", "HARNESS_TEST_SET")}))
-    """, env={"HARNESS_TEST_DROPPED": None, "HARNESS_TEST_SET": 7})
+    report = harness.run_function(_the_test_variables, env={"HARNESS_TEST_DROPPED": None, "HARNESS_TEST_SET": 7}).value
     assert report == {"HARNESS_TEST_DROPPED": None, "HARNESS_TEST_KEPT": "inherited", "HARNESS_TEST_SET": "7"}
 
 
@@ -107,15 +107,13 @@ def test_a_launch_is_retried_once_only_when_its_port_was_taken():
     assert result.returncode == 1 and len(ports) == 1
 
 
+def _start_a_job_and_leave() -> int:
+    return harness.start(["sleep", "600"]).pid
+
+
 def test_jobs_a_test_run_left_behind_are_killed_when_it_exits():
     # A run that starts a job and exits without waiting for it.
-    result = harness.run_python(f"""
-        import sys
-        sys.path.insert(0, {str(pathlib.Path(harness.__file__).parent)!r})
-        import harness
-        print(harness.start(["sleep", "600"]).pid)
-    """)
-    assert _gone_soon(int(result.stdout)), "a job outlived the run that started it"
+    assert _gone_soon(harness.run_function(_start_a_job_and_leave).value), "a job outlived the run that started it"
 
 
 # ------------------------------------------------------------------------------------------------
