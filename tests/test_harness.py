@@ -117,7 +117,8 @@ def test_jobs_a_test_run_left_behind_are_killed_when_it_exits():
 
 
 # ------------------------------------------------------------------------------------------------
-# Distributed tests: bodies run in every rank, on ranks kept from one body to the next
+# Distributed tests: bodies run in every rank, on ranks kept from one body to the next (the tests
+# below run in an order that keeps the number of rank starts down)
 # ------------------------------------------------------------------------------------------------
 def _says_where_it_ran(rank, world, folder):
     import torch.distributed as dist
@@ -157,6 +158,11 @@ def test_a_body_runs_in_every_rank_and_the_next_body_in_the_same_ranks(tmp_path)
     assert _pids(second) == _pids(first)
 
 
+def test_a_body_that_skips_skips_the_test():
+    with pytest.raises(pytest.skip.Exception, match="nothing to do here"):
+        harness.run_in_ranks(_skips)
+
+
 def test_a_failing_rank_fails_the_test_with_its_traceback_and_the_ranks_are_replaced(tmp_path):
     before, after = tmp_path / "before", tmp_path / "after"
     before.mkdir(), after.mkdir()
@@ -179,11 +185,6 @@ def test_a_rank_ended_on_purpose_passes_and_the_ranks_are_replaced():
     assert not harness._POOLS
 
 
-def test_a_body_that_skips_skips_the_test():
-    with pytest.raises(pytest.skip.Exception, match="nothing to do here"):
-        harness.run_in_ranks(_skips)
-
-
 # ------------------------------------------------------------------------------------------------
 # Functions in fresh interpreters
 # ------------------------------------------------------------------------------------------------
@@ -203,9 +204,10 @@ def test_a_function_runs_in_a_fresh_interpreter_and_returns_its_value():
 
 
 def test_a_function_that_raises_fails_with_its_traceback():
+    result = harness.run_function(_raises, check=False)
+    assert result.returncode == 1 and result.value is None
     with pytest.raises(AssertionError, match=r"(?s)in _raises.*ValueError: the function disagrees"):
-        harness.run_function(_raises)
-    assert harness.run_function(_raises, check=False).returncode == 1
+        result.require_success()
 
 
 _FIRST = harness.shared_call(_where_and_what, 1, env={"HARNESS_TEST_SET": "shared"})
