@@ -87,11 +87,11 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_teardown(item, nextitem):
-    # The ranks of harness.distributed_test serve the tests of one file; the next file starts its own.
+    # The ranks of ranks.distributed_test serve the tests of one file; the next file starts its own.
     if nextitem is None or nextitem.path != item.path:
-        import harness
+        import ranks
 
-        harness.close_rank_pools()
+        ranks.close_rank_pools()
 
 
 _CHILD_RUNS: list[str] = []

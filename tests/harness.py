@@ -6,22 +6,21 @@ whatever a test left running is killed when the test run ends. Output is always 
 shown when a job fails.
 
 Left to the code under test: processes that an API under test starts itself (torch.multiprocessing
-in test_multiprocessing, mp.spawn inside child scripts, PyTorch's MultiProcessTestCase in
-torch_distributed_driver.py, the os.fork of test_module_surface's fork checks).
+in test_multiprocessing, mp.spawn inside functions run in fresh interpreters, PyTorch's
+MultiProcessTestCase in torch_distributed_driver.py, the os.fork of test_module_surface's fork
+checks). Multi-rank tests whose body runs in every rank: ranks.py, on these primitives.
 """
 
 from __future__ import annotations
 
 import atexit
 import base64
-import functools
 import importlib.util
 import inspect
 import json
 import os
 import pathlib
 import pickle
-import queue
 import shutil
 import signal
 import socket
@@ -29,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 import traceback
 
@@ -87,10 +85,11 @@ class Finished:
         return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
 
 
-def start(command, *, env: dict | None = None, cwd=ROOT, checkout_first: bool = False) -> subprocess.Popen:
+def start(command, *, env: dict | None = None, cwd=ROOT, checkout_first: bool = False, stdin=None,
+          stderr=subprocess.PIPE) -> subprocess.Popen:
     """Starts `command` in a session of its own with its output captured; see `wait`."""
     proc = subprocess.Popen([str(part) for part in command], cwd=cwd, env=child_env(env, checkout_first=checkout_first),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
     _LIVE_GROUPS.add(proc.pid)
     return proc
 
@@ -109,7 +108,7 @@ def wait(procs: list, timeout: float, what: str = "job") -> list[Finished]:
             finished.append(Finished(proc.args, proc.returncode, out, err))
     finally:
         for proc in procs:
-            _kill_group(proc)
+            kill(proc)
     return finished
 
 
@@ -120,7 +119,7 @@ def run(command, *, env: dict | None = None, cwd=ROOT, timeout: float = 300, che
     return result.require_success() if check else result
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen) -> None:
     """Kills what is left of the job's session (a launcher's workers outlive their launcher when it is killed)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -188,21 +187,21 @@ def run_function(fn, *args, env: dict | None = None, timeout: float = 300, check
 def start_function(fn, *args, env: dict | None = None, cwd=ROOT, checkout_first: bool = False) -> subprocess.Popen:
     """As run_function, without waiting for it (see `start`; `Returned(...)` of what `wait` gives
     reads its value)."""
-    command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, _pickled(args)]
+    command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, pickled(args)]
     return start(command, env=env, cwd=cwd, checkout_first=checkout_first)
 
 
-def _pickled(value) -> str:
+def pickled(value) -> str:
     return base64.b64encode(pickle.dumps(value)).decode()
 
 
-def _unpickled(text: str):
+def unpickled(text: str):
     return pickle.loads(base64.b64decode(text))
 
 
 def _call(source: str, name: str, args: str) -> None:
     """The interpreter started by run_function."""
-    value = getattr(_import_test_file(source), name)(*_unpickled(args))
+    value = getattr(import_test_file(source), name)(*unpickled(args))
     sys.stdout.flush()
     os.write(sys.__stdout__.fileno(), (_RETURNED + json.dumps(value) + "\n").encode())
 
@@ -247,7 +246,7 @@ def _run_shared_cases(cases_path: str) -> None:
             with contextlib.redirect_stdout(out):
                 if kind == "call":
                     source, function, args = payload
-                    value = getattr(_import_test_file(source), function)(*_unpickled(args))
+                    value = getattr(import_test_file(source), function)(*unpickled(args))
                 else:
                     filename = f"<shared case {name}>"
                     linecache.cache[filename] = (len(payload), None, payload.splitlines(True), filename)
@@ -323,11 +322,11 @@ class _SharedInterpreter:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:  # a hang the driver could not end; its output says which snippet
-            _kill_group(proc)
+            kill(proc)
             out, err = proc.communicate()
             err += f"\n(killed: still running after {timeout:.0f} s)"
         finally:
-            _kill_group(proc)
+            kill(proc)
             os.unlink(cases_file.name)
         return Finished(proc.args, proc.returncode, out, err)
 
@@ -362,7 +361,7 @@ def shared_call(fn, *args, env: dict | None = None, stage: str = ANY, timeout: f
     imports that file (at the snippet's turn) and calls it; the CaseResult's `value` is what it
     returned (JSON). `args` are pickled to it."""
     name = f"{pathlib.Path(inspect.getsourcefile(fn)).stem}.{fn.__name__}{args if args else ''}"
-    return _register(name, ("call", [inspect.getsourcefile(fn), fn.__name__, _pickled(args)]), env, stage, timeout)
+    return _register(name, ("call", [inspect.getsourcefile(fn), fn.__name__, pickled(args)]), env, stage, timeout)
 
 
 def _register(name: str, case: tuple, env: dict | None, stage: str, timeout: float) -> SharedCase:
@@ -433,255 +432,7 @@ def print_line(text: str, stream=None) -> None:
     os.write(stream.fileno(), (text + "\n").encode())
 
 
-# ------------------------------------------------------------------------------------------------
-# Distributed tests: a test function's body runs in every rank
-# ------------------------------------------------------------------------------------------------
-_POOL_REPORT = "RANK-POOL-REPORT "
-_PASSED, _FAILED, _SKIPPED, _EXITED = "passed", "failed", "skipped", "exited"
-_AFTER_A_FAILURE_S = 20  # how long the other ranks may take to finish once one rank failed
-
-
-def distributed_test(world: int = 2, *, backend: str | None = "bccl", limit_s: float = 240, env: dict | None = None):
-    """Makes `test(rank, world, **params)`, a module-level function of a test file, a test whose body
-    runs in every rank, as DeepSpeed's DistributedTest runs a test method (see `run_in_ranks`); the
-    pytest test takes the body's other parameters (fixtures, parametrize arguments)."""
-
-    def decorate(body):
-        signature = inspect.signature(body)
-
-        @functools.wraps(body)
-        def test(**params):
-            run_in_ranks(body, world, backend=backend, limit_s=limit_s, env=env, params=params)
-
-        test.__signature__ = signature.replace(parameters=list(signature.parameters.values())[2:])
-        test.rank_body = body
-        return test
-
-    return decorate
-
-
-def run_in_ranks(body, world: int = 2, backend: str | None = "bccl", limit_s: float = 240, env: dict | None = None,
-                 params: dict | None = None) -> None:
-    """Runs `body(rank, world, **params)`, a module-level function of a test file, in `world` rank
-    processes (SUPA_EMULATE=1, rank r on supa:r), each rank asserting for itself; a rank that raises,
-    or does not finish within `limit_s`, fails the test with its traceback and output.
-
-    With a `backend`, the body finds a default group of it initialised; with None, none, and the body
-    may initialise its own from `rank_store()` (a group it leaves initialised is destroyed after it).
-    The ranks are kept for the next body of the same test file, `world` and `env` (interpreter and
-    rendezvous start-up dominate a small body); a body that fails, or ends a rank with `exit_rank`,
-    gets them replaced. `params` are pickled to the ranks.
-    """
-    key = (inspect.getsourcefile(body), world, tuple(sorted((env or {}).items())))
-    pool = _POOLS.get(key)
-    if pool is None:
-        close_rank_pools()  # one set of ranks at a time: a file's tests of one kind run together
-        pool = _POOLS[key] = _RankPool(world, env)
-    try:
-        pool.run(body, backend, params or {}, limit_s)
-    finally:
-        if not pool.reusable:
-            pool.close()
-
-
-def rank_store():
-    """In a body run by run_in_ranks: a store of this body's own, shared by its ranks (e.g. for
-    init_process_group(store=...), or for a rank to tell another that it is done)."""
-    return _BODY_STORE
-
-
-def exit_rank(code: int = 0) -> None:
-    """In a body run by run_in_ranks: ends this rank at once with `code`, as a crash would (no
-    teardown), as the test means to; its peers go on with the body."""
-    _pool_report(_SERIAL, _EXITED, str(code))
-    os._exit(code)
-
-
-def close_rank_pools() -> None:
-    """Ends the ranks kept for later bodies (conftest calls it after a test file's last test)."""
-    for pool in list(_POOLS.values()):
-        pool.close()
-
-
-_POOLS: dict[tuple, "_RankPool"] = {}
-
-
-class _RankPool:
-    """`world` rank processes that run the bodies they are sent one after the other; the parent
-    sends a body to every rank and waits for each rank's report of it."""
-
-    def __init__(self, world: int, env: dict | None):
-        self.world, self.env = world, env
-        self.serial = 0
-        self.reusable = True
-        self.reports: queue.Queue = queue.Queue()
-        for attempt in range(2):  # a port is only free when it was picked (see `launch`)
-            self._start()
-            failure = self._collect(0, 240, "start-up")
-            if failure is None:
-                return
-            retry = attempt == 0 and "address already in use" in failure.lower()
-            self.close()
-            if not retry:
-                raise AssertionError(f"the ranks did not start:\n{failure}")
-
-    def _start(self) -> None:
-        port = free_port()
-        self.outputs = [[] for _ in range(self.world)]
-        self.errors = [tempfile.TemporaryFile("w+") for _ in range(self.world)]
-        self.procs = [subprocess.Popen(
-            [sys.executable, __file__, "rank-pool", str(rank), str(self.world), str(port)], cwd=ROOT,
-            env=child_env({"SUPA_EMULATE": "1", **(self.env or {})}, checkout_first=True), text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors[rank], start_new_session=True)
-            for rank in range(self.world)]
-        for proc in self.procs:
-            _LIVE_GROUPS.add(proc.pid)
-        self.readers = [threading.Thread(target=self._read, args=(rank, proc), daemon=True)
-                        for rank, proc in enumerate(self.procs)]
-        for reader in self.readers:
-            reader.start()
-
-    def _read(self, rank: int, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            if line.startswith(_POOL_REPORT):
-                self.reports.put((rank, json.loads(line[len(_POOL_REPORT):])))
-            else:
-                self.outputs[rank].append(line)
-        self.reports.put((rank, None))
-
-    def run(self, body, backend: str | None, params: dict, limit_s: float) -> None:
-        self.serial += 1
-        request = json.dumps({"source": inspect.getsourcefile(body), "name": body.__name__, "backend": backend,
-                              "params": _pickled(params), "serial": self.serial})
-        for rank in range(self.world):
-            self.outputs[rank].clear()
-            self.errors[rank].seek(0, os.SEEK_END)
-        for proc in self.procs:
-            try:
-                proc.stdin.write(request + "\n")
-                proc.stdin.flush()
-            except BrokenPipeError:  # reported below as a rank that ended
-                pass
-        failure = self._collect(self.serial, limit_s, body.__name__)
-        if failure is not None:
-            raise AssertionError(failure)
-        if self.skipped:
-            import pytest
-
-            pytest.skip(self.skipped)
-
-    def _collect(self, serial: int, limit_s: float, what: str):
-        """Waits for every rank's report of `serial`; returns what failed, or None."""
-        deadline = time.monotonic() + limit_s
-        outcomes: dict[int, dict] = {}
-        self.skipped = None
-        while len(outcomes) < self.world:
-            if any(o["outcome"] == _FAILED for o in outcomes.values()):
-                deadline = min(deadline, time.monotonic() + _AFTER_A_FAILURE_S)
-            try:
-                rank, report = self.reports.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if report is None:
-                outcomes.setdefault(rank, {"outcome": _FAILED, "detail": "the rank ended without reporting"})
-            elif report["serial"] == serial:
-                outcomes[rank] = report
-        self.reusable = all(o["outcome"] in (_PASSED, _SKIPPED) for o in outcomes.values()) \
-            and len(outcomes) == self.world
-        for rank, outcome in outcomes.items():
-            if outcome["outcome"] == _EXITED:
-                code = self.procs[rank].wait(timeout=60)
-                if code != int(outcome["detail"]):
-                    outcome.update(outcome=_FAILED, detail=f"exit_rank({outcome['detail']}) exited with {code}")
-        failed = {rank: outcome.get("detail") for rank, outcome in outcomes.items() if outcome["outcome"] == _FAILED}
-        failed.update({rank: f"still running after {limit_s:.0f} s (or {_AFTER_A_FAILURE_S} s after a peer failed)"
-                       for rank in range(self.world) if rank not in outcomes})
-        if not failed:
-            skips = [o["detail"] for o in outcomes.values() if o["outcome"] == _SKIPPED]
-            self.skipped = skips[0] if skips else None
-            return None
-        self.close()  # a rank may still be inside a collective: its output is complete once it is killed
-        for reader in self.readers:
-            reader.join(timeout=5)
-        return "\n\n".join(f"rank {rank} of {self.world} in {what}: {detail}\n{self._output(rank)}"
-                             for rank, detail in sorted(failed.items()))
-
-    def _output(self, rank: int, tail: int = 6000) -> str:
-        self.errors[rank].seek(0)
-        stderr = self.errors[rank].read()
-        return f"stdout:\n{''.join(self.outputs[rank])[-tail:]}\nstderr:\n{stderr[-tail:]}"
-
-    def close(self) -> None:
-        for proc in self.procs:
-            _kill_group(proc)
-            for stream in (proc.stdin, proc.stdout):
-                try:
-                    stream.close()
-                except (OSError, ValueError):
-                    pass
-        self.reusable = False
-        for key, pool in list(_POOLS.items()):
-            if pool is self:
-                del _POOLS[key]
-
-
-# The rank side: one rank of a _RankPool.
-_BODY_STORE = None
-_SERIAL = 0
-
-
-def _pool_report(serial: int, outcome: str, detail: str = "") -> None:
-    sys.stdout.flush()  # what the body printed comes first
-    line = _POOL_REPORT + json.dumps({"serial": serial, "outcome": outcome, "detail": detail}) + "\n"
-    os.write(sys.__stdout__.fileno(), line.encode())
-
-
-def _serve_rank_pool(rank: int, world: int, port: int) -> None:
-    """Runs the bodies the parent sends on stdin, in order, reporting each on stdout."""
-    global _BODY_STORE, _SERIAL
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    if torch.accelerator.device_count():
-        torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
-    _pool_report(0, _PASSED)
-    for line in sys.stdin:
-        request = json.loads(line)
-        _SERIAL = request["serial"]
-        _BODY_STORE = dist.PrefixStore(f"body-{_SERIAL}/", store)
-        try:
-            module = _import_test_file(request["source"])
-            params = _unpickled(request["params"])
-            test = getattr(module, request["name"])
-            backend = request["backend"]
-            if dist.is_initialized() and dist.get_backend() != backend:
-                dist.destroy_process_group()
-            if backend and not dist.is_initialized():
-                dist.init_process_group(backend, store=dist.PrefixStore(f"group-{_SERIAL}/", store), rank=rank,
-                                        world_size=world)
-            getattr(test, "rank_body", test)(rank, world, **params)
-            report = (_PASSED, "")
-        except BaseException as error:  # reported to the parent, which fails the test with it
-            import pytest
-
-            if isinstance(error, pytest.skip.Exception):
-                report = (_SKIPPED, str(error))
-            else:
-                report = (_FAILED, traceback.format_exc())
-        if report[0] == _FAILED:
-            sys.stderr.flush()
-            _pool_report(_SERIAL, *report)
-            os._exit(1)  # a peer may be waiting in a collective: no teardown
-        if not request["backend"] and dist.is_initialized():
-            dist.destroy_process_group()
-        _pool_report(_SERIAL, *report)
-    os._exit(0)
-
-
-def _import_test_file(source: str):
+def import_test_file(source: str):
     """The test file at `source`, imported (once) under the name pytest gives it (pickled values name it)."""
     name = pathlib.Path(source).stem
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == source:
@@ -694,11 +445,9 @@ def _import_test_file(source: str):
 
 
 if __name__ == "__main__":
-    import harness  # the module the test files import: rank_store() and exit_rank() read its globals
+    import harness  # the module the test files import (its globals, not this __main__'s)
 
-    if sys.argv[1] == "rank-pool":
-        harness._serve_rank_pool(*map(int, sys.argv[2:5]))
-    elif sys.argv[1] == "shared":
+    if sys.argv[1] == "shared":
         harness._run_shared_cases(sys.argv[2])
     elif sys.argv[1] == "call":
         harness._call(*sys.argv[2:5])

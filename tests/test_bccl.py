@@ -14,7 +14,7 @@ import datetime
 import time
 
 import pytest
-from harness import distributed_test, exit_rank, rank_store
+from ranks import distributed_test, exit_rank, rank_store
 import torch
 import torch.distributed as dist
 

@@ -7,7 +7,7 @@ in torch's own test_ddp_profiling_torch_profiler (test_torch_distributed.py).
 """
 
 import pytest
-from harness import distributed_test
+from ranks import distributed_test
 import torch
 import torch.distributed as dist
 

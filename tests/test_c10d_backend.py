@@ -20,7 +20,7 @@ import time
 import warnings
 
 import pytest
-from harness import distributed_test, rank_store
+from ranks import distributed_test, rank_store
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d

@@ -12,7 +12,8 @@ import warnings
 import pytest
 
 import harness
-from harness import distributed_test, run_function, run_python, torchrun_command
+from harness import run_function, run_python, torchrun_command
+from ranks import distributed_test
 import torch
 
 from supa_emu import config

@@ -3,14 +3,14 @@ computes it (the product rounded to the tensor's dtype; a half input takes a hal
 input a float one), for all_reduce, reduce, reduce_scatter and reduce_scatter_tensor, with number
 and device-tensor factors; and FSDP2 with a gradient divide factor, which reduce-scatters with it.
 
-Each test body runs in every rank (harness.distributed_test); expected values are computed on the CPU
+Each test body runs in every rank (ranks.distributed_test); expected values are computed on the CPU
 from every rank's inputs, which each rank can rebuild.
 """
 
 import copy
 
 import pytest
-from harness import distributed_test
+from ranks import distributed_test
 import torch
 import torch.distributed as dist
 

@@ -13,7 +13,8 @@ import os
 
 import pytest
 
-from harness import PRISTINE, distributed_test, shared_call
+from harness import PRISTINE, shared_call
+from ranks import distributed_test
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")

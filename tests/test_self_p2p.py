@@ -6,7 +6,7 @@ test_batch_isend_irecv_nccl / _self_nccl (test_torch_distributed.py).
 """
 
 import pytest
-from harness import distributed_test
+from ranks import distributed_test
 import torch
 import torch.distributed as dist
 
