@@ -141,6 +141,12 @@ def test_split_group_counts_its_splits(rank, world):
     else:
         assert left_out.size() == 1
     assert backend.comm_split_count() == 3
+
+
+@distributed_test(backend=None)
+def test_split_group_of_a_subgroup(rank, world):
+    _bound(rank, world)
+    pair = dist.split_group(split_ranks=[[1, 0]])
     assert dist.split_group(parent_pg=pair, split_ranks=[[0, 1]]).size() == 2
     assert pair.comm_split_count() == 1
 
