@@ -7,8 +7,10 @@
 // torch.OutOfMemoryError with the message shape of the real stack. The allocator settings
 // that change accounting act as on the real allocator: roundup_power2_divisions rounds request
 // sizes, max_split_size makes large blocks "oversize" (counted apart), and
-// garbage_collection_threshold releases the least recently freed cached blocks once reserved
-// memory passes that fraction of the card (see BlockPolicy).
+// garbage_collection_threshold releases the least recently freed whole free segments once
+// reserved memory passes that fraction of the card (see BlockPolicy). Segments, splitting and
+// merging are the card's (card_memory.h); the statistics count them as PyTorch's allocator does
+// (inactive_split for the free blocks of split segments, whole blocks in allocated_bytes).
 #include "caching_allocator.h"
 
 #include "card_memory.h"
