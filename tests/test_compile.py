@@ -1,5 +1,5 @@
 """torch.compile on SUPA cards: Dynamo's device interface, Inductor's supa backend, numerics
-against eager PyTorch on the CPU, dynamic shapes, placement rules, memory accounting, the
+against eager PyTorch on the CPU, flex attention, dynamic shapes, placement rules, memory accounting, the
 on-disk compile cache, and DeepSpeed's engine.compile() on two cards.
 
 Compiling costs seconds per graph on two cores, so the models are tiny and each test compiles
@@ -8,6 +8,7 @@ nn.Sequential) run eagerly on the CPU.
 """
 
 import copy
+import gc
 import json
 import os
 import re
@@ -257,6 +258,106 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
     finally:
         torch.supa.set_per_process_memory_fraction(1.0, device)
     assert torch.allclose(compiled(a), two_matmuls(a))
+
+
+# ------------------------------------------------------------------------------------------------
+# Flex attention: the CPU C++ kernel for inference, the dense definition compiled for training
+# ------------------------------------------------------------------------------------------------
+FLEX_SHAPE = (2, 2, 128, 16)  # batch, heads, sequence, head dim: two 64-token blocks of the mask
+RELATIVE_SLOPE = 0.05
+
+
+@pytest.fixture
+def flex_attention():
+    """torch's flex_attention; its device check accepts supa (torch_supa.contrib.module, applied at activation)."""
+    from torch.nn.attention import flex_attention as module
+
+    return module.flex_attention
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def flex_inputs(device, dtype, requires_grad=False):
+    """q, k, v, a learnt bias per head and key, the score_mod adding it and a relative-position
+    bias to the scores, and the causal block mask, all on `device` (same values on every device)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(FLEX_SHAPE, generator=generator).to(dtype) for _ in range(3)]
+    batch, heads, length, _ = FLEX_SHAPE
+    tensors.append(torch.randn(heads, length, generator=generator))
+    q, k, v, key_bias = (t.to(device).requires_grad_(requires_grad) for t in tensors)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx) * RELATIVE_SLOPE + key_bias[h, kv_idx]
+
+    return q, k, v, key_bias, biased, create_block_mask(causal, batch, heads, length, length, device=device)
+
+
+def reference_attention(q, k, v, key_bias):
+    """What the flex_attention call of flex_inputs computes, in plain fp32 ops."""
+    q, k, v = (t.float() for t in (q, k, v))
+    position = torch.arange(q.shape[-2])
+    distance = position[:, None] - position[None, :]
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 + distance * RELATIVE_SLOPE + key_bias[:, None, :]
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.slow  # compiles a C++ kernel per dtype
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flex_attention_inference_runs_the_cpu_kernel_on_the_card(flex_attention, dtype):
+    from torch._inductor.utils import run_and_get_code
+
+    device = last_device()
+    q, k, v, _, score_mod, block_mask = flex_inputs("cpu", dtype)
+    expected = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    q, k, v, _, score_mod, block_mask = flex_inputs(device, dtype)
+    gc.collect()
+    base = torch.supa.memory_allocated(device)
+    with torch.no_grad():
+        out, (source, *_) = run_and_get_code(torch.compile(flex_attention), q, k, v,
+                                             score_mod=score_mod, block_mask=block_mask)
+    assert out.device == device and out.dtype == dtype
+    assert_close_relative(out, expected, TOLERANCE[dtype], "output")
+    assert torch.supa.memory_allocated(device) - base >= out.nbytes
+    # Inductor's flex attention C++ template, run on the card's memory, nothing copied to the CPU.
+    call = source[source.index("def call("):]
+    assert "cpp_fused_flex_attention" in call and f"device=device(type='supa', index={device.index})" in call
+    assert not re.search(r"empty_strided_cpu\(|\.copy_\(|\.cpu\(|\.to\(", call), call
+
+
+@pytest.mark.slow  # compiles a forward and a backward graph per dtype
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flex_attention_training_matches_eager_on_cpu(flex_attention, dtype):
+    device = last_device()
+    q, k, v, key_bias, score_mod, block_mask = flex_inputs("cpu", dtype)
+    expected = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    cpu_leaves = [t.detach().requires_grad_() for t in (q, k, v, key_bias)]
+    reference = reference_attention(*cpu_leaves)
+    reference.square().sum().backward()
+
+    q, k, v, key_bias, score_mod, block_mask = flex_inputs(device, dtype, requires_grad=True)
+    gc.collect()  # what earlier tests left is not freed while this one measures
+    torch.supa.synchronize(device)
+    base = torch.supa.memory_allocated(device)
+    torch.supa.reset_peak_memory_stats(device)
+    out = torch.compile(flex_attention)(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    # The fp32 scores of every (query, key) pair live on the card while the forward runs.
+    batch, heads, length, _ = FLEX_SHAPE
+    assert torch.supa.max_memory_allocated(device) - base >= batch * heads * length * length * 4
+    assert torch.supa.memory_allocated(device) - base >= out.nbytes
+    out.float().square().sum().backward()
+
+    tol = TOLERANCE[dtype]
+    assert out.device == device and out.dtype == dtype
+    assert_close_relative(out, expected, tol, "output")
+    assert_close_relative(out, reference, tol, "output against the fp32 reference")
+    for name, leaf, cpu_leaf in zip(("q", "k", "v", "key bias"), (q, k, v, key_bias), cpu_leaves):
+        assert leaf.grad.device == device
+        assert_close_relative(leaf.grad, cpu_leaf.grad, tol, f"gradient of {name}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch._inductor.codegen.wrapper import PythonWrapperCodegen, SubgraphPython
 from torch._inductor.codegen.wrapper_fxir import WrapperFxCodegen
 from torch._inductor.virtualized import V
 
-from supa_emu.compile import inductor_patches
+from supa_emu.compile import flex_attention, inductor_patches
 from supa_emu.device_type import DEVICE_TYPE
 _CPU = torch.device("cpu")
 
@@ -121,3 +121,4 @@ CODEGEN_CLASSES = {
 
 register_device_op_overrides(DEVICE_TYPE, SupaDeviceOpOverrides())
 inductor_patches.apply()
+flex_attention.install()

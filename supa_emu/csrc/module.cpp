@@ -1,6 +1,7 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native`).
 #include "aten/blas_ops.h"
 #include "aten/fallback.h"
+#include "aten/sdp_choice.h"
 #include "bccl/all_gather.h"
 #include "bccl/card_operands.h"
 #include "bccl/signature_board.h"
@@ -24,6 +25,7 @@
 // optim, data), which this file does not use and which dominated the build time.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Event.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/profiler/combined_traceback.h>
 #include <torch/csrc/Storage.h>
@@ -196,11 +198,42 @@ void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_ent
   supa::set_memory_history(trace, stacks, cpp_stacks, max_entries);
 }
 
+// torch.backends.cuda.SDPAParams (torch._C._SDPAParams) as the card's choice reads it.
+sdp::sdp_params sdpa_params(py::handle params) {
+  py::object mask = params.attr("attn_mask");
+  return sdp::sdp_params{params.attr("query").cast<at::Tensor>(),
+                         params.attr("key").cast<at::Tensor>(),
+                         params.attr("value").cast<at::Tensor>(),
+                         mask.is_none() ? std::nullopt : std::optional<at::Tensor>(mask.cast<at::Tensor>()),
+                         params.attr("dropout").cast<double>(),
+                         params.attr("is_causal").cast<bool>(),
+                         params.attr("enable_gqa").cast<bool>()};
+}
+
+// torch._C._can_use_*_attention(params, debug) for supa inputs; `debug` warnings reach Python.
+template <bool (*can_use)(const sdp::sdp_params&, bool)>
+bool can_use_attention(py::handle params, bool debug) {
+  const sdp::sdp_params parsed = sdpa_params(params);
+  bool result = false;
+  {
+    torch::PyWarningHandler warnings;
+    result = can_use(parsed, debug);
+  }
+  return result;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native core of the emulated SUPA device";
   m.def("_init", &init, "Create the emulated devices (once per process)");
+  m.def("_is_flash_attention_available", [] { return true; });
+  m.def("_can_use_flash_attention", &can_use_attention<&supa::can_use_flash_attention>, py::arg("params"),
+        py::arg("debug") = false);
+  m.def("_can_use_mem_efficient_attention", &can_use_attention<&supa::can_use_mem_efficient_attention>,
+        py::arg("params"), py::arg("debug") = false);
+  m.def("_can_use_cudnn_attention", &can_use_attention<&supa::can_use_cudnn_attention>, py::arg("params"),
+        py::arg("debug") = false);
   m.def("_device_count", [] { return supa::device_count(); });
   m.def("_get_device", [] { return static_cast<int>(supa::current_device()); });
   m.def("_set_device", [](int index) { supa::set_device(static_cast<c10::DeviceIndex>(index)); });

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from . import gloo_handoff, host_memory, signatures
-from .arguments import premul_factor
+from .arguments import premul_factor, reduce_kind
 from .host_memory import HostCall
 
 _RedOp = dist.ReduceOp.RedOpType
@@ -67,6 +67,14 @@ def premultiply(contribution: torch.Tensor, op, out: torch.Tensor = None) -> tor
     # A Python number multiplies in the dtype's compute type (float for half and bfloat16), as
     # NCCL's premultiplication does, with one rounding to the dtype.
     return torch.mul(contribution, factor, out=out)
+
+
+def premultiplied(contribution: torch.Tensor, op, in_place: bool) -> torch.Tensor:
+    """What a rank contributes to a reduction by `op`: a PREMUL_SUM's contribution times its factor
+    (in place for a buffer the result overwrites), any other as it is."""
+    if reduce_kind(op) != _RedOp.PREMUL_SUM:
+        return contribution
+    return premultiply(contribution, op, out=contribution if in_place else None)
 
 
 def reduces_locally(kind: _RedOp, dtype: torch.dtype) -> bool:

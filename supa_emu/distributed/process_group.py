@@ -145,14 +145,6 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
             return dist.ReduceOp.SUM  # the contributions were premultiplied (composed.premultiply)
         return dist.ReduceOp(kind)
 
-    @staticmethod
-    def _premultiplied(view: torch.Tensor, op, in_place: bool) -> torch.Tensor:
-        """What this rank contributes to a reduction by `op`: a PREMUL_SUM's contribution is
-        multiplied by its factor first (in place for a buffer the result overwrites)."""
-        if _reduce_kind(op) != _RedOp.PREMUL_SUM:
-            return view
-        return composed.premultiply(view, op, out=view if in_place else None)
-
     def _options(self, kind: str, opts, reduce_op) -> object:
         if reduce_op is None or _reduce_kind(opts.reduceOp) == _reduce_kind(reduce_op):
             return opts
@@ -194,7 +186,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         ticket = self._agreement.agree(
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         call = HostCall()
-        view = self._premultiplied(call.elementwise_view(tensor), opts.reduceOp, in_place=True)
+        view = composed.premultiplied(call.elementwise_view(tensor), opts.reduceOp, in_place=True)
         if composed.all_reduce_exchanges(kind, tensor.dtype, tensor.numel(), self.size()):
             part = composed.all_reduce(self._gloo, _flat(view), kind, call, opts.timeout)
         else:
@@ -217,7 +209,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         )
         call, parts = HostCall(), []
         for tensor in tensors:
-            view = self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True)
+            view = composed.premultiplied(call.view(tensor), opts.reduceOp, in_place=True)
             gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda view=view: [view])
             options = dist.AllreduceOptions()
             options.reduceOp, options.timeout = gloo_op, opts.timeout
@@ -231,12 +223,12 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         self._agreement.agree(signatures.make("reduce", tensor.dtype, int(kind), root, tensor.numel()))
         call = HostCall()
         if self.rank() == root:
-            view = self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True)
+            view = composed.premultiplied(call.view(tensor), opts.reduceOp, in_place=True)
             gloo_op = self._gloo_reduce_op(kind, tensor.dtype, call, lambda: [view])
         else:
             # gloo may use a non-root buffer as scratch; the device backends leave it intact.
             view = call.view(tensor, write=False).clone(memory_format=torch.contiguous_format)
-            view = self._premultiplied(view, opts.reduceOp, in_place=True)
+            view = composed.premultiplied(view, opts.reduceOp, in_place=True)
             gloo_op = self._gloo_reduce_op(kind, tensor.dtype, HostCall(), lambda: [])
         part = self._gloo.reduce([view], self._options("reduce", opts, gloo_op))
         return self._finish([part], call, [tensor])
@@ -252,7 +244,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         )
         call = HostCall()
         out_view = call.view(output, read=False)
-        in_views = [self._premultiplied(call.view(t, write=False), opts.reduceOp, in_place=False) for t in inputs]
+        in_views = [composed.premultiplied(call.view(t, write=False), opts.reduceOp, in_place=False) for t in inputs]
         gloo_op = self._gloo_reduce_op(kind, output.dtype, call, lambda: [out_view])
         part = self._gloo.reduce_scatter([out_view], [in_views], self._options("reduce_scatter", opts, gloo_op))
         return self._finish([part], call, [output])
@@ -284,7 +276,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         )
         parts = []
         for output, (out_view, in_view) in zip(outputs, views):
-            in_view = self._premultiplied(in_view, opts.reduceOp, in_place=False)
+            in_view = composed.premultiplied(in_view, opts.reduceOp, in_place=False)
             if composed.reduces_locally(kind, output.dtype):
                 parts.append(composed.reduce_scatter(self._gloo, out_view, in_view, kind, call, opts.timeout))
                 continue

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from supa_emu.distributed import call_record, operands
+from supa_emu.distributed import call_record, composed, operands
 from supa_emu.distributed.c10d_backend import check_split, group_options
 from supa_emu.distributed.arguments import check_reduction, require_device, single
 from supa_emu.distributed.host_memory import HostCall, host_view
@@ -163,7 +163,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
     def allreduce(self, tensors, opts=None):
         tensor, kind, opts = operands.all_reduce(tensors, opts)
         call = HostCall()
-        _reduce_uniform(self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
+        _reduce_uniform(composed.premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
         return self._done(call, [tensor])
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -172,7 +172,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         call = HostCall()
         for tensor in tensors:
             kind = check_reduction(opts.reduceOp, tensor.dtype)
-            _reduce_uniform(self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
+            _reduce_uniform(composed.premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
         return self._done(call, tensors)
 
     def reduce(self, tensors, opts=None):
@@ -181,7 +181,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         kind = check_reduction(opts.reduceOp, tensor.dtype)
         call = HostCall()
         if self.rank() == opts.rootRank:
-            _reduce_uniform(self._premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
+            _reduce_uniform(composed.premultiplied(call.view(tensor), opts.reduceOp, in_place=True), kind, self.size())
         else:
             call.track(tensor, write=False)
         return self._done(call, [tensor])
@@ -194,7 +194,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
         out_view = call.view(output, read=False)
         in_views = [call.view(t, write=False) for t in inputs]
         out_view.copy_(in_views[self.rank()].reshape(out_view.shape))
-        _reduce_uniform(self._premultiplied(out_view, opts.reduceOp, in_place=True), kind, self.size())
+        _reduce_uniform(composed.premultiplied(out_view, opts.reduceOp, in_place=True), kind, self.size())
         return self._done(call, [output])
 
     def _reduce_scatter_tensors(self, outputs, inputs, opts, operation):
@@ -205,7 +205,7 @@ class ProcessGroupUniform(ProcessGroupBCCL):
             kind = check_reduction(opts.reduceOp, out_view.dtype)
             chunk = out_view.numel()
             out_view.copy_(in_view[self.rank() * chunk:(self.rank() + 1) * chunk])
-            _reduce_uniform(self._premultiplied(out_view, opts.reduceOp, in_place=True), kind, self.size())
+            _reduce_uniform(composed.premultiplied(out_view, opts.reduceOp, in_place=True), kind, self.size())
         return self._done(call, outputs)
 
     # ---- data movement ------------------------------------------------------------------------

@@ -30,11 +30,6 @@ def _done(result=None) -> dist.Work:
     return _create_work_from_future(future)
 
 
-def _premultiplied(tensor: torch.Tensor, op) -> torch.Tensor:
-    return composed.premultiply(tensor, op, out=tensor) if reduce_kind(op) == dist.ReduceOp.RedOpType.PREMUL_SUM \
-        else tensor
-
-
 class UniformHostGroup(dist.ProcessGroup):
     """The planned world's stand-in for a gloo group (a whole process group, as bccl's is)."""
 
@@ -72,7 +67,7 @@ class UniformHostGroup(dist.ProcessGroup):
 
     def _reduce(self, tensor: torch.Tensor, op) -> None:
         check_reduction(op, tensor.dtype)
-        uniform_group._reduce_uniform(_premultiplied(tensor, op), reduce_kind(op), self.size())
+        uniform_group._reduce_uniform(composed.premultiplied(tensor, op, in_place=True), reduce_kind(op), self.size())
 
     # ---- collectives -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):

@@ -212,9 +212,10 @@ def _patch_torch_c() -> None:
     for name in comm.__all__:  # what torch.nn.DataParallel needs; a CPU build of torch lacks them
         if not hasattr(c, "_" + name):
             setattr(c, "_" + name, _c_entry(getattr(comm, name)))
+    core = process_state.core()
     for name in ("_is_flash_attention_available", "_can_use_flash_attention",
                  "_can_use_mem_efficient_attention", "_can_use_cudnn_attention"):
-        setattr(c, name, lambda *args, **kwargs: False)  # SDPA on supa runs the math kernel
+        setattr(c, name, getattr(core, name))  # the card's SDPA choice (csrc/aten/sdp_choice.cpp)
 
 
 def _patch_backends_and_profiler() -> None:

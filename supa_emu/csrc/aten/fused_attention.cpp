@@ -1,0 +1,268 @@
+// The card's fused attention kernels: what scaled_dot_product_attention runs on supa when the
+// card's choice (sdp_choice.cpp) is flash or memory-efficient attention.
+//
+// Values come from PyTorch's CPU flash attention kernel (blockwise host math where it does not
+// apply: host_attention.h). Memory is the card kernel's, not the CPU kernel's: the CPU kernel
+// runs with its scratch in host memory (not card memory), and the card holds what a GPU's fused
+// kernel holds, as measured on an H200 (../shared/fidelity, docs/card_memory.md):
+// - forward: the output and the log-sum-exp (float32 per query row) it keeps for backward, plus
+//   the dropout seed and offset of memory-efficient attention; nothing of size L x S;
+// - backward: the gradients, and for the kernel's duration a dense copy of the output gradient
+//   when it is not dense in the output's layout, a float32 accumulator of the query gradient and
+//   the float32 row sums of dO * O; with grouped-query attention (fewer key/value heads than
+//   query heads) also the key and value gradients of every query head, which the card's kernel
+//   sums over each group at the end (H200, tests/data/fidelity/h200_gqa_attention.json).
+// Shapes and strides of every result are those of PyTorch's meta functions for these ops, which
+// compiled graphs check.
+#include "fallback.h"
+#include "host_attention.h"
+
+#include "../runtime/devices.h"
+#include "../runtime/generator.h"
+#include "../runtime/host_alias.h"
+#include "../runtime/host_routing_allocator.h"
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace supa::fused_attention {
+
+// A tensor on the current card, as a card kernel allocates it; written through its host view.
+struct CardTensor {
+  at::Tensor card;
+  at::Tensor host;
+};
+
+CardTensor on_card(c10::IntArrayRef sizes, c10::IntArrayRef permutation, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype).device(c10::Device(kSupa, current_device()));
+  at::Tensor card = permutation.empty() ? at::empty(sizes, options) : at::empty_permuted(sizes, permutation, options);
+  return {card, host_view(card)};
+}
+
+// Host kernels run inside the fallback, which routes host allocations to the card: this scope
+// sends the CPU kernels' scratch back to host memory, where a card kernel has none of it.
+class HostScratch {
+ public:
+  HostScratch() : scope_(-1) {}
+
+ private:
+  DeviceOutputScope scope_;
+};
+
+double softmax_scale(const at::Tensor& query, const c10::IValue& scale) {
+  return scale.isNone() ? 1.0 / std::sqrt(static_cast<double>(query.size(-1))) : scale.toDouble();
+}
+
+// The card's transient buffers of a backward pass (see the file comment); freed when it returns.
+// The kernel reads the output gradient in the output's layout: any other needs a dense copy.
+std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& query,
+                                         const at::Tensor& key, const at::Tensor& value) {
+  std::vector<at::Tensor> scratch;
+  const auto options = at::TensorOptions().device(c10::Device(kSupa, current_device()));
+  if (!grad_out.is_non_overlapping_and_dense() || grad_out.strides() != out.strides()) {
+    scratch.push_back(at::empty(grad_out.sizes(), options.dtype(grad_out.scalar_type())));
+  }
+  scratch.push_back(at::empty(query.sizes(), options.dtype(at::kFloat)));
+  scratch.push_back(at::empty({query.size(0), query.size(1), query.size(2)}, options.dtype(at::kFloat)));
+  if (key.size(1) != query.size(1)) {
+    scratch.push_back(at::empty({key.size(0), query.size(1), key.size(2), key.size(3)}, options.dtype(key.scalar_type())));
+    scratch.push_back(at::empty({value.size(0), query.size(1), value.size(2), value.size(3)},
+                                options.dtype(value.scalar_type())));
+  }
+  return scratch;
+}
+
+// The dropout seed and offset of memory-efficient attention: the Philox counters of one number per
+// attention weight, reserved from the card's default generator as CUDA's kernel reserves them
+// (its offset advances by batch x heads x L x S), so dropout follows torch.supa.manual_seed.
+std::pair<at::Tensor, at::Tensor> draw_philox_state(double dropout_p, uint64_t weights) {
+  const auto options = at::TensorOptions().dtype(at::kLong).device(c10::Device(kSupa, current_device()));
+  at::Tensor seed = at::zeros({}, options);
+  at::Tensor offset = at::zeros({}, options);
+  if (dropout_p > 0.0) {
+    const PhiloxRange counters = reserve_counters(std::nullopt, current_device(), weights);
+    seed.fill_(static_cast<int64_t>(counters.seed));
+    offset.fill_(static_cast<int64_t>(counters.offset));
+  }
+  return {seed, offset};
+}
+
+std::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+uint64_t read_long(const at::Tensor& t) {
+  const at::Tensor host = t.device().type() == kSupa ? host_view(t) : t;
+  return static_cast<uint64_t>(host.item<int64_t>());
+}
+
+// aten::_scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, *,
+//   attn_mask, scale) -> (output, logsumexp): PyTorch's flash call on a device other than CUDA.
+void flash_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
+  auto args = torch::jit::last(*stack, 7);
+  const at::Tensor q = args[0].toTensor(), k = args[1].toTensor(), v = args[2].toTensor();
+  const double dropout_p = args[3].toDouble();
+  const bool is_causal = args[4].toBool();
+  const at::Tensor mask = optional_tensor(args[5]);
+  const std::optional<double> scale = args[6].isNone() ? std::nullopt : std::optional<double>(args[6].toDouble());
+  at::Tensor out_card = at::empty_like(q, q.options().device(c10::Device(kSupa, current_device())));
+  CardTensor out{out_card, host_view(out_card)};
+  CardTensor lse = on_card({q.size(0), q.size(2), q.size(1)}, {}, at::toOpMathType(q.scalar_type()));
+  {
+    HostScratch scratch;
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, present(mask), scale);
+    out.host.copy_(o);
+    lse.host.transpose(1, 2).copy_(l);
+  }
+  push_results(stack, 7, {out.card, lse.card.transpose(1, 2)});
+}
+
+// aten::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
+//   logsumexp, dropout_p, is_causal, *, attn_mask, scale) -> (grad_query, grad_key, grad_value)
+void flash_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
+  auto args = torch::jit::last(*stack, 10);
+  const at::Tensor grad_out = args[0].toTensor();
+  const at::Tensor q = args[1].toTensor(), k = args[2].toTensor(), v = args[3].toTensor();
+  const at::Tensor out = args[4].toTensor(), lse = args[5].toTensor();
+  const double dropout_p = args[6].toDouble();
+  const bool is_causal = args[7].toBool();
+  const at::Tensor mask = optional_tensor(args[8]);
+  const std::optional<double> scale = args[9].isNone() ? std::nullopt : std::optional<double>(args[9].toDouble());
+  const int64_t blhe[] = {0, 2, 1, 3};
+  CardTensor dq = on_card(q.sizes(), blhe, q.scalar_type());
+  CardTensor dk = on_card(k.sizes(), blhe, k.scalar_type());
+  CardTensor dv = on_card(v.sizes(), blhe, v.scalar_type());
+  {
+    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q, k, v);
+    HostScratch scratch;
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, dropout_p, is_causal,
+        present(mask), scale);
+    dq.host.copy_(gq);
+    dk.host.copy_(gk);
+    dv.host.copy_(gv);
+  }
+  push_results(stack, 10, {dq.card, dk.card, dv.card});
+}
+
+// PyTorch's CPU flash kernel serves the call: no dropout, one head size, a mask it accepts.
+bool cpu_flash_serves(const at::Tensor& q, const at::Tensor& v, const at::Tensor& bias, double dropout_p) {
+  return dropout_p == 0.0 && q.size(-1) == v.size(-1) && (!bias.defined() || bias.dim() == 2 || bias.dim() == 4);
+}
+
+// aten::_scaled_dot_product_efficient_attention(query, key, value, attn_bias, compute_log_sumexp,
+//   dropout_p, is_causal, *, scale) -> (output, log_sumexp, philox_seed, philox_offset)
+void efficient_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
+  auto args = torch::jit::last(*stack, 8);
+  const at::Tensor q = args[0].toTensor(), k = args[1].toTensor(), v = args[2].toTensor();
+  const at::Tensor bias = optional_tensor(args[3]);
+  const bool compute_log_sumexp = args[4].toBool();
+  const double dropout_p = args[5].toDouble();
+  const bool is_causal = args[6].toBool();
+  const double scale = softmax_scale(q, args[7]);
+  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2);
+  const int64_t bhle[] = {0, 2, 1, 3};
+  CardTensor out = on_card({batch, heads, rows, v.size(3)}, bhle, q.scalar_type());
+  const int64_t lse_rows = compute_log_sumexp ? (rows + 31) / 32 * 32 : 0;
+  CardTensor lse = on_card({batch, heads, lse_rows}, {}, at::kFloat);
+  auto [seed, offset] = draw_philox_state(dropout_p, static_cast<uint64_t>(batch * heads * rows * k.size(2)));
+  {
+    HostScratch scratch;
+    at::Tensor o, l;
+    if (cpu_flash_serves(q, v, bias, dropout_p)) {
+      std::tie(o, l) = at::_scaled_dot_product_flash_attention_for_cpu(
+          q, k, v, 0.0, is_causal, present(bias), scale);
+    } else {
+      std::tie(o, l) = host_attention::forward({q, k, v, bias, is_causal, scale, dropout_p, read_long(seed),
+                                                read_long(offset)});
+    }
+    out.host.copy_(o);
+    if (compute_log_sumexp) {
+      lse.host.narrow(2, 0, rows).copy_(l);
+      lse.host.narrow(2, rows, lse_rows - rows).fill_(0);
+    }
+  }
+  push_results(stack, 8, {out.card, lse.card, seed, offset});
+}
+
+// aten::_scaled_dot_product_efficient_attention_backward(grad_out_, query, key, value, attn_bias,
+//   out, logsumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal, *, scale)
+//   -> (grad_query, grad_key, grad_value, grad_attn_bias)
+void efficient_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
+  auto args = torch::jit::last(*stack, 13);
+  const at::Tensor grad_out = args[0].toTensor();
+  const at::Tensor q = args[1].toTensor(), k = args[2].toTensor(), v = args[3].toTensor();
+  const at::Tensor bias = optional_tensor(args[4]);
+  const at::Tensor out = args[5].toTensor(), lse = args[6].toTensor();
+  const uint64_t seed = read_long(args[7].toTensor()), offset = read_long(args[8].toTensor());
+  const double dropout_p = args[9].toDouble();
+  const auto grad_input_mask = args[10].toBoolList();
+  const bool is_causal = args[11].toBool();
+  const double scale = softmax_scale(q, args[12]);
+  const int64_t rows = q.size(2);
+  const int64_t bhle[] = {0, 2, 1, 3};
+  CardTensor dq = on_card(q.sizes(), bhle, q.scalar_type());
+  CardTensor dk = on_card(k.sizes(), bhle, k.scalar_type());
+  CardTensor dv = on_card(v.sizes(), bhle, v.scalar_type());
+  const bool bias_grad = bias.defined() && grad_input_mask.get(3);
+  at::Tensor dbias_card;
+  if (bias_grad) {
+    // As the card kernel: the last dimension padded to a multiple of 16, and viewed back.
+    std::vector<int64_t> padded = bias.sizes().vec();
+    padded.back() = (padded.back() + 15) / 16 * 16;
+    dbias_card = on_card(padded, {}, bias.scalar_type()).card.narrow(-1, 0, bias.size(-1));
+  }
+  {
+    const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q, k, v);
+    HostScratch scratch;
+    at::Tensor gq, gk, gv, gbias;
+    const host_attention::Call call{q, k, v, bias, is_causal, scale, dropout_p, seed, offset};
+    // Forward skips the log-sum-exp when no input of its own needs a gradient (the mask may).
+    const at::Tensor row_lse =
+        lse.size(2) >= rows ? lse.narrow(2, 0, rows) : std::get<1>(host_attention::forward(call));
+    if (cpu_flash_serves(q, v, bias, dropout_p) && !bias_grad) {
+      // The CPU kernel's log-sum-exp layout: (B, L, H) memory.
+      at::Tensor cpu_lse = at::empty({q.size(0), rows, q.size(1)}, lse.options()).transpose(1, 2);
+      cpu_lse.copy_(row_lse);
+      std::tie(gq, gk, gv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          grad_out, q, k, v, out, cpu_lse, 0.0, is_causal,
+          present(bias), scale);
+    } else {
+      std::tie(gq, gk, gv, gbias) = host_attention::backward(call, grad_out, out, row_lse, bias_grad);
+    }
+    dq.host.copy_(gq);
+    dk.host.copy_(gk);
+    dv.host.copy_(gv);
+    if (bias_grad) {
+      host_view(dbias_card).copy_(gbias.sum_to_size(bias.sizes()));
+    }
+  }
+  push_results(stack, 13, {dq.card, dk.card, dv.card, dbias_card});
+}
+
+template <HostKernel kernel>
+void card_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_host_kernel(op, stack, kernel);
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_scaled_dot_product_flash_attention_for_cpu",
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_forward>>());
+  m.impl("_scaled_dot_product_flash_attention_for_cpu_backward",
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_backward>>());
+  m.impl("_scaled_dot_product_efficient_attention",
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_forward>>());
+  m.impl("_scaled_dot_product_efficient_attention_backward",
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_backward>>());
+}
+
+}  // namespace supa::fused_attention
