@@ -633,21 +633,50 @@ def test_custom_allocators_are_rejected_clearly():
         torch.supa.change_current_allocator(object())
 
 
-def test_caching_allocator_alloc_checks_its_stream_and_warns_it_is_not_tied_to_one():
+def segment_stream(address: int) -> int:
+    """The stream of the snapshot segment holding `address`."""
+    [stream] = [seg["stream"] for seg in torch.supa.memory_snapshot()
+                if seg["address"] <= address < seg["address"] + seg["total_size"]]
+    return stream
+
+
+def test_caching_allocator_alloc_allocates_on_its_stream_and_checks_it():
     device = last_device()
     with torch.supa.device(device):
         current = torch.supa.current_stream()
         side = torch.supa.Stream()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the current stream, as object or handle: nothing to say
-        for stream in (None, current, current.supa_stream):
-            torch.supa.caching_allocator_delete(torch.supa.caching_allocator_alloc(MiB, device, stream))
-    with pytest.warns(UserWarning, match="does not tie blocks to streams"):
-        address = torch.supa.caching_allocator_alloc(MiB, device, side)
-    torch.supa.caching_allocator_delete(address)
+    for stream in (None, current, current.supa_stream):
+        address = torch.supa.caching_allocator_alloc(MiB, device, stream)
+        assert segment_stream(address) == current.supa_stream
+        torch.supa.caching_allocator_delete(address)
+    for stream in (side, side.supa_stream):
+        address = torch.supa.caching_allocator_alloc(MiB, device, stream)
+        assert segment_stream(address) == side.supa_stream
+        torch.supa.caching_allocator_delete(address)
+    with torch.supa.device(device):  # the side stream's freed block serves the side stream again only
+        assert torch.supa.caching_allocator_alloc(MiB, device, side) == address
+        other = torch.supa.caching_allocator_alloc(MiB, device)
+        assert other != address and segment_stream(other) == current.supa_stream
+        for freed in (address, other):
+            torch.supa.caching_allocator_delete(freed)
+    with pytest.raises(TypeError, match="must be `torch.supa.Stream` or `int`"):
+        torch.supa.caching_allocator_alloc(MiB, device, "side")
     if device > 0:
         with pytest.raises(ValueError, match=f"the stream is on supa:{device}, the allocation on supa:0"):
             torch.supa.caching_allocator_alloc(MiB, 0, side)
+
+
+def test_a_block_freed_on_one_stream_serves_only_that_stream():
+    side = torch.supa.Stream()
+    with torch.supa.stream(side):
+        freed = torch.empty(3 * MiB, dtype=torch.uint8, device="supa")
+    address = freed.data_ptr()
+    del freed
+    on_default = torch.empty(3 * MiB, dtype=torch.uint8, device="supa")
+    assert on_default.data_ptr() != address and segment_stream(on_default.data_ptr()) == 0
+    with torch.supa.stream(side):
+        again = torch.empty(3 * MiB, dtype=torch.uint8, device="supa")
+    assert again.data_ptr() == address and segment_stream(address) == side.supa_stream
 
 
 def test_snapshot_checks_its_device_and_covers_every_device():

@@ -114,7 +114,7 @@ py::list memory_snapshot(int device) {
     segment["allocated_size"] = info.allocated_size;
     segment["active_size"] = info.allocated_size;
     segment["requested_size"] = info.requested_size;
-    segment["stream"] = 0;
+    segment["stream"] = info.stream;
     segment["segment_type"] = info.small ? "small" : "large";
     segment["segment_pool_id"] = pool_id(static_cast<int64_t>(info.pool.first), static_cast<int64_t>(info.pool.second));
     segment["is_expandable"] = false;

@@ -1,6 +1,6 @@
 // Unit tests of the emulated card's block policy (supa_emu/csrc/runtime/card_memory.h): request
 // rounding, segment sizes, best fit, splitting and whole-block hand-outs, coalescing on free,
-// oversize blocks, garbage collection, and the capacity and host-memory decisions. Plain C++ with no test framework: each case prints
+// per-stream reuse, oversize blocks, garbage collection, and the capacity and host-memory decisions. Plain C++ with no test framework: each case prints
 // "ok <name>" or "FAIL <name>" with the failed checks, and the exit status counts the failures.
 // Built and run by tests/test_native_allocator_policy.py.
 #include "card_memory.h"
@@ -50,8 +50,9 @@ struct TestCard {
   ~TestCard() { card.release_cached(); }  // give the host memory back between cases
 
   // A new or cached block, marked allocated as the caching allocator marks it.
-  CardBlock* take(size_t size, const PoolId& pool = kGeneral, const BlockPolicy& policy = BlockPolicy()) {
-    Placement placed = card.place(size, pool, policy);
+  CardBlock* take(size_t size, const PoolId& pool = kGeneral, const BlockPolicy& policy = BlockPolicy(),
+                  int64_t stream = 0) {
+    Placement placed = card.place(size, pool, policy, stream);
     if (placed.block != nullptr) {
       placed.block->allocated = true;
     }
@@ -219,6 +220,27 @@ void reuse_only_within_pool() {
   CHECK(t.card.cached_blocks() == 1 && t.card.reserved() == int64_t(2 * MiB));
 }
 
+void reuse_only_within_stream() {
+  TestCard t(256 * MiB);
+  const BlockPolicy policy;
+  CardBlock* on_side = t.take(3 * MiB, kGeneral, policy, 7);
+  REQUIRE(on_side != nullptr);
+  CHECK(on_side->stream == 7 && t.last.segment != nullptr && t.last.segment->stream == 7);
+  void* const side_ptr = on_side->ptr;
+  t.card.cache(on_side);
+  CardBlock* on_default = t.take(3 * MiB);  // the side stream's free segment does not serve it
+  REQUIRE(on_default != nullptr);
+  CHECK(t.last.segment != nullptr && on_default->ptr != side_ptr && on_default->stream == 0);
+  CardBlock* again = t.take(2 * MiB, kGeneral, policy, 7);  // it serves its own stream, split
+  REQUIRE(again != nullptr);
+  CHECK(t.last.segment == nullptr && again->ptr == side_ptr && again->stream == 7);
+  CHECK(again->next != nullptr && again->next->stream == 7);  // the remainder stays the stream's
+  t.card.cache(again);
+  t.card.cache(on_default);
+  t.card.release_cached();  // every stream's whole free segments go back
+  CHECK(t.card.reserved() == 0 && t.released.size() == 2);
+}
+
 void small_and_large_pools_apart() {
   TestCard t(64 * MiB);
   CardBlock* large = t.take(3 * MiB);
@@ -334,6 +356,7 @@ int main() {
       {"coalescing_on_free", coalescing_on_free},
       {"split_segment_is_not_released", split_segment_is_not_released},
       {"reuse_only_within_pool", reuse_only_within_pool},
+      {"reuse_only_within_stream", reuse_only_within_stream},
       {"small_and_large_pools_apart", small_and_large_pools_apart},
       {"oversize_blocks", oversize_blocks},
       {"capacity_limit", capacity_limit},

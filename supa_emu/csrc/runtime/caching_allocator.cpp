@@ -14,6 +14,7 @@
 #include "caching_allocator.h"
 
 #include "card_memory.h"
+#include "device_guard.h"
 #include "devices.h"
 #include "gpu_trace.h"
 #include "mem_pool.h"
@@ -210,9 +211,10 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   const size_t size = g_policy.round_size(nbytes);
   const auto stack = memory_event_stack();
   const c10::MempoolId_t pool = allocation_pool(device);
+  const c10::StreamId stream = current_stream_id(device);
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
-  const Placement placed = mem.card.place(size, pool, g_policy);
+  const Placement placed = mem.card.place(size, pool, g_policy, stream);
   mem.stats.num_alloc_retries += placed.retries;
   if (placed.block == nullptr) {
     if (placed.host_error != 0) {
@@ -422,7 +424,7 @@ std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device) {
       if (device >= 0 && segment.device != device) {
         continue;
       }
-      SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, segment.small, segment.pool, {}};
+      SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, segment.small, segment.pool, segment.stream, {}};
       for (const CardBlock* b : mem->card.blocks_of(segment)) {
         info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, b->allocated});
         if (b->allocated) {

@@ -51,6 +51,7 @@ struct SegmentInfo {
   size_t requested_size;
   bool small;
   std::pair<unsigned long long, unsigned long long> pool;  // (graph pool, user pool)
+  int64_t stream;  // the stream whose requests its blocks serve
   std::vector<BlockInfo> blocks;
 };
 // The segments of `device` (every device's when it is negative), by device and address.

@@ -102,10 +102,10 @@ std::vector<const CardBlock*> CardMemory::blocks_of(const CardSegment& segment) 
   return blocks;
 }
 
-// The smallest free block of the pool that holds `size` (then the lowest address), if the
-// max_split_size rules let it serve the request.
-CardBlock* CardMemory::find_free(size_t size, const PoolId& pool, const BlockPolicy& policy) {
-  FreeBlocks& blocks = free_blocks(pool, size <= kSmallSize);
+// The smallest free block of the pool and stream that holds `size` (then the lowest address), if
+// the max_split_size rules let it serve the request.
+CardBlock* CardMemory::find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy) {
+  FreeBlocks& blocks = free_blocks(pool, size <= kSmallSize, stream);
   CardBlock key{nullptr, size, 0, device_, false};
   auto it = blocks.lower_bound(&key);
   if (it == blocks.end() || !policy.may_serve((*it)->size, size)) {
@@ -129,7 +129,7 @@ void CardMemory::release(CardBlock* block) {
 
 void CardMemory::release_cached(const PoolId* pool) {
   for (auto& entry : free_) {
-    if (pool != nullptr && entry.first.first != *pool) {
+    if (pool != nullptr && std::get<0>(entry.first) != *pool) {
       continue;
     }
     FreeBlocks& blocks = entry.second;
@@ -145,13 +145,13 @@ void CardMemory::release_cached(const PoolId* pool) {
   }
 }
 
-// With max_split_size set, the free oversize segments of the pool that make room for `size`:
-// the smallest that is large enough, else the largest ones until their sum is.
-bool CardMemory::release_oversize(size_t size, const PoolId& pool, const BlockPolicy& policy) {
+// With max_split_size set, the free oversize segments of the pool and stream that make room for
+// `size`: the smallest that is large enough, else the largest ones until their sum is.
+bool CardMemory::release_oversize(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy) {
   if (policy.max_split_size < 0) {
     return false;
   }
-  FreeBlocks& blocks = free_blocks(pool, false);
+  FreeBlocks& blocks = free_blocks(pool, false, stream);
   const size_t wanted = std::max(size, static_cast<size_t>(policy.max_split_size));
   CardBlock key{nullptr, wanted, 0, device_, false};
   for (auto it = blocks.lower_bound(&key); it != blocks.end(); ++it) {
@@ -208,7 +208,8 @@ void CardMemory::collect_garbage(size_t incoming, const BlockPolicy& policy) {
 
 // A new segment for a request of `size`, as one free block; on a full card the oversize free
 // segments, then every whole free segment, go back first.
-CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, const BlockPolicy& policy, Placement& placed) {
+CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy,
+                               Placement& placed) {
   const size_t bytes = segment_size(size);
   void* ptr = nullptr;
   int error = 0;
@@ -223,7 +224,7 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, const BlockPolic
     }
     return error == 0;
   };
-  bool ok = try_reserve() || (release_oversize(size, pool, policy) && try_reserve());
+  bool ok = try_reserve() || (release_oversize(size, pool, stream, policy) && try_reserve());
   if (!ok) {
     placed.retries++;
     release_cached();
@@ -234,8 +235,9 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, const BlockPolic
     return nullptr;
   }
   const bool small = size <= kSmallSize;
-  auto* segment = new CardSegment{ptr, bytes, device_, pool, small, policy.is_oversize(bytes)};
+  auto* segment = new CardSegment{ptr, bytes, device_, pool, small, policy.is_oversize(bytes), stream};
   auto* block = new CardBlock{ptr, bytes, 0, device_, false, pool, small};
+  block->stream = stream;
   block->segment = segment;
   segment->first = block;
   segments_.emplace(reinterpret_cast<uintptr_t>(ptr), segment);
@@ -244,12 +246,12 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, const BlockPolic
   return block;
 }
 
-Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& policy) {
+Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
   Placement placed;
-  CardBlock* block = find_free(size, pool, policy);
+  CardBlock* block = find_free(size, pool, stream, policy);
   if (block == nullptr) {
     collect_garbage(segment_size(size), policy);
-    block = reserve(size, pool, policy, placed);
+    block = reserve(size, pool, stream, policy, placed);
     if (block == nullptr) {
       return placed;
     }
@@ -260,6 +262,7 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
   if (split) {
     auto* rest = new CardBlock{static_cast<char*>(block->ptr) + size, remaining, 0, device_, false, pool, block->small};
     rest->segment = block->segment;
+    rest->stream = block->stream;
     rest->freed_at = block->freed_at;
     rest->prev = block;
     rest->next = block->next;
@@ -268,7 +271,7 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
     }
     block->next = rest;
     block->size = size;
-    free_blocks(pool, block->small).insert(rest);
+    free_blocks_of(*rest).insert(rest);
     if (already_split) {  // a free block of a split segment shrinks
       placed.inactive_split_bytes -= static_cast<int64_t>(size);
     } else {  // a segment is split: its remainder is a new free block
@@ -289,7 +292,7 @@ Release CardMemory::cache(CardBlock* block) {
   block->allocated = false;
   block->requested = 0;
   block->freed_at = ++frees_;
-  FreeBlocks& blocks = free_blocks(block->pool, block->small);
+  FreeBlocks& blocks = free_blocks_of(*block);
   for (CardBlock* neighbour : {block->prev, block->next}) {
     if (neighbour == nullptr || neighbour->allocated) {
       continue;

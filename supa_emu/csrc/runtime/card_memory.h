@@ -9,7 +9,9 @@
 // - Requests up to 1 MiB belong to the small pool, larger ones to the large pool; each memory
 //   pool (the card's general one, graph pools, user pools) has one of each.
 // - A request is served from the smallest free block of its pool that fits (best fit, then the
-//   lowest address). Only when none fits is a segment reserved: 2 MiB for a small request,
+//   lowest address) among the blocks of the stream it is made on: a block freed on one stream
+//   serves that stream again (segments, and the blocks split from them, belong to the stream
+//   they were reserved on). Only when none fits is a segment reserved: 2 MiB for a small request,
 //   20 MiB for a large one below 10 MiB, else the request rounded up to 2 MiB.
 // - A block larger than the request is split when the remainder is at least 512 bytes (small
 //   pool) or more than 1 MiB (large pool, and only for requests below max_split_size);
@@ -29,6 +31,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -78,6 +81,7 @@ struct CardSegment {
   PoolId pool;
   bool small;     // of the small pool
   bool oversize;  // decided when it was reserved (max_split_size at that time)
+  int64_t stream;  // the stream it was reserved on (its blocks serve only that stream)
   struct CardBlock* first = nullptr;  // its blocks, linked in address order
 };
 
@@ -92,6 +96,7 @@ struct CardBlock {
   bool small = false;
   uint64_t freed_at = 0;  // order of the last free on its card, for garbage collection
   bool oversize = false;  // decided when it was handed out (max_split_size at that time)
+  int64_t stream = 0;     // its segment's
   CardSegment* segment = nullptr;
   CardBlock* prev = nullptr;  // neighbours in the segment
   CardBlock* next = nullptr;
@@ -140,11 +145,11 @@ class CardMemory {
   // The segment's blocks in address order.
   std::vector<const CardBlock*> blocks_of(const CardSegment& segment) const;
 
-  // Serves a request of rounded `size` for `pool`: the best-fitting free block of the pool, else
-  // a new segment, after garbage collection and, when the card is full, releasing the cache.
+  // Serves a request of rounded `size` for `pool` made on `stream`: the best-fitting free block of
+  // the pool and stream, else a new segment, after garbage collection and, when the card is full, releasing the cache.
   // The block is split to the request where the rules allow; it is returned unmarked (the caller
   // sets allocated and requested).
-  Placement place(size_t size, const PoolId& pool, const BlockPolicy& policy);
+  Placement place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream = 0);
   // Takes a freed block back, merged with its free neighbours (`block` may be deleted).
   Release cache(CardBlock* block);
   // Returns the whole free segments (only `pool`'s when given) to the host.
@@ -158,10 +163,13 @@ class CardMemory {
   };
   using FreeBlocks = std::set<CardBlock*, BySize>;
 
-  FreeBlocks& free_blocks(const PoolId& pool, bool small) { return free_[{pool, small}]; }
-  CardBlock* find_free(size_t size, const PoolId& pool, const BlockPolicy& policy);
-  CardBlock* reserve(size_t size, const PoolId& pool, const BlockPolicy& policy, Placement& placed);
-  bool release_oversize(size_t size, const PoolId& pool, const BlockPolicy& policy);
+  // The free blocks of one (pool, small or large, stream).
+  using FreeKey = std::tuple<PoolId, bool, int64_t>;
+  FreeBlocks& free_blocks(const PoolId& pool, bool small, int64_t stream) { return free_[{pool, small, stream}]; }
+  FreeBlocks& free_blocks_of(const CardBlock& block) { return free_blocks(block.pool, block.small, block.stream); }
+  CardBlock* find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
+  CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
+  bool release_oversize(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   void collect_garbage(size_t incoming, const BlockPolicy& policy);
   void release(CardBlock* block);
 
@@ -170,7 +178,7 @@ class CardMemory {
   double fraction_ = 1.0;
   int64_t reserved_ = 0;
   uint64_t frees_ = 0;
-  std::map<std::pair<PoolId, bool>, FreeBlocks> free_;  // free blocks by (pool, small)
+  std::map<FreeKey, FreeBlocks> free_;
   std::map<uintptr_t, CardSegment*> segments_;          // by address
   SegmentReleased on_release_;
 };
