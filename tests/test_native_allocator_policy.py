@@ -27,6 +27,7 @@ CASES = (
     "coalescing_on_free",
     "split_segment_is_not_released",
     "reuse_only_within_pool",
+    "reuse_only_within_stream",
     "small_and_large_pools_apart",
     "oversize_blocks",
     "capacity_limit",
