@@ -16,9 +16,10 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCUMENTS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *ROOT.glob("[a-z]*/**/README.md")])
-SOURCES = sorted(path for folder in ("supa_emu", "accelerator", "op_builder", "tests", "bench", "examples")
-                 for suffix in ("*.py", "*.cpp", "*.h") for path in (ROOT / folder).rglob(suffix))
+FOLDERS = ("supa_emu", "accelerator", "op_builder", "tests", "bench", "examples")  # the project's own code
+DOCUMENTS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                    *(path for folder in FOLDERS for path in (ROOT / folder).rglob("README.md"))])
+SOURCES = sorted(path for folder in FOLDERS for suffix in ("*.py", "*.cpp", "*.h") for path in (ROOT / folder).rglob(suffix))
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
