@@ -1,9 +1,9 @@
 """Turns emulation on in a process: the `supa` device, `torch.supa`, `bccl`, `torch_supa`.
 
-Follows the switching contract of the design: with a real torch_supa installed the
-emulator stands down (one log line) and registers nothing; otherwise it registers the
-device the way the real package does (rename PrivateUse1, register the device module,
-generate the tensor/module/storage helpers).
+With a real torch_supa installed the emulator stands down (one log line) and registers
+nothing, so the same code runs on real cards; otherwise it registers the device the way the
+real package does (rename PrivateUse1, register the device module, generate the
+tensor/module/storage helpers). Both: docs/configuration.md, "Switching to real hardware".
 
 The one module that registers: it imports the parts it installs, and only the entry points
 (`supa_emu._autoload`, `supa_emu.activate`, `import torch_supa`) import it. What it decides and

@@ -252,7 +252,7 @@ def test_compiled_attention_calls_the_fused_kernel():
     torch.testing.assert_close(actual.cpu(), expected, **TOLERANCE[torch.float32])
 
 
-# Measured on an NVIDIA H200 (torch 2.11.0+cu130, ../shared/fidelity/card_kernels.py, 2026-11-26):
+# Measured on an NVIDIA H200 (torch 2.11.0+cu130, tests/data/fidelity/card_kernels.py, 2026-11-26):
 # q, k, v requiring grad, causal; bytes. "default" is the card's own choice.
 H200 = {
     ("bf16", "default"): dict(kept=263168, forward_peak=8652288, backward_peak=50595328),

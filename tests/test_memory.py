@@ -498,8 +498,8 @@ def test_disabling_the_caching_allocator_warns_that_it_is_not_modelled():
 
 
 def test_fallback_kernel_scratch_counts_toward_the_device_peak():
-    # A CPU kernel run for a supa op allocates on the device (see the README, "What the emulator
-    # changes in PyTorch"): median's CPU kernel partitions a copy of its input, so the peak grows
+    # A CPU kernel run for a supa op allocates on the device (docs/memory_model.md, "What an
+    # operator's kernel allocates"): median's CPU kernel partitions a copy of its input, so the peak grows
     # by about the input's size although the result is one element; after the call the scratch
     # is freed again.
     dev = last_device()

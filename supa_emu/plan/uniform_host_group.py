@@ -174,7 +174,7 @@ class _GlooName(type):
 
 def install() -> None:
     """Makes c10d build a UniformHostGroup wherever it would build a gloo group (in this process
-    only: the planner's rank process; monkeypatch, listed in the README)."""
+    only: the planner's rank process; monkeypatch, listed in docs/pytorch_patches.md)."""
     from torch.distributed import distributed_c10d
 
     real_class = distributed_c10d.ProcessGroupGloo

@@ -330,8 +330,7 @@ class SupaSanitizer:
 
     def written_outside_operators(self, tensors) -> None:
         # torch.supa.bccl's single-process collectives: synchronous host copies issued on no
-        # stream, which this sanitizer does not model (README: torch.supa.bccl under "What the
-        # emulator does and does not model").
+        # stream, which this sanitizer does not model (docs/collectives.md, "torch.supa.bccl").
         pass
 
     def work_waited(self, work) -> None:
