@@ -310,7 +310,9 @@ def test_grouped_query_attention_backward_holds_what_the_h200_holds():
         out.backward(grad)
         figures[name] = torch.supa.max_memory_allocated(device) - start
         card = measured[name]["backward_peak_over_start"]
-        assert 1.0 <= figures[name] / card < 1.01, (name, figures[name], card)
+        # The card's figure is cuDNN's kernel (the H200's default), which holds one 512-byte block
+        # beyond what the flash memory model holds; within 1% either way, as the other kernels.
+        assert abs(figures[name] / card - 1) < 0.01, (name, figures[name], card)
     assert figures["default_gqa"] > figures["default_no_gqa_16heads"]  # as on the card
 
 

@@ -245,13 +245,15 @@ def test_compiled_allocations_are_counted_on_the_card():
 
 def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
     device = last_device()
-    a = torch.randn(1024, 1024, device=device)  # 4 MiB
+    # 10.6 MiB: from 10 MiB a request gets a segment of its own (rounded up to 2 MiB: 12 MiB), so no
+    # segment has room for a second one.
+    a = torch.randn(1664, 1664, device=device)
     compiled = torch.compile(two_matmuls)
     compiled(a)
     torch.supa.empty_cache()
     total = torch.supa.get_device_properties(device).total_memory
-    # Room for one more 4 MiB buffer, not for the two the compiled code needs.
-    torch.supa.set_per_process_memory_fraction((torch.supa.memory_reserved(device) + 6 * MiB) / total, device)
+    # Room for one more 12 MiB segment, not for the two the compiled code needs.
+    torch.supa.set_per_process_memory_fraction((torch.supa.memory_reserved(device) + 16 * MiB) / total, device)
     try:
         with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
             compiled(a)
