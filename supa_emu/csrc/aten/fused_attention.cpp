@@ -249,20 +249,15 @@ void efficient_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* st
   push_results(stack, 13, {dq.card, dk.card, dv.card, dbias_card});
 }
 
-template <HostKernel kernel>
-void card_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  run_host_kernel(op, stack, kernel);
-}
-
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_scaled_dot_product_flash_attention_for_cpu",
-         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_forward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&flash_forward>>());
   m.impl("_scaled_dot_product_flash_attention_for_cpu_backward",
-         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&flash_backward>>());
   m.impl("_scaled_dot_product_efficient_attention",
-         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_forward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&efficient_forward>>());
   m.impl("_scaled_dot_product_efficient_attention_backward",
-         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&efficient_backward>>());
 }
 
 }  // namespace supa::fused_attention
