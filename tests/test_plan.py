@@ -307,7 +307,7 @@ def test_uniform_reduction_is_the_reduction_of_n_equal_copies(op, size):
     import functools
     import torch
     import torch.distributed as dist
-    from supa_emu.plan.uniform_group import _reduce_uniform
+    from supa_emu.plan.uniform_transport import reduce_uniform
 
     local = torch.tensor([1, -2, 3, 0, 7], dtype=torch.int64)
     copies = [local.clone() for _ in range(size)]
@@ -318,7 +318,7 @@ def test_uniform_reduction_is_the_reduction_of_n_equal_copies(op, size):
     else:
         expected = functools.reduce(combine[op], copies)
     result = local.clone()
-    _reduce_uniform(result, getattr(dist.ReduceOp.RedOpType, op), size)
+    reduce_uniform(result, getattr(dist.ReduceOp.RedOpType, op), size)
     assert torch.equal(result, expected)
 
 
