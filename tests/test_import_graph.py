@@ -107,6 +107,12 @@ def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
                      for a, b in zip(cycle, cycle[1:]))
 
 
+def _write(root: pathlib.Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_the_graph_resolves_every_kind_of_import(tmp_path):
     files = {
         "pkg/__init__.py": "import os\nfrom .sub import helper\n",
@@ -118,9 +124,7 @@ def test_the_graph_resolves_every_kind_of_import(tmp_path):
         "pkg/third/__init__.py": "",
         "pkg/third/user.py": "from pkg.sub.deep import f\nfrom ..sub import mod\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _write(tmp_path, files)
     assert import_graph(tmp_path / "pkg") == {
         "pkg": {"pkg.sub": 2},
         "pkg.leaf": {},
@@ -144,9 +148,7 @@ def test_a_cycle_through_a_package_init_is_found(tmp_path):
         "pkg/b/__init__.py": "def load():\n    from pkg.a import x\n",
         "pkg/b/y.py": "Y = 1\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _write(tmp_path, files)
     assert find_cycle(import_graph(tmp_path / "pkg")) == ["pkg.a.x", "pkg.b", "pkg.a.x"]
 
 

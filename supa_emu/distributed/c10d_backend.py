@@ -7,13 +7,13 @@ collectives and tears it down (`abort`, `shutdown`). ProcessGroupBCCL is a whole
 rather than a c10d Backend, so c10d finds all of these on the group itself: this mixin is that
 surface, kept apart from the collectives.
 
-The emulated communicator is gloo's, which connects every pair of ranks when the group is
-constructed: eager connection has nothing left to connect, and binding only checks the card.
-A split is, as ncclCommSplit is, collective over the parent group: every parent rank posts the
-ranks of the subgroup it joins (or none), all read all posts, and a split in which the posts do
-not fit together (a rank in two subgroups, a subgroup naming a rank the parent does not have)
-raises the same ValueError on every rank instead of leaving some ranks waiting for peers that
-never come. Failures NCCL reports as `DistBackendError` (use after abort, timeouts, lost peers)
+The group's transport connects every pair of ranks when the group is constructed (gloo's does):
+eager connection has nothing left to connect, and binding only checks the card. A split is, as
+ncclCommSplit is, collective over the parent group: every parent rank posts, through the
+transport, the ranks of the subgroup it joins (or none), all read all posts, and a split in
+which the posts do not fit together (a rank in two subgroups, a subgroup naming a rank the parent
+does not have) raises the same ValueError on every rank instead of leaving some ranks waiting for
+peers that never come. Failures NCCL reports as `DistBackendError` (use after abort, timeouts, lost peers)
 are raised with that type here too.
 """
 

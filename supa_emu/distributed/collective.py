@@ -1,4 +1,4 @@
-"""One collective call as ProcessGroupBCCL hands it to its transport: the record, the table of op names, and the checks that build it.
+"""One collective call as ProcessGroupBCCL hands it to its transport: the record, the op names, the checks.
 
 Each c10d entry point of the group turns its arguments into one `Collective` with the function
 of this module named after the op, which checks them first, in the order the device backends
@@ -345,7 +345,8 @@ def check_chunk(mine: torch.Tensor, entry: torch.Tensor, operation: str, mine_ro
 def pairs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], operation: str):
     """The (output, input) pairs of a tensor-list collective, which takes as many of each."""
     if len(outputs) != len(inputs):
-        raise ValueError(f"bccl: {operation} needs as many output as input tensors, got {len(outputs)} and {len(inputs)}")
+        raise ValueError(
+            f"bccl: {operation} needs as many output as input tensors, got {len(outputs)} and {len(inputs)}")
     return zip(outputs, inputs)
 
 

@@ -1,4 +1,4 @@
-"""The transport of real ranks: agree with the peers on each call, then run it on gloo over host views of the device tensors.
+"""The transport between real ranks: agree with the peers on each call, then run it on gloo over host views.
 
 Each collective first posts its signature and checks its peers' (signatures.Agreement: a
 mismatch raises instead of crashing a rank inside gloo), then hands gloo CPU views that alias the
@@ -105,8 +105,8 @@ class GlooTransport(Transport):
     def all_reduce_coalesced(self, call: Collective) -> BCCLWork:
         tensors, kind = call.inputs, call.kind
         layout = [n for t in tensors for n in (signatures.dtype_code(t.dtype), t.numel())]
-        self._agreement.agree(signatures.make(
-            "all_reduce_coalesced", None, int(kind), numel_in=sum(numel(tensors)), shape_digest=signatures.digest(layout)))
+        self._agreement.agree(signatures.make("all_reduce_coalesced", None, int(kind), numel_in=sum(numel(tensors)),
+                                              shape_digest=signatures.digest(layout)))
         host, parts = HostCall(), []
         for tensor in tensors:
             view = premultiplied(host.view(tensor), call.reduce_op, in_place=True)
@@ -200,7 +200,8 @@ class GlooTransport(Transport):
                 ticket, part = launched
                 return self._started(call, [part], None, ticket)
         host = HostCall()
-        views = [host.pair_views(output, input, self._size, gather=True) for output, input in zip(call.outputs, call.inputs)]
+        views = [host.pair_views(output, input, self._size, gather=True)
+                 for output, input in zip(call.outputs, call.inputs)]
         ticket = self._agreement.agree(_gather_signature(call), early=call.op == "all_gather_into_tensor")
         parts = [host_memory.start_all_gather(self._gloo, output, input, call.options) for output, input in views]
         return self._started(call, parts, host, ticket)

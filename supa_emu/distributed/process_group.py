@@ -1,4 +1,4 @@
-"""ProcessGroupBCCL: the c10d face of bccl, one method per c10d entry point, each handing one checked record to the group's transport.
+"""ProcessGroupBCCL: the c10d face of bccl, one method per c10d entry point, each handing a record to a transport.
 
 An entry point checks its operands and describes the call in one record (collective.py: the op,
 its tensors with their access, reduce op, root), hands it to the group's transport, which carries

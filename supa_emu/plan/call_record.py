@@ -1,4 +1,4 @@
-"""The collectives this process issued on bccl groups, and where a planned rank's path depends on other ranks' values, as the planner reports them.
+"""The collectives this process issued on bccl groups, and where a planned rank's path depends on others' values.
 
 The record (rank_record.py) counts every bccl call, real or planned, from the record the group
 hands its transport (supa_emu.distributed.collective), so a planned rank and a real one are

@@ -8,8 +8,9 @@ does, TORCHELASTIC_USE_AGENT_STORE), so init_process_group by env:// finds a sto
 waited for; plays its rank (world.py), gloo groups under the uniform rule too and object
 collectives flagged for the report; records memory and collectives from the first line of the
 script on; runs the script unchanged as __main__ (a module as `python -m` runs it); and writes
-this rank's record (with the failure, if the script failed) to RECORD as JSON. VALUES holds the small values roots broadcast,
-written by the first rank played and read by the others (world.root_value).
+this rank's record (with the failure, if the script failed) to RECORD as JSON. VALUES holds the
+small values roots broadcast, written by the first rank played and read by the others
+(world.root_value).
 """
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""The transport of a planned rank's bccl groups: only this rank exists, and collectives follow the uniform-rank rule.
+"""The transport of a planned rank's bccl groups: only this rank exists; collectives follow the uniform-rank rule.
 
 The planner's rank process plays rank r of an N-rank world (world.py). Every collective answers
 as if each rank held this rank's data, so shapes, buffers and control flow are those of the real

@@ -1,4 +1,4 @@
-"""The planned world of this process: which rank of how many it plays, and what the ranks played before it broadcast.
+"""The planned world of this process: which rank of how many it plays, what the ranks played before broadcast.
 
 The planner's rank process (rank_process.py) plays rank r of an N-rank world in which only this
 process exists; the uniform transport and the uniform host group (uniform_transport.py,
