@@ -322,6 +322,9 @@ def check_dtypes(a: torch.Tensor, b: torch.Tensor, operation: str) -> None:
 def check_pair(output: torch.Tensor, input: torch.Tensor, size: int, op: str, gather: bool) -> None:
     """One output/input pair of an all_gather (gather=True) or a reduce_scatter: device tensors of
     one dtype, the output (of a gather; else the input) holding `size` times the other's elements."""
+    if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor) and host_memory.plain_pair(
+            output, input, size, gather):
+        return  # the common case (contiguous), in one native call
     require_device([output], "output")
     require_device([input], "input")
     larger, smaller = (output, input) if gather else (input, output)

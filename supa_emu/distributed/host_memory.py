@@ -24,6 +24,12 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     return process_state.core()._host_view(tensor)
 
 
+def plain_pair(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool) -> bool:
+    """Whether `output` and `input` are the plain case of plain_pair_operands, checked natively
+    (a fraction of the Python checks' cost)."""
+    return process_state.core()._plain_pair(output, input, group_size, gather)
+
+
 def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool):
     """Flat CPU views of `output` and `input`, checked and built natively in one call (Python
     checks cost tens of microseconds a call), when both are dense contiguous device tensors of one
