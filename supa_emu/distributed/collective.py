@@ -53,7 +53,7 @@ class Collective:
     """One call: `op` (a key of OPERATIONS), the device tensors it reads (`inputs`) and writes
     (`outputs`; a tensor in both is updated in place), and what the op needs besides:
 
-    - `reduce_op`: the ReduceOp as given (a PREMUL_SUM carries its factor), `kind` its RedOpType;
+    - `reduce_op`: the ReduceOp as given (a PREMUL_SUM carries its factor), `kind` its checked RedOpType;
     - `root`: the root rank of broadcast, reduce, gather and scatter (-1 for the others);
     - `options`: c10d's options object of the call (its timeout; passed on to gloo);
     - `results`: what the work's result() returns (the outputs unless said otherwise);
@@ -69,16 +69,20 @@ class Collective:
                  "counts", "splits")
 
     def __init__(self, op: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], options=None,
-                 reduce_op=None, root: int = -1, results=None, peer: Optional[int] = -1, tag: int = 0,
-                 counts=None, splits=None):
+                 reduce_op=None, kind: Optional[_RedOp] = None, root: int = -1, results=None,
+                 peer: Optional[int] = -1, tag: int = 0, counts=None, splits=None):
         self.op, self.inputs, self.outputs, self.options = op, inputs, outputs, options
-        self.reduce_op, self.kind = reduce_op, None if reduce_op is None else reduce_kind(reduce_op)
+        self.reduce_op, self.kind = reduce_op, kind
         self.root, self.peer, self.tag, self.counts, self.splits = root, peer, tag, counts, splits
         self.results = outputs if results is None else results
 
     @property
     def operation(self) -> Operation:
         return OPERATIONS[self.op]
+
+    def contribution(self, view: torch.Tensor, in_place: bool) -> torch.Tensor:
+        """What this rank contributes to the reduction from host `view` (see premultiplied)."""
+        return view if self.kind != _RedOp.PREMUL_SUM else premultiplied(view, self.reduce_op, in_place)
 
     def accesses(self) -> List[tuple]:
         """(tensor, read, write) of every device tensor of the call, outputs first."""
@@ -100,8 +104,8 @@ def all_reduce(tensors, opts) -> Collective:
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     tensor = single(tensors, "input")
-    check_reduction(opts.reduceOp, tensor.dtype)
-    return Collective("all_reduce", [tensor], [tensor], opts, opts.reduceOp)
+    kind = check_reduction(opts.reduceOp, tensor.dtype)
+    return Collective("all_reduce", [tensor], [tensor], opts, opts.reduceOp, kind)
 
 
 def all_reduce_coalesced(tensors, opts) -> Collective:
@@ -109,16 +113,16 @@ def all_reduce_coalesced(tensors, opts) -> Collective:
     require_device(tensors, "input")
     for tensor in tensors:
         check_reduction(opts.reduceOp, tensor.dtype)
-    return Collective("all_reduce_coalesced", tensors, tensors, opts, opts.reduceOp)
+    return Collective("all_reduce_coalesced", tensors, tensors, opts, opts.reduceOp, reduce_kind(opts.reduceOp))
 
 
 def reduce(tensors, opts, rank: int) -> Collective:
     opts = opts if opts is not None else dist.ReduceOptions()
     tensor = single(tensors, "input")
-    check_reduction(opts.reduceOp, tensor.dtype)
+    kind = check_reduction(opts.reduceOp, tensor.dtype)
     # Only the root's tensor receives the result; elsewhere it is read and left intact.
     written = [tensor] if rank == opts.rootRank else []
-    return Collective("reduce", [tensor], written, opts, opts.reduceOp, opts.rootRank, results=[tensor])
+    return Collective("reduce", [tensor], written, opts, opts.reduceOp, kind, opts.rootRank, results=[tensor])
 
 
 def broadcast(tensors, opts, rank: int) -> Collective:
@@ -171,8 +175,8 @@ def reduce_scatter(outputs, input_lists, opts, size: int, rank: int) -> Collecti
     output = single(outputs, "output")
     inputs = per_rank_list(input_lists, size, "reduce_scatter", "input")
     check_chunk(output, inputs[rank], "reduce_scatter", "output", "input list entry")
-    check_reduction(opts.reduceOp, output.dtype)
-    return Collective("reduce_scatter", inputs, [output], opts, opts.reduceOp)
+    kind = check_reduction(opts.reduceOp, output.dtype)
+    return Collective("reduce_scatter", inputs, [output], opts, opts.reduceOp, kind)
 
 
 def reduce_scatter_tensor(outputs, inputs, opts, size: int, op: str = "reduce_scatter_tensor") -> Collective:
@@ -180,9 +184,8 @@ def reduce_scatter_tensor(outputs, inputs, opts, size: int, op: str = "reduce_sc
     opts = opts if opts is not None else dist.ReduceScatterOptions()
     for output, input in pairs(outputs, inputs, op):
         check_pair(output, input, size, op, gather=False)
-    if outputs:
-        check_reduction(opts.reduceOp, outputs[0].dtype)
-    return Collective(op, inputs, outputs, opts, opts.reduceOp)
+    kind = check_reduction(opts.reduceOp, outputs[0].dtype) if outputs else reduce_kind(opts.reduceOp)
+    return Collective(op, inputs, outputs, opts, opts.reduceOp, kind)
 
 
 def all_to_all(outputs, inputs, opts, size: int) -> Collective:

@@ -27,7 +27,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from . import composed, gloo_handoff, host_memory, self_p2p, signature_exchange, signatures
 from .c10d_backend import check_split
-from .collective import Collective, numel, premultiplied, reduce_kind
+from .collective import Collective, numel, reduce_kind
 from .host_memory import HostCall
 from .transport import Transport
 from .work import BCCLWork
@@ -94,7 +94,7 @@ class GlooTransport(Transport):
         ticket = self._agreement.agree(
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         host = HostCall()
-        view = premultiplied(host.elementwise_view(tensor), call.reduce_op, in_place=True)
+        view = call.contribution(host.elementwise_view(tensor), in_place=True)
         if composed.all_reduce_exchanges(kind, tensor.dtype, tensor.numel(), self._size):
             part = composed.all_reduce(self._gloo, host_memory.flat(view), kind, host, call.options.timeout)
         else:
@@ -109,7 +109,7 @@ class GlooTransport(Transport):
                                               shape_digest=signatures.digest(layout)))
         host, parts = HostCall(), []
         for tensor in tensors:
-            view = premultiplied(host.view(tensor), call.reduce_op, in_place=True)
+            view = call.contribution(host.view(tensor), in_place=True)
             options = dist.AllreduceOptions()
             options.reduceOp = self._reduce_op(kind, tensor.dtype, host, lambda view=view: [view])
             options.timeout = call.options.timeout
@@ -121,12 +121,12 @@ class GlooTransport(Transport):
         self._agreement.agree(signatures.make("reduce", tensor.dtype, int(kind), root, tensor.numel()))
         host = HostCall()
         if self._rank == root:
-            view = premultiplied(host.view(tensor), call.reduce_op, in_place=True)
+            view = call.contribution(host.view(tensor), in_place=True)
             gloo_op = self._reduce_op(kind, tensor.dtype, host, lambda: [view])
         else:
             # gloo may use a non-root buffer as scratch; the device backends leave it intact.
             view = host.view(tensor, write=False).clone(memory_format=torch.contiguous_format)
-            view = premultiplied(view, call.reduce_op, in_place=True)
+            view = call.contribution(view, in_place=True)
             gloo_op = self._reduce_op(kind, tensor.dtype)
         part = self._gloo.reduce([view], _options("reduce", call.options, gloo_op))
         return self._started(call, [part], host)
@@ -137,7 +137,7 @@ class GlooTransport(Transport):
             "reduce_scatter", output.dtype, int(kind), shape_digest=signatures.digest(numel(inputs))))
         host = HostCall()
         out_view = host.view(output, read=False)
-        in_views = [premultiplied(host.view(t, write=False), call.reduce_op, in_place=False) for t in inputs]
+        in_views = [call.contribution(host.view(t, write=False), in_place=False) for t in inputs]
         gloo_op = self._reduce_op(kind, output.dtype, host, lambda: [out_view])
         part = self._gloo.reduce_scatter([out_view], [in_views], _options("reduce_scatter", call.options, gloo_op))
         return self._started(call, [part], host)
@@ -153,7 +153,7 @@ class GlooTransport(Transport):
             early=call.op == "reduce_scatter_tensor")
         parts = []
         for output, (out_view, in_view) in zip(outputs, views):
-            in_view = premultiplied(in_view, call.reduce_op, in_place=False)
+            in_view = call.contribution(in_view, in_place=False)
             if composed.reduces_locally(kind, output.dtype):
                 parts.append(composed.reduce_scatter(self._gloo, out_view, in_view, kind, host, call.options.timeout))
                 continue

@@ -105,17 +105,16 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
     # ---- issuing -----------------------------------------------------------------------------
     def _issue(self, call: Collective, work: BCCLWork) -> BCCLWork:
         """`work`, which the transport started for `call`, counted and reported as that call."""
-        if self._coalesced is None and call.op not in POINT_TO_POINT:
-            self._sequence += 1  # a coalesced block counts once, at its start
-        operation = call.operation
-        profiling.record(operation.profiled_as, work.parts)
+        if self._coalesced is not None:
+            self._coalesced.append(work)  # the block counted once, at its start
+        elif call.op not in POINT_TO_POINT:
+            self._sequence += 1
+        profiling.record(call, work.parts)
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
-            sanitizer.collective_issued(work, self._label, call.accesses(), operation.method)
+            sanitizer.collective_issued(work, self._label, call.accesses(), call.operation.method)
         for watcher in _watchers:
             watcher.collective_issued(self, call)
-        if self._coalesced is not None:
-            self._coalesced.append(work)
         return work
 
     # ---- reductions -----------------------------------------------------------------------------

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 
-def record(name: str, parts: Sequence[dist.Work]) -> None:
-    """While a profiler records: the range `bccl:<name>` of a collective just issued, closed once
-    every gloo part of it has completed (parts without futures, or none: at once)."""
+def record(call, parts: Sequence[dist.Work]) -> None:
+    """While a profiler records: the range of collective `call` (collective.Collective) just
+    issued, closed once every gloo part of it has completed (parts without futures, or none: at once)."""
     if not torch.autograd.profiler._is_profiler_enabled:
         return
-    opened = torch.ops.profiler._record_function_enter_new(f"bccl:{name}", None)
+    opened = torch.ops.profiler._record_function_enter_new(f"bccl:{call.operation.profiled_as}", None)
     try:
         futures = [part.get_future() for part in parts]
     except RuntimeError:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from supa_emu import distributed
 from supa_emu.distributed.c10d_backend import check_split
-from supa_emu.distributed.collective import Collective, premultiplied
+from supa_emu.distributed.collective import Collective
 from supa_emu.distributed.host_memory import HostCall, host_view
 from supa_emu.distributed.transport import Transport
 from supa_emu.distributed.work import BCCLWork
@@ -72,7 +72,7 @@ class UniformTransport(Transport):
         return BCCLWork([], host.epilogue() if host is not None else None, call.results, call.tensors())
 
     def _reduced(self, view: torch.Tensor, call: Collective) -> None:
-        reduce_uniform(premultiplied(view, call.reduce_op, in_place=True), call.kind, self._size)
+        reduce_uniform(call.contribution(view, in_place=True), call.kind, self._size)
 
     # ---- reductions ------------------------------------------------------------------------------
     def all_reduce(self, call: Collective) -> BCCLWork:
