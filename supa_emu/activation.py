@@ -94,6 +94,10 @@ def _register() -> None:
     from supa_emu.distributed import register as register_bccl
 
     register_bccl()
+    if cfg.plan_simulate or cfg.plan_record is not None:
+        from supa_emu import plan
+
+        plan.install(cfg.plan_simulate, cfg.plan_record)
 
     from supa_emu import core_share
 

@@ -264,6 +264,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bccl: the flat host view of a dense contiguous supa tensor, else None");
   m.def("_copy_rows", &supa::copy_rows,
         "bccl: fill a contiguous CPU tensor with memcpy copies of another (a whole number of them)");
+  m.def("_plain_pair", &supa::plain_pair,
+        "bccl: whether an all_gather's (gather=True) or reduce_scatter's output and input are dense, "
+        "contiguous, of one device and dtype and of fitting sizes");
   m.def("_pair_operands", &supa::pair_operands,
         "bccl: flat host views of an all_gather's (gather=True) or reduce_scatter's output and input "
         "when they are dense, contiguous, of one dtype and of fitting sizes, else None");
