@@ -251,6 +251,14 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
     compiled = torch.compile(two_matmuls)
     compiled(a)
     torch.supa.empty_cache()
+    # Free blocks left in split segments by earlier tests could serve the products without reserving:
+    # hold every large free block of this stream, so that each product needs a segment of its own.
+    with torch.supa.device(device):
+        stream = torch.supa.current_stream().supa_stream
+    held = [torch.empty(block["size"], dtype=torch.uint8, device=device)
+            for segment in torch.supa.memory_snapshot() if segment["device"] == device
+            and segment["stream"] == stream and segment["segment_type"] == "large"
+            for block in segment["blocks"] if block["state"] == "inactive"]
     total = torch.supa.get_device_properties(device).total_memory
     # Room for one more 12 MiB segment, not for the two the compiled code needs.
     torch.supa.set_per_process_memory_fraction((torch.supa.memory_reserved(device) + 16 * MiB) / total, device)
@@ -259,6 +267,7 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
             compiled(a)
     finally:
         torch.supa.set_per_process_memory_fraction(1.0, device)
+        del held
     assert torch.allclose(compiled(a), two_matmuls(a))
 
 
