@@ -153,6 +153,14 @@ def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_profiled_planned_rank_names_each_collective_by_its_op(tmp_path):
+    # The trace of a planned rank names its collectives as a real rank's does (c10d's names).
+    plan([str(SCRIPTS / "profiled.py"), str(tmp_path / "names")], 2, tmp_path / "plan.json", "--rank", "0")
+    assert json.loads((tmp_path / "names.0").read_text()) == sorted([
+        "bccl:all_reduce", "bccl:broadcast", "bccl:_allgather_base", "bccl:_reduce_scatter_base", "bccl:barrier"])
+
+
+@pytest.mark.slow
 def test_a_device_bound_world_splits_into_uniform_subgroups(tmp_path):
     # init_process_group(device_id=...) binds the world, and DeviceMesh then splits it: in a planned
     # world the split needs no other rank's post (a real bccl split waits for all of them).
@@ -174,8 +182,9 @@ def test_an_out_of_memory_rank_is_a_result_with_the_failed_allocation(tmp_path):
         entry = report["ranks"][rank]
         assert entry["oom"] and entry["capacity"] == 64 << 20
         (event,) = entry["oom_events"]
-        # Sizes as the allocator counts them: rounded up to its 512-byte blocks.
-        assert event["requested_bytes"] == event["allocated"] == (40 << 20) + 512
+        # Sizes as the allocator counts them: 40 MiB is a whole number of its 512-byte blocks, and its
+        # segment is the request rounded to 2 MiB, so nothing is added.
+        assert event["requested_bytes"] == event["allocated"] == 40 << 20
         assert "OutOfMemoryError" in entry["failure"]["error"]
     assert "out of memory asking for 40 MiB with 40 MiB allocated" in result.stdout
 
@@ -212,7 +221,7 @@ def test_uniform_reduction_is_the_reduction_of_n_equal_copies(op, size):
     import functools
     import torch
     import torch.distributed as dist
-    from supa_emu.plan.uniform_group import _reduce_uniform
+    from supa_emu.plan.uniform_transport import reduce_uniform
 
     local = torch.tensor([1, -2, 3, 0, 7], dtype=torch.int64)
     copies = [local.clone() for _ in range(size)]
@@ -223,7 +232,7 @@ def test_uniform_reduction_is_the_reduction_of_n_equal_copies(op, size):
     else:
         expected = functools.reduce(combine[op], copies)
     result = local.clone()
-    _reduce_uniform(result, getattr(dist.ReduceOp.RedOpType, op), size)
+    reduce_uniform(result, getattr(dist.ReduceOp.RedOpType, op), size)
     assert torch.equal(result, expected)
 
 

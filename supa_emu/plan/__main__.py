@@ -39,7 +39,7 @@ def parse(argv):
     n = args.world_size
     if n < 1:
         raise UsageError(f"--world-size {n}: a world has at least 1 rank")
-    # Rank 0 is always played, first: later ranks take the values it broadcasts (uniform_group).
+    # Rank 0 is always played, first: later ranks take the values it broadcasts (world.root_value).
     args.ranks = sorted(set(args.ranks or [n - 1]) | {0})
     outside = [r for r in args.ranks if not 0 <= r < n]
     if outside:

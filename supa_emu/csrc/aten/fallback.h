@@ -23,6 +23,11 @@ void run_cpu_kernel_with_host_scratch(const c10::OperatorHandle& op, torch::jit:
 // CPU kernel because PyTorch only calls them for GPUs.
 using HostKernel = void (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 void run_host_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel);
+// `kernel` as an op's boxed supa kernel (registered with makeFromBoxedFunction).
+template <HostKernel kernel>
+void on_host_views(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_host_kernel(op, stack, kernel);
+}
 // For host kernels: an optional tensor argument (undefined when None), and the step that
 // replaces the `num_args` arguments on the stack with the kernel's results.
 inline at::Tensor optional_tensor(const c10::IValue& value) {

@@ -151,11 +151,6 @@ void backward_elemt(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   push_results(stack, 8, {grad_input.to(input.scalar_type()).contiguous(input.suggest_memory_format())});
 }
 
-template <HostKernel kernel>
-void on_host_views(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  run_host_kernel(op, stack, kernel);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {

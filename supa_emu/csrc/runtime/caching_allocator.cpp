@@ -7,11 +7,14 @@
 // torch.OutOfMemoryError with the message shape of the real stack. The allocator settings
 // that change accounting act as on the real allocator: roundup_power2_divisions rounds request
 // sizes, max_split_size makes large blocks "oversize" (counted apart), and
-// garbage_collection_threshold releases the least recently freed cached blocks once reserved
-// memory passes that fraction of the card (see BlockPolicy).
+// garbage_collection_threshold releases the least recently freed whole free segments once
+// reserved memory passes that fraction of the card (see BlockPolicy). Segments, splitting and
+// merging are the card's (card_memory.h); the statistics count them as PyTorch's allocator does
+// (inactive_split for the free blocks of split segments, whole blocks in allocated_bytes).
 #include "caching_allocator.h"
 
 #include "card_memory.h"
+#include "device_guard.h"
 #include "devices.h"
 #include "gpu_trace.h"
 #include "mem_pool.h"
@@ -47,14 +50,19 @@ struct DeviceMemory {
 
 std::mutex g_mutex;
 std::vector<std::unique_ptr<DeviceMemory>> g_devices;
-std::unordered_map<void*, CardBlock*> g_blocks;  // every block that holds host memory
+std::unordered_map<void*, CardBlock*> g_blocks;  // the allocated blocks, by address
 BlockPolicy g_policy;  // `_set_allocator_settings`
 
-void update(StatArray& stat, size_t size, bool increase) {
-  const size_t pool = size < kSmallSize ? 1 : 2;
+// A statistic moves in "all" and in the pool (small or large) of the block or segment.
+void update(StatArray& stat, bool small, int64_t amount) {
+  const size_t pool = small ? 1 : 2;
   for (size_t i : {size_t{0}, pool}) {
-    increase ? stat[i].increase(size) : stat[i].decrease(size);
+    amount >= 0 ? stat[i].increase(static_cast<size_t>(amount)) : stat[i].decrease(static_cast<size_t>(-amount));
   }
+}
+
+void update(StatArray& stat, bool small, size_t size, bool increase) {
+  update(stat, small, increase ? static_cast<int64_t>(size) : -static_cast<int64_t>(size));
 }
 
 std::string format_size(uint64_t size) {
@@ -79,27 +87,30 @@ DeviceMemory& memory_of(c10::DeviceIndex device) {
 }
 
 // Count statistics (allocation, segment, active) move by one per block.
-void count_block(StatArray& stat, size_t size, bool increase) {
-  const size_t pool = size < kSmallSize ? 1 : 2;
-  for (size_t i : {size_t{0}, pool}) {
-    increase ? stat[i].increase(1) : stat[i].decrease(1);
-  }
+void count_block(StatArray& stat, bool small, bool increase) {
+  update(stat, small, increase ? 1 : -1);
+}
+
+// The free blocks of split segments ("inactive_split"), as the card reports their change.
+void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t bytes) {
+  update(stats.inactive_split, small, blocks);
+  update(stats.inactive_split_bytes, small, bytes);
 }
 
 // A segment the card gives back to the host (called by the card, under g_mutex).
-void segment_released(DeviceMemory& mem, const CardBlock& block) {
-  record_memory_event("segment_free", static_cast<c10::DeviceIndex>(block.device), block.ptr, block.size, nullptr);
-  count_block(mem.stats.segment, block.size, false);
-  update(mem.stats.reserved_bytes, block.size, false);
-  if (block.oversize) {
+void segment_released(DeviceMemory& mem, const CardSegment& segment) {
+  record_memory_event("segment_free", static_cast<c10::DeviceIndex>(segment.device), segment.ptr, segment.size,
+                      nullptr);
+  count_block(mem.stats.segment, segment.small, false);
+  update(mem.stats.reserved_bytes, segment.small, segment.size, false);
+  if (segment.oversize) {
     mem.stats.oversize_segments.decrease(1);
   }
   mem.stats.num_device_free++;
-  g_blocks.erase(block.ptr);
 }
 
 DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity)
-    : card(device, capacity, [this](const CardBlock& block) { segment_released(*this, block); }) {}
+    : card(device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }) {}
 
 [[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size) {
   mem.stats.num_ooms++;
@@ -165,18 +176,21 @@ void free_block(void* ptr) {
   auto it = g_blocks.find(ptr);
   TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: freeing unknown device pointer");
   CardBlock* block = it->second;
+  g_blocks.erase(it);
   DeviceMemory& mem = *g_devices.at(block->device);
   const auto device = static_cast<c10::DeviceIndex>(block->device);
-  count_block(mem.stats.allocation, block->size, false);
-  count_block(mem.stats.active, block->size, false);
-  update(mem.stats.allocated_bytes, block->size, false);
-  update(mem.stats.active_bytes, block->size, false);
-  update(mem.stats.requested_bytes, block->requested, false);
+  const bool small = block->small;
+  count_block(mem.stats.allocation, small, false);
+  count_block(mem.stats.active, small, false);
+  update(mem.stats.allocated_bytes, small, block->size, false);
+  update(mem.stats.active_bytes, small, block->size, false);
+  update(mem.stats.requested_bytes, small, block->requested, false);
   if (block->oversize) {
     mem.stats.oversize_allocations.decrease(1);
   }
   const size_t size = block->size;
-  mem.card.cache(block);
+  const Release changed = mem.card.cache(block);  // may merge `block` away
+  count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
   record_memory_event("free_requested", device, ptr, size, stack);
   record_memory_event("free_completed", device, ptr, size, stack);
 }
@@ -197,9 +211,10 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   const size_t size = g_policy.round_size(nbytes);
   const auto stack = memory_event_stack();
   const c10::MempoolId_t pool = allocation_pool(device);
+  const c10::StreamId stream = current_stream_id(device);
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
-  const Placement placed = mem.card.place(size, pool, g_policy);
+  const Placement placed = mem.card.place(size, pool, g_policy, stream);
   mem.stats.num_alloc_retries += placed.retries;
   if (placed.block == nullptr) {
     if (placed.host_error != 0) {
@@ -208,23 +223,25 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
     raise_oom(mem, device, size);
   }
   CardBlock* block = placed.block;
-  if (!placed.from_cache) {
-    g_blocks.emplace(block->ptr, block);
-    record_memory_event("segment_alloc", device, block->ptr, size, stack);
+  const bool small = block->small;
+  if (const CardSegment* segment = placed.segment) {
+    record_memory_event("segment_alloc", device, segment->ptr, segment->size, stack);
     mem.stats.num_device_alloc++;
-    count_block(mem.stats.segment, size, true);
-    update(mem.stats.reserved_bytes, size, true);
-    if (block->oversize) {
+    count_block(mem.stats.segment, small, true);
+    update(mem.stats.reserved_bytes, small, segment->size, true);
+    if (segment->oversize) {
       mem.stats.oversize_segments.increase(1);
     }
   }
+  count_inactive_split(mem.stats, small, placed.inactive_split, placed.inactive_split_bytes);
+  g_blocks.emplace(block->ptr, block);
   block->allocated = true;
   block->requested = nbytes;
-  count_block(mem.stats.allocation, block->size, true);
-  count_block(mem.stats.active, block->size, true);
-  update(mem.stats.allocated_bytes, block->size, true);
-  update(mem.stats.active_bytes, block->size, true);
-  update(mem.stats.requested_bytes, nbytes, true);
+  count_block(mem.stats.allocation, small, true);
+  count_block(mem.stats.active, small, true);
+  update(mem.stats.allocated_bytes, small, block->size, true);
+  update(mem.stats.active_bytes, small, block->size, true);
+  update(mem.stats.requested_bytes, small, nbytes, true);
   if (block->oversize) {
     mem.stats.oversize_allocations.increase(1);
   }
@@ -331,19 +348,40 @@ c10::DeviceAllocator* device_allocator() {
   return &g_device_allocator;
 }
 
+namespace {
+
+// The segment of any card that holds `ptr` (under g_mutex).
+const CardSegment* segment_of(const void* ptr) {
+  for (const auto& mem : g_devices) {
+    if (const CardSegment* segment = mem->card.segment_of(ptr)) {
+      return segment;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 c10::DeviceIndex device_of_ptr(const void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_blocks.find(const_cast<void*>(ptr));
-  return it == g_blocks.end() ? -1 : static_cast<c10::DeviceIndex>(it->second->device);
+  if (auto it = g_blocks.find(const_cast<void*>(ptr)); it != g_blocks.end()) {
+    return static_cast<c10::DeviceIndex>(it->second->device);
+  }
+  const CardSegment* segment = segment_of(ptr);
+  return segment == nullptr ? -1 : static_cast<c10::DeviceIndex>(segment->device);
 }
 
 std::optional<LiveBlock> live_block(const void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_blocks.find(const_cast<void*>(ptr));
-  if (it == g_blocks.end()) {
-    return std::nullopt;
+  if (auto it = g_blocks.find(const_cast<void*>(ptr)); it != g_blocks.end()) {
+    return LiveBlock{true, it->second->requested};
   }
-  return LiveBlock{it->second->allocated, it->second->requested};
+  // Not the start of an allocated block: inside a segment, it is memory that was freed (or a
+  // pointer into the middle of a block, which no storage starts at).
+  if (segment_of(ptr) != nullptr) {
+    return LiveBlock{false, 0};
+  }
+  return std::nullopt;
 }
 
 void set_memory_fraction(double fraction, c10::DeviceIndex device) {
@@ -377,22 +415,25 @@ int64_t capacity(c10::DeviceIndex device) {
   return memory_of(device).card.capacity();
 }
 
-std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device) {
+std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  std::vector<std::vector<std::pair<std::string, int64_t>>> out;
-  for (const auto& entry : g_blocks) {
-    const CardBlock* b = entry.second;
-    if (device >= 0 && b->device != device) {
-      continue;
+  std::vector<SegmentInfo> out;
+  for (const auto& mem : g_devices) {
+    for (const auto& entry : mem->card.segments()) {
+      const CardSegment& segment = *entry.second;
+      if (device >= 0 && segment.device != device) {
+        continue;
+      }
+      SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, segment.small, segment.pool, segment.stream, {}};
+      for (const CardBlock* b : mem->card.blocks_of(segment)) {
+        info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, b->allocated});
+        if (b->allocated) {
+          info.allocated_size += b->size;
+          info.requested_size += b->requested;
+        }
+      }
+      out.push_back(std::move(info));
     }
-    out.push_back({{"device", b->device},
-                   {"address", static_cast<int64_t>(reinterpret_cast<uintptr_t>(b->ptr))},
-                   {"total_size", static_cast<int64_t>(b->size)},
-                   {"allocated_size", b->allocated ? static_cast<int64_t>(b->size) : 0},
-                   {"requested_size", b->allocated ? static_cast<int64_t>(b->requested) : 0},
-                   {"is_small", b->size < kSmallSize ? 1 : 0},
-                   {"pool_graph_id", static_cast<int64_t>(b->pool.first)},
-                   {"pool_user_id", static_cast<int64_t>(b->pool.second)}});
   }
   return out;
 }

@@ -36,7 +36,26 @@ double get_memory_fraction(c10::DeviceIndex device);
 // `divisions` has one entry per roundup_power2_divisions interval (kRoundUpIntervals).
 void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions);
 int64_t capacity(c10::DeviceIndex device);
-std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device);
+// A segment and its blocks in address order, for torch.supa.memory._snapshot().
+struct BlockInfo {
+  uintptr_t address;
+  size_t size;
+  size_t requested;  // 0 unless allocated
+  bool allocated;
+};
+struct SegmentInfo {
+  int device;
+  uintptr_t address;
+  size_t total_size;
+  size_t allocated_size;
+  size_t requested_size;
+  bool small;
+  std::pair<unsigned long long, unsigned long long> pool;  // (graph pool, user pool)
+  int64_t stream;  // the stream whose requests its blocks serve
+  std::vector<BlockInfo> blocks;
+};
+// The segments of `device` (every device's when it is negative), by device and address.
+std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device);
 void* raw_alloc(size_t nbytes, c10::DeviceIndex device);
 void raw_delete(void* ptr);
 // Grow or shrink a supa storage in place (keeps the common prefix of the bytes).
