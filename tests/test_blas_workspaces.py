@@ -197,10 +197,7 @@ def test_workspaces_are_named_in_memory_snapshots(dev):
     assert sum(name.startswith("supa BLAS Lt workspace") for name in names) == 1
 
 
-def test_graph_capture_uses_the_capture_stream_s_workspace_and_replay_takes_none(dev, monkeypatch):
-    # torch.supa.graph makes its class-wide default capture stream on the current device the first
-    # time; made here, on `dev`, it would move later captures on other devices to `dev` (as CUDA's).
-    monkeypatch.setattr(torch.supa.graph, "default_capture_stream", None)
+def test_graph_capture_uses_the_capture_stream_s_workspace_and_replay_takes_none(dev):
     x, _ = matrices(dev)
     graph = torch.supa.SUPAGraph()
     with torch.supa.device(dev):

@@ -258,7 +258,7 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
     with torch.supa.device(device):
         stream = torch.supa.current_stream().supa_stream
     held = [torch.empty(block["size"], dtype=torch.uint8, device=device)
-            for segment in torch.supa.memory_snapshot() if segment["device"] == device
+            for segment in torch.supa.memory_snapshot() if segment["device"] == device.index
             and segment["stream"] == stream and segment["segment_type"] == "large"
             for block in segment["blocks"] if block["state"] == "inactive"]
     total = torch.supa.get_device_properties(device).total_memory
@@ -271,7 +271,7 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
             # Not raised: say what served the products, so that a state this test did not foresee
             # can be named.
             segments = [(s["stream"], s["total_size"], [(b["size"], b["state"]) for b in s["blocks"]])
-                        for s in torch.supa.memory_snapshot() if s["device"] == device]
+                        for s in torch.supa.memory_snapshot() if s["device"] == device.index]
             pytest.fail(f"no out-of-memory error: reserved {reserved} -> "
                         f"{torch.supa.memory_reserved(device)} bytes, segments {segments}")
     finally:
