@@ -100,7 +100,7 @@ void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t by
 // A segment the card gives back to the host (called by the card, under g_mutex).
 void segment_released(DeviceMemory& mem, const CardSegment& segment) {
   record_memory_event("segment_free", static_cast<c10::DeviceIndex>(segment.device), segment.ptr, segment.size,
-                      nullptr);
+                      nullptr, segment.size, segment.stream);
   count_block(mem.stats.segment, segment.small, false);
   update(mem.stats.reserved_bytes, segment.small, segment.size, false);
   if (segment.oversize) {
@@ -188,11 +188,13 @@ void free_block(void* ptr) {
   if (block->oversize) {
     mem.stats.oversize_allocations.decrease(1);
   }
-  const size_t size = block->size;
+  // The history names what was asked for, as the card's does; the statistics count whole blocks.
+  const size_t size = block->size, requested = block->requested;
+  const int64_t stream = block->stream;
   const Release changed = mem.card.cache(block);  // may merge `block` away
   count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
-  record_memory_event("free_requested", device, ptr, size, stack);
-  record_memory_event("free_completed", device, ptr, size, stack);
+  record_memory_event("free_requested", device, ptr, requested, stack, size, stream);
+  record_memory_event("free_completed", device, ptr, requested, stack, size, stream);
 }
 
 void delete_device_ptr(void* ptr) {
@@ -225,7 +227,7 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   CardBlock* block = placed.block;
   const bool small = block->small;
   if (const CardSegment* segment = placed.segment) {
-    record_memory_event("segment_alloc", device, segment->ptr, segment->size, stack);
+    record_memory_event("segment_alloc", device, segment->ptr, segment->size, stack, segment->size, segment->stream);
     mem.stats.num_device_alloc++;
     count_block(mem.stats.segment, small, true);
     update(mem.stats.reserved_bytes, small, segment->size, true);
@@ -245,7 +247,7 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   if (block->oversize) {
     mem.stats.oversize_allocations.increase(1);
   }
-  record_memory_event("alloc", device, block->ptr, block->size, stack);
+  record_memory_event("alloc", device, block->ptr, nbytes, stack, block->size, block->stream);
   return block->ptr;
 }
 
