@@ -249,8 +249,8 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
     a = torch.randn(1664, 1664, device=device)
     compiled = torch.compile(two_matmuls)
     compiled(a)
-    # Tensors of earlier tests that only the cycle collector frees would otherwise be freed in the
-    # middle of the compiled call, and their blocks serve the products.
+    # Tensors of earlier tests that only the cycle collector frees could be freed in the middle of
+    # the compiled call, and their blocks serve the products.
     gc.collect()
     torch.supa.empty_cache()
     # Free blocks left in split segments by earlier tests could serve the products without reserving:
@@ -262,9 +262,9 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
             and segment["stream"] == stream and segment["segment_type"] == "large"
             for block in segment["blocks"] if block["state"] == "inactive"]
     total = torch.supa.get_device_properties(device).total_memory
-    # Room for one more 12 MiB segment, not for the two the compiled code needs.
-    torch.supa.set_per_process_memory_fraction((torch.supa.memory_reserved(device) + 16 * MiB) / total, device)
     reserved = torch.supa.memory_reserved(device)
+    # Room for one more 12 MiB segment, not for the two the compiled code needs.
+    torch.supa.set_per_process_memory_fraction((reserved + 16 * MiB) / total, device)
     try:
         with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
             compiled(a)
