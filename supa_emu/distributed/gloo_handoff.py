@@ -16,7 +16,7 @@ import ctypes
 import os
 import threading
 import time
-from typing import Deque, Iterable
+from typing import Deque, Dict, Iterable
 
 import torch.distributed as dist
 
@@ -30,6 +30,9 @@ _EXIT_WAIT_S = 30.0
 _RELEASE_WAIT_S = 0.05
 
 _held: Deque[dist.Work] = collections.deque()
+# What must live as long as gloo may still use a held work (by id of the work): the device tensors
+# behind the host views of a work its caller gave up on (keep_with).
+_companions: Dict[int, object] = {}
 _lock = threading.Lock()
 _exit_hook_installed = False
 
@@ -43,6 +46,15 @@ def hold(works: Iterable[dist.Work]) -> None:
             _exit_hook_installed = True
         _release_finished()
         _held.extend(works)
+
+
+def keep_with(works: Iterable[dist.Work], objects) -> None:
+    """Keep `objects` until gloo is done with every one of the held `works` (an abandoned
+    collective's tensors: gloo may still write into their memory)."""
+    with _lock:
+        for work in works:
+            if work in _held:
+                _companions[id(work)] = objects
 
 
 def release_finished() -> None:
@@ -74,6 +86,7 @@ def release_now(works: Iterable[dist.Work]) -> None:
                 os.sched_yield()
             if use_count(work) == 1:
                 _held.remove(work)
+                _companions.pop(id(work), None)
         _release_finished()
 
 
@@ -81,9 +94,12 @@ def _release_finished() -> None:
     # gloo finishes works roughly in order: usually only the oldest need looking at.
     use_count = process_state.core()._work_use_count
     while _held and use_count(_held[0]) == 1:
-        _held.popleft()
+        _companions.pop(id(_held.popleft()), None)
     if len(_held) >= _FULL_SCAN_AT:
         still_used = [work for work in _held if use_count(work) > 1]
+        for work in _held:
+            if use_count(work) == 1:
+                _companions.pop(id(work), None)
         _held.clear()
         _held.extend(still_used)
 

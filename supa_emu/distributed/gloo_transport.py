@@ -19,6 +19,7 @@ Point-to-point operations are not agreed on (peers are not in lockstep).
 """
 
 import json
+import weakref
 from typing import Callable, List, Optional
 
 import torch
@@ -68,11 +69,14 @@ class GlooTransport(Transport):
         self._agreement = signatures.Agreement(
             signature_exchange.create(store, rank, size, timeout, label), rank, size, label, self._stand_in)
         self._to_self = self_p2p.SelfMailbox(label)
+        self._started_works: "weakref.WeakSet[BCCLWork]" = weakref.WeakSet()  # what close() fails
 
     def _started(self, call: Collective, parts, host: Optional[HostCall] = None, ticket=None) -> BCCLWork:
         gloo_handoff.hold(parts)
         epilogue = host.epilogue() if host is not None else None
-        return BCCLWork(parts, epilogue, call.results, call.tensors(), self._agreement, ticket)
+        work = BCCLWork(parts, epilogue, call.results, call.tensors(), self._agreement, ticket)
+        self._started_works.add(work)
+        return work
 
     def _reduce_op(self, kind: _RedOp, dtype: torch.dtype, host: Optional[HostCall] = None,
                    result: Callable = None):
@@ -285,6 +289,8 @@ class GlooTransport(Transport):
         check_split([json.loads(store.get(f"{prefix}member/{r}")) for r in range(self._size)], self._size)
 
     def close(self, how: str, error: dist.DistBackendError) -> None:
+        for work in list(self._started_works):
+            work.abandon(error)
         self._agreement.close(error)
         if how == "aborted":
             self._gloo.abort()

@@ -104,8 +104,22 @@ class BCCLWork(dist.Work):
             raise self._error
         return self._outputs
 
+    def abandon(self, error: BaseException) -> None:
+        """The group closed (abort, shutdown) before this work completed: it fails with `error` now,
+        as NCCL's pending works do, instead of waiting for gloo, which may never finish it. gloo's
+        parts keep the device tensors they may still write into (gloo_handoff)."""
+        with self._lock:
+            if self._done or all(part.is_completed() for part in self._parts):
+                return  # finished before the group closed: its outcome stands
+            gloo_handoff.keep_with(self._parts, self._keep_alive)
+            self._parts = []
+            self._ticket = None
+            self._fail(error)
+
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self._waited = True  # an orphan stays adopted: a C++ holder may ask for the future next
+        if self._done and self._error is not None:
+            raise self._error
         # The peers' signatures first: a dead or stalled peer is reported as such, not as gloo's hang.
         # A positive timeout bounds this call's waits, as NCCL's wait(timeout) does; zero means the group's.
         limit = timeout if timeout and timeout > datetime.timedelta(0) else None
