@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from supa_emu import shapes
 from supa_emu.distributed import call_record
 
 TIMELINE_POINTS = 600
@@ -158,8 +159,9 @@ def record(failure: Optional[dict] = None) -> dict:
         elif action == "segment_free":
             reserved -= size
         elif action == "oom":
+            oom_phase, oom_location = _phase(event["frames"])
             ooms.append({"requested_bytes": size, "allocated": allocated, "reserved": reserved,
-                         "time_s": (event["time_us"] - t0) / 1e6})
+                         "time_s": (event["time_us"] - t0) / 1e6, "phase": oom_phase, "location": oom_location})
         if allocated > peak:
             peak, peak_event = allocated, event
         peak_reserved = max(peak_reserved, reserved)
@@ -174,10 +176,20 @@ def record(failure: Optional[dict] = None) -> dict:
         "oom": bool(ooms) or peak_reserved > capacity, "oom_events": ooms,
         "timeline": _thin(points, TIMELINE_POINTS),
         "collectives": call_record.collectives(),
-        "value_dependent": call_record.value_dependent(),
+        "mode": shapes.mode(),
+        "value_dependent": call_record.value_dependent() + _kernels_run(shapes.VALUE_DEPENDENT),
+        "no_shape_rule": _kernels_run(shapes.NO_SHAPE_RULE),
         "sections": [_section_figures(entry, device, running) for entry in _sections if entry["end"] is not None],
         "failure": failure,
     }
+
+
+def _kernels_run(kind: str) -> list:
+    """Shapes mode's operators of `kind` that ran their kernels: [{what, count, site}]."""
+    explained = {shapes.VALUE_DEPENDENT: "its output's shape depends on the values; ran on the values the card held",
+                 shapes.NO_SHAPE_RULE: "PyTorch has no shape rule for it; its kernel ran"}[kind]
+    return [{"what": f"{note['op']}: {explained}", "count": note["count"], "site": _location(note["frames"])}
+            for note in shapes.notes() if note["kind"] == kind]
 
 
 def _section_figures(entry: dict, device: int, running: list) -> dict:

@@ -3,6 +3,11 @@
 // PyTorch's CUDA caching allocator. One block table under one mutex, which the allocation path,
 // its statistics, settings and snapshots all read.
 //
+// An operator kernel's allocations are provisional (allocate_provisional): the card counts only
+// the ones the operator hands back as results (commit_block), so what a CPU kernel allocates for
+// itself stays out of the card's figures, and the card holds an operator's results whether its
+// kernel ran or, in the planner's shapes mode, only its shape rule did.
+//
 // A request that does not fit its card even after the card released its cache gets
 // torch.OutOfMemoryError with the message shape of the real stack. The allocator settings
 // that change accounting act as on the real allocator: roundup_power2_divisions rounds request
@@ -22,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -40,7 +46,7 @@ static_assert(std::is_same_v<PoolId, c10::MempoolId_t>, "card_memory.h's PoolId 
 
 // A card and the statistics PyTorch keeps for it.
 struct DeviceMemory {
-  DeviceMemory(c10::DeviceIndex device, int64_t capacity);
+  DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing);
   CardMemory card;
   DeviceStats stats;
 };
@@ -98,10 +104,12 @@ void segment_released(DeviceMemory& mem, const CardBlock& block) {
   g_blocks.erase(block.ptr);
 }
 
-DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity)
-    : card(device, capacity, [this](const CardBlock& block) { segment_released(*this, block); }) {}
+DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing)
+    : card(device, capacity, [this](const CardBlock& block) { segment_released(*this, block); }, backing) {}
 
-[[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size) {
+// `stack`: the request's, kept with the history's "oom" event (the planner reports where it failed).
+[[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size,
+                            const std::shared_ptr<torch::CapturedTraceback>& stack) {
   mem.stats.num_ooms++;
   const int64_t allocated = mem.stats.allocated_bytes[0].current;
   const CardMemory& card = mem.card;
@@ -113,7 +121,7 @@ DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity)
     msg << "This process is limited to " << format_size(card.limit())
         << " by set_per_process_memory_fraction. ";
   }
-  record_memory_event("oom", device, nullptr, size, nullptr);
+  record_memory_event("oom", device, nullptr, size, stack);
   msg << "Of the allocated memory " << format_size(allocated)
       << " is allocated by PyTorch, and " << format_size(card.reserved() - allocated)
       << " is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
@@ -157,7 +165,35 @@ void report_block(void* ptr, bool allocated) {
 
 }  // namespace
 
+namespace {
+
+// A provisional block freed before its operator handed it back (the kernel's scratch): back to the
+// host, or to the cache it was taken from; the card's figures never saw it. False for other blocks.
+bool drop_provisional(void* ptr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_blocks.find(ptr);
+  if (it == g_blocks.end() || !it->second->provisional) {
+    return false;
+  }
+  CardBlock* block = it->second;
+  CardMemory& card = g_devices.at(block->device)->card;
+  block->provisional = false;
+  if (block->is_segment) {
+    card.put_back(block);
+  } else {
+    g_blocks.erase(it);
+    card.unback(block->ptr, block->size);
+    delete block;
+  }
+  return true;
+}
+
+}  // namespace
+
 void free_block(void* ptr) {
+  if (drop_provisional(ptr)) {
+    return;
+  }
   report_block(ptr, false);
   memcheck_block_freed(ptr);
   const auto stack = memory_event_stack();
@@ -189,35 +225,29 @@ void delete_device_ptr(void* ptr) {
 
 namespace {
 
-void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
-  if (nbytes > kLargestRequest) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    raise_oom(memory_of(device), device, nbytes);
-  }
-  const size_t size = g_policy.round_size(nbytes);
+using Stack = std::shared_ptr<torch::CapturedTraceback>;
+
+[[noreturn]] void raise_request_too_large(c10::DeviceIndex device, size_t nbytes) {
   const auto stack = memory_event_stack();
-  const c10::MempoolId_t pool = allocation_pool(device);
   std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceMemory& mem = memory_of(device);
-  const Placement placed = mem.card.place(size, pool, g_policy);
-  mem.stats.num_alloc_retries += placed.retries;
-  if (placed.block == nullptr) {
-    if (placed.host_error != 0) {
-      raise_host_oom(mem, device, size, placed.host_error);
-    }
-    raise_oom(mem, device, size);
+  raise_oom(memory_of(device), device, nbytes, stack);
+}
+
+// A new segment of the card (under g_mutex).
+void count_segment(DeviceMemory& mem, c10::DeviceIndex device, CardBlock* block, const Stack& stack) {
+  g_blocks[block->ptr] = block;
+  record_memory_event("segment_alloc", device, block->ptr, block->size, stack);
+  mem.stats.num_device_alloc++;
+  count_block(mem.stats.segment, block->size, true);
+  update(mem.stats.reserved_bytes, block->size, true);
+  if (block->oversize) {
+    mem.stats.oversize_segments.increase(1);
   }
-  CardBlock* block = placed.block;
-  if (!placed.from_cache) {
-    g_blocks.emplace(block->ptr, block);
-    record_memory_event("segment_alloc", device, block->ptr, size, stack);
-    mem.stats.num_device_alloc++;
-    count_block(mem.stats.segment, size, true);
-    update(mem.stats.reserved_bytes, size, true);
-    if (block->oversize) {
-      mem.stats.oversize_segments.increase(1);
-    }
-  }
+}
+
+// A block handed out for a request of `nbytes` (under g_mutex).
+void count_allocation(DeviceMemory& mem, c10::DeviceIndex device, CardBlock* block, size_t nbytes,
+                      const Stack& stack) {
   block->allocated = true;
   block->requested = nbytes;
   count_block(mem.stats.allocation, block->size, true);
@@ -229,6 +259,36 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
     mem.stats.oversize_allocations.increase(1);
   }
   record_memory_event("alloc", device, block->ptr, block->size, stack);
+}
+
+// The block that serves a request (under g_mutex): cached, or a new segment; raises when none fits.
+CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t size, const c10::MempoolId_t& pool,
+                       const Stack& stack) {
+  const Placement placed = mem.card.place(size, pool, g_policy);
+  mem.stats.num_alloc_retries += placed.retries;
+  if (placed.block == nullptr) {
+    if (placed.host_error != 0) {
+      raise_host_oom(mem, device, size, placed.host_error);
+    }
+    raise_oom(mem, device, size, stack);
+  }
+  if (!placed.from_cache) {
+    count_segment(mem, device, placed.block, stack);
+  }
+  return placed.block;
+}
+
+void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
+  if (nbytes > kLargestRequest) {
+    raise_request_too_large(device, nbytes);
+  }
+  const size_t size = g_policy.round_size(nbytes);
+  const auto stack = memory_event_stack();
+  const c10::MempoolId_t pool = allocation_pool(device);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceMemory& mem = memory_of(device);
+  CardBlock* block = place_block(mem, device, size, pool, stack);
+  count_allocation(mem, device, block, nbytes, stack);
   return block->ptr;
 }
 
@@ -242,6 +302,72 @@ void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
   void* ptr = hand_out_block(nbytes, device);
   report_block(ptr, true);
   return ptr;
+}
+
+void* allocate_provisional(size_t nbytes, c10::DeviceIndex device) {
+  if (nbytes > kLargestRequest) {
+    raise_request_too_large(device, nbytes);
+  }
+  const size_t size = g_policy.round_size(nbytes);
+  const c10::MempoolId_t pool = allocation_pool(device);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceMemory& mem = memory_of(device);
+  CardBlock* block = mem.card.take_cached(size, pool, g_policy);
+  if (block == nullptr) {
+    void* ptr = mem.card.back(size);
+    if (ptr == nullptr) {
+      raise_host_oom(mem, device, size, errno);
+    }
+    block = new CardBlock{ptr, size, 0, static_cast<int>(device), false, pool};
+    block->is_segment = false;
+    g_blocks.emplace(ptr, block);
+  }
+  block->provisional = true;
+  block->requested = nbytes;
+  return block->ptr;
+}
+
+void* commit_block(void* ptr) {
+  const auto stack = memory_event_stack();
+  void* committed = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_blocks.find(ptr);
+    TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: committing unknown device pointer");
+    CardBlock* block = it->second;
+    if (!block->provisional) {
+      return ptr;
+    }
+    const auto device = static_cast<c10::DeviceIndex>(block->device);
+    DeviceMemory& mem = memory_of(device);
+    CardBlock* serving = block;
+    if (!block->is_segment) {
+      // As a request made now: a cached block when one fits (the bytes move into it), else this
+      // memory becomes a new segment.
+      serving = mem.card.take_cached(block->size, block->pool, g_policy);
+      if (serving != nullptr) {
+        std::memcpy(serving->ptr, block->ptr, block->requested);
+      } else {
+        int retries = 0;
+        const bool fits = mem.card.admit(block, g_policy, &retries);
+        mem.stats.num_alloc_retries += retries;
+        if (!fits) {
+          raise_oom(mem, device, block->size, stack);
+        }
+        serving = block;
+        count_segment(mem, device, block, stack);
+      }
+    }
+    if (serving != block) {
+      serving->provisional = false;  // `block` stays provisional: its owner drops it
+    } else {
+      block->provisional = false;
+    }
+    count_allocation(mem, device, serving, block->requested, stack);
+    committed = serving->ptr;
+  }
+  report_block(committed, true);
+  return committed;
 }
 
 namespace {
@@ -316,11 +442,12 @@ SupaDeviceAllocator g_device_allocator;
 
 }  // namespace
 
-void init_memory(const std::vector<int64_t>& capacities) {
+void init_memory(const std::vector<int64_t>& capacities, bool lazy_backing) {
   std::lock_guard<std::mutex> lock(g_mutex);
   TORCH_CHECK(g_devices.empty(), "supa_emu: the emulated devices are already initialised");
+  const Backing backing = lazy_backing ? Backing::kReservedAddressSpace : Backing::kHeap;
   for (int64_t capacity : capacities) {
-    auto mem = std::make_unique<DeviceMemory>(static_cast<c10::DeviceIndex>(g_devices.size()), capacity);
+    auto mem = std::make_unique<DeviceMemory>(static_cast<c10::DeviceIndex>(g_devices.size()), capacity, backing);
     mem->stats.max_split_size = g_policy.max_split_size;
     g_devices.push_back(std::move(mem));
   }
@@ -382,7 +509,7 @@ std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::
   std::vector<std::vector<std::pair<std::string, int64_t>>> out;
   for (const auto& entry : g_blocks) {
     const CardBlock* b = entry.second;
-    if (device >= 0 && b->device != device) {
+    if (!b->is_segment || (device >= 0 && b->device != device)) {
       continue;
     }
     out.push_back({{"device", b->device},

@@ -14,11 +14,21 @@
 
 namespace supa {
 
-void init_memory(const std::vector<int64_t>& capacities);
+// `lazy_backing`: segments cost host RAM only where written (the planner's shapes mode).
+void init_memory(const std::vector<int64_t>& capacities, bool lazy_backing);
 c10::DeviceAllocator* device_allocator();
 // A block of `device`'s pool (counted as allocated) and the deleter that gives it back.
 void* allocate_block(size_t nbytes, c10::DeviceIndex device);
 void free_block(void* ptr);
+// An operator kernel's allocation on `device`: card memory that the card does not count until
+// commit_block() (a result the operator hands back); freed before that (the kernel's own
+// scratch) it leaves the card's statistics, history and cache as they were. Only the results of
+// an operator thus reach the card's figures, allocated in the order they are committed.
+void* allocate_provisional(size_t nbytes, c10::DeviceIndex device);
+// Counts a provisional block as allocated now (a no-op for a block already counted) and returns
+// the block that holds its bytes: the same one, or, when the card serves the request from a
+// cached block, that block with the bytes copied into it (the caller then drops `ptr`).
+void* commit_block(void* ptr);
 void delete_device_ptr(void* ptr);  // free_block, accepting nullptr
 // From now on block hand-outs and returns reach the GPU trace (when it is on).
 void report_blocks_to_gpu_trace();

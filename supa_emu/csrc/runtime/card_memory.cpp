@@ -1,7 +1,10 @@
 // The emulated card's memory and block policy (see card_memory.h).
 #include "card_memory.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 
 namespace supa {
@@ -43,8 +46,8 @@ bool BlockPolicy::is_oversize(size_t size) const {
   return max_split_size >= 0 && size >= static_cast<size_t>(max_split_size);
 }
 
-CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release)
-    : device_(device), capacity_(capacity), on_release_(std::move(on_release)) {}
+CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing)
+    : device_(device), capacity_(capacity), on_release_(std::move(on_release)), backing_(backing) {}
 
 int64_t CardMemory::limit() const {
   return static_cast<int64_t>(fraction_ * static_cast<double>(capacity_));
@@ -75,10 +78,37 @@ std::multimap<size_t, CardBlock*>::iterator CardMemory::find_cached(size_t size,
   return cached_.end();
 }
 
+bool CardMemory::lazily_backed(size_t size) const {
+  return backing_ == Backing::kReservedAddressSpace && size >= kReservedBackingMin;
+}
+
+void* CardMemory::back(size_t size) {
+  if (lazily_backed(size)) {
+    // MAP_NORESERVE: not counted against the host's commit limit, so a card larger than the host
+    // can be planned; pages cost host RAM only once written.
+    void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return ptr == MAP_FAILED ? nullptr : ptr;
+  }
+  void* ptr = nullptr;
+  if (const int error = posix_memalign(&ptr, kMemoryAlignment, size); error != 0) {
+    errno = error;
+    return nullptr;
+  }
+  return ptr;
+}
+
+void CardMemory::unback(void* ptr, size_t size) {
+  if (lazily_backed(size)) {
+    munmap(ptr, size);
+  } else {
+    std::free(ptr);
+  }
+}
+
 void CardMemory::release(CardBlock* block) {
   on_release_(*block);
   reserved_ -= static_cast<int64_t>(block->size);
-  std::free(block->ptr);
+  unback(block->ptr, block->size);
   delete block;
 }
 
@@ -117,6 +147,17 @@ void CardMemory::collect_garbage(size_t incoming, const BlockPolicy& policy) {
   }
 }
 
+// Room for a new segment of `size`: after garbage collection and, when the card is full, releasing
+// its whole cache once.
+bool CardMemory::make_room(size_t size, const BlockPolicy& policy, int* retries) {
+  collect_garbage(size, policy);
+  if (reserved_ + static_cast<int64_t>(size) > limit() && !cached_.empty()) {
+    ++*retries;
+    release_cached();
+  }
+  return reserved_ + static_cast<int64_t>(size) <= limit();
+}
+
 Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& policy) {
   Placement placed;
   if (auto hit = find_cached(size, pool, policy); hit != cached_.end()) {
@@ -125,21 +166,18 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
     cached_.erase(hit);
     return placed;
   }
-  collect_garbage(size, policy);
-  if (reserved_ + static_cast<int64_t>(size) > limit() && !cached_.empty()) {
-    placed.retries++;
-    release_cached();
-  }
-  if (reserved_ + static_cast<int64_t>(size) > limit()) {
+  if (!make_room(size, policy, &placed.retries)) {
     return placed;
   }
-  void* ptr = nullptr;
-  if (const int error = posix_memalign(&ptr, kMemoryAlignment, size); error != 0) {
+  void* ptr = back(size);
+  if (ptr == nullptr) {
+    const int error = errno;  // set by back()
     if (!cached_.empty()) {  // cached blocks hold host memory too: give it back and retry once
       placed.retries++;
       release_cached();
     }
-    if (ptr == nullptr && posix_memalign(&ptr, kMemoryAlignment, size) != 0) {
+    ptr = back(size);
+    if (ptr == nullptr) {
       placed.host_error = error;
       return placed;
     }
@@ -150,10 +188,37 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
   return placed;
 }
 
+CardBlock* CardMemory::take_cached(size_t size, const PoolId& pool, const BlockPolicy& policy) {
+  auto hit = find_cached(size, pool, policy);
+  if (hit == cached_.end()) {
+    return nullptr;
+  }
+  CardBlock* block = hit->second;
+  cached_.erase(hit);
+  return block;
+}
+
+void CardMemory::put_back(CardBlock* block) {
+  if (lazily_backed(block->size)) {
+    madvise(block->ptr, block->size, MADV_DONTNEED);
+  }
+  cached_.emplace(block->size, block);  // freed_at unchanged: its place in the cache as before
+}
+
+bool CardMemory::admit(CardBlock* block, const BlockPolicy& policy, int* retries) {
+  if (!make_room(block->size, policy, retries)) {
+    return false;
+  }
+  block->is_segment = true;
+  block->oversize = policy.is_oversize(block->size);
+  reserved_ += static_cast<int64_t>(block->size);
+  return true;
+}
+
 void CardMemory::cache(CardBlock* block) {
   block->allocated = false;
   block->freed_at = ++frees_;
-  cached_.emplace(block->size, block);
+  put_back(block);
 }
 
 }  // namespace supa

@@ -9,6 +9,11 @@
 // freed first). An oversize block (max_split_size) also serves requests up to kLargeBuffer
 // smaller, as the real allocator does since it will not split it.
 //
+// A segment's host memory comes from the heap, or (Backing::kReservedAddressSpace, the planner's
+// shapes mode) for larger segments from reserved address space that costs no host RAM until the
+// host writes it; such a block's pages go back to the host when it is cached, so a cached block
+// reads as zeros when it is handed out again.
+//
 // Not thread-safe: the caller serialises every call (caching_allocator.cpp holds one mutex).
 #pragma once
 
@@ -32,6 +37,15 @@ constexpr size_t kRoundUpIntervals = 16;
 // More than any card holds: rounding a larger request up would wrap around (a negative size cast
 // to size_t is far above it).
 constexpr size_t kLargestRequest = size_t{1} << 60;
+
+// Segments of at least this size are backed by reserved address space under kReservedAddressSpace
+// (smaller ones share heap pages, which a process touches anyway).
+constexpr size_t kReservedBackingMin = 64 << 10;
+
+enum class Backing {
+  kHeap,                 // every segment from the heap (posix_memalign): compute mode
+  kReservedAddressSpace  // larger segments mapped without reserving host memory: shapes mode
+};
 
 // A memory pool's identity: (graph pool n, user pool n); (0, 0) is the card's general pool.
 // The same type as c10::MempoolId_t (see mem_pool.cpp).
@@ -58,6 +72,8 @@ struct CardBlock {
   PoolId pool{0, 0};
   uint64_t freed_at = 0;  // order of the last free on its card, for garbage collection
   bool oversize = false;  // decided when the segment was reserved (max_split_size at that time)
+  bool is_segment = true;  // false: host memory backed by the card's backing, not yet a segment (admit)
+  bool provisional = false;  // taken by an operator's kernel and not yet handed back as a result
 };
 
 // How a request was served (CardMemory::place).
@@ -74,7 +90,7 @@ class CardMemory {
   using SegmentReleased = std::function<void(const CardBlock&)>;
 
   // The card's segments outlive it (the process's cards live until exit).
-  CardMemory(int device, int64_t capacity, SegmentReleased on_release);
+  CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing = Backing::kHeap);
   CardMemory(const CardMemory&) = delete;
   CardMemory& operator=(const CardMemory&) = delete;
 
@@ -94,13 +110,28 @@ class CardMemory {
   Placement place(size_t size, const PoolId& pool, const BlockPolicy& policy);
   // Takes a freed block back into the cache, as the most recently freed.
   void cache(CardBlock* block);
+
+  // Operator kernels' allocations are provisional until the operator hands back its results
+  // (caching_allocator.cpp): a cached block taken for one and put back, with its age, when the
+  // kernel frees it leaves the cache holding what it held; otherwise the kernel gets host memory
+  // of the segment's size that is not yet the card's, which admit() makes a segment.
+  CardBlock* take_cached(size_t size, const PoolId& pool, const BlockPolicy& policy);
+  void put_back(CardBlock* block);
+  // Host memory for a segment of `size` bytes (nullptr when the host has none), and its release.
+  void* back(size_t size);
+  void unback(void* ptr, size_t size);
+  // Makes `block` (is_segment false, memory from back()) a segment of this card, as place() would
+  // make a new one: false when the card has no room for it even after releasing its cache.
+  bool admit(CardBlock* block, const BlockPolicy& policy, int* retries);
   // Returns the cached blocks (only `pool`'s when given) to the host.
   void release_cached(const PoolId* pool = nullptr);
 
  private:
   std::multimap<size_t, CardBlock*>::iterator find_cached(size_t size, const PoolId& pool, const BlockPolicy& policy);
   void collect_garbage(size_t incoming, const BlockPolicy& policy);
+  bool make_room(size_t size, const BlockPolicy& policy, int* retries);
   void release(CardBlock* block);
+  bool lazily_backed(size_t size) const;
 
   int device_;
   int64_t capacity_;
@@ -109,6 +140,7 @@ class CardMemory {
   uint64_t frees_ = 0;
   std::multimap<size_t, CardBlock*> cached_;  // free blocks by size
   SegmentReleased on_release_;
+  Backing backing_;
 };
 
 }  // namespace supa
