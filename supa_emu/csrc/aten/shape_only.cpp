@@ -3,7 +3,6 @@
 #include "shape_only.h"
 
 #include "../runtime/caching_allocator.h"
-#include "../runtime/card_memory.h"
 #include "../runtime/devices.h"
 #include "../runtime/host_alias.h"
 
@@ -11,7 +10,6 @@
 #include <torch/csrc/profiler/combined_traceback.h>
 
 #include <atomic>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <unordered_set>
@@ -148,14 +146,9 @@ c10::Storage meta_storage(size_t nbytes) {
 
 namespace {
 
-// A block of `nbytes` on `device` that reads as zeros: a larger block's pages are fresh (the card
-// backs it with reserved address space and drops its pages when it is cached); a smaller one is
-// cleared here, at the cost of a store into memory the host holds anyway.
-c10::DataPtr zeroed_card_block(size_t nbytes, c10::DeviceIndex device) {
+// A block of `nbytes` on `device`; in shapes mode it reads as zeros (card_memory.h).
+c10::DataPtr card_block(size_t nbytes, c10::DeviceIndex device) {
   void* ptr = nbytes == 0 ? nullptr : allocate_block(nbytes, device);
-  if (ptr != nullptr && nbytes < kReservedBackingMin) {
-    std::memset(ptr, 0, nbytes);
-  }
   return {ptr, ptr, &delete_device_ptr, c10::Device(kSupa, device)};
 }
 
@@ -164,13 +157,13 @@ c10::DataPtr zeroed_card_block(size_t nbytes, c10::DeviceIndex device) {
 at::Tensor card_result(const at::Tensor& meta, c10::DeviceIndex device) {
   const size_t nbytes = meta.storage().nbytes();
   c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
-                                                             zeroed_card_block(nbytes, device), device_allocator(),
+                                                             card_block(nbytes, device), device_allocator(),
                                                              /*resizable=*/true));
   return tensor_over(storage, kSupaKeys, meta);
 }
 
 void resize_card_storage(c10::StorageImpl* storage, size_t nbytes, c10::DeviceIndex device) {
-  storage->set_data_ptr_noswap(zeroed_card_block(nbytes, device));
+  storage->set_data_ptr_noswap(card_block(nbytes, device));
   storage->set_nbytes(nbytes);
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 namespace supa {
 
@@ -164,6 +165,7 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
     placed.block = hit->second;
     placed.from_cache = true;
     cached_.erase(hit);
+    clear_if_reused_heap(placed.block);
     return placed;
   }
   if (!make_room(size, policy, &placed.retries)) {
@@ -185,7 +187,14 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
   placed.block = new CardBlock{ptr, size, 0, device_, false, pool};
   placed.block->oversize = policy.is_oversize(size);
   reserved_ += static_cast<int64_t>(size);
+  clear_if_reused_heap(placed.block);
   return placed;
+}
+
+void CardMemory::clear_if_reused_heap(CardBlock* block) const {
+  if (backing_ == Backing::kReservedAddressSpace && !lazily_backed(block->size)) {
+    std::memset(block->ptr, 0, block->size);
+  }
 }
 
 CardBlock* CardMemory::take_cached(size_t size, const PoolId& pool, const BlockPolicy& policy) {

@@ -11,8 +11,9 @@
 //
 // A segment's host memory comes from the heap, or (Backing::kReservedAddressSpace, the planner's
 // shapes mode) for larger segments from reserved address space that costs no host RAM until the
-// host writes it; such a block's pages go back to the host when it is cached, so a cached block
-// reads as zeros when it is handed out again.
+// host writes it; such a block's pages go back to the host when it is cached. Under that backing
+// every block place() hands out reads as zeros (fresh or dropped pages; a small block is cleared),
+// so what a program reads from memory no kernel wrote does not depend on what was there before.
 //
 // Not thread-safe: the caller serialises every call (caching_allocator.cpp holds one mutex).
 #pragma once
@@ -132,6 +133,8 @@ class CardMemory {
   bool make_room(size_t size, const BlockPolicy& policy, int* retries);
   void release(CardBlock* block);
   bool lazily_backed(size_t size) const;
+  // Under kReservedAddressSpace, clears a heap-backed block (lazily backed ones read zeros anyway).
+  void clear_if_reused_heap(CardBlock* block) const;
 
   int device_;
   int64_t capacity_;
