@@ -44,8 +44,8 @@ bool check(bool ok, int line, const char* what) {
 
 // A card whose released segments are remembered (by address and size, in release order).
 struct TestCard {
-  explicit TestCard(int64_t capacity)
-      : card(0, capacity, [this](const CardBlock& b) { released.push_back({b.ptr, b.size}); }) {}
+  explicit TestCard(int64_t capacity, supa::Backing backing = supa::Backing::kHeap)
+      : card(0, capacity, [this](const CardBlock& b) { released.push_back({b.ptr, b.size}); }, backing) {}
   ~TestCard() { card.release_cached(); }  // give the host memory back between cases
 
   // A new or cached block, marked allocated as the caching allocator marks it.
@@ -242,6 +242,65 @@ void host_out_of_memory() {
   CHECK(t.released.size() == 1 && t.card.reserved() == 0);
 }
 
+// An operator kernel's allocation taken from the cache and given back leaves the card as it was.
+void provisional_block_from_the_cache() {
+  TestCard t(1 * MiB);
+  CardBlock* block = t.take(2048);
+  t.card.cache(block);
+  const uint64_t age = block->freed_at;
+  REQUIRE(t.card.take_cached(2048, kGeneral, BlockPolicy()) == block);
+  CHECK(t.card.cached_blocks() == 0 && t.card.reserved() == 2048);
+  CHECK(t.card.take_cached(2048, kGeneral, BlockPolicy()) == nullptr);  // no second one; nothing new reserved
+  t.card.put_back(block);
+  CHECK(block->freed_at == age && t.card.cached_blocks() == 1 && t.card.reserved() == 2048);
+  REQUIRE(t.take(2048) == block);
+  CHECK(t.last.from_cache);
+  t.card.cache(block);
+}
+
+// Host memory a kernel wrote its result into becomes a segment as a new one would, or does not fit.
+void admitted_memory_becomes_a_segment() {
+  TestCard t(4096);
+  CardBlock* held = t.take(2048);
+  CardBlock* spare = t.take(1024);
+  t.card.cache(spare);
+  CardBlock* result = new CardBlock{t.card.back(2048), 2048, 0, 0, false, kGeneral};
+  result->is_segment = false;
+  REQUIRE(result->ptr != nullptr);
+  CHECK(t.card.reserved() == 3072);  // not the card's yet
+  int retries = 0;
+  REQUIRE(t.card.admit(result, BlockPolicy(), &retries));  // 3072 + 2048 > 4096: the cache goes back first
+  CHECK(retries == 1 && t.released.size() == 1 && t.card.reserved() == 4096 && result->is_segment);
+  CardBlock* more = new CardBlock{t.card.back(512), 512, 0, 0, false, kGeneral};
+  more->is_segment = false;
+  CHECK(!t.card.admit(more, BlockPolicy(), &retries));  // the card is full: out of memory
+  CHECK(t.card.reserved() == 4096 && !more->is_segment);
+  t.card.unback(more->ptr, more->size);
+  delete more;
+  t.card.cache(held);
+  t.card.cache(result);
+}
+
+// Shapes mode's backing: a card larger than the host, and blocks that read zeros when handed out again.
+void reserved_address_space_backing() {
+  TestCard t(int64_t{1} << 40, supa::Backing::kReservedAddressSpace);
+  CardBlock* large = t.take(size_t{64} << 30);  // more than this host has: only address space is reserved
+  REQUIRE(large != nullptr);
+  CHECK(t.last.host_error == 0);
+  static_cast<char*>(large->ptr)[12345] = 7;
+  t.card.cache(large);
+  REQUIRE(t.take(size_t{64} << 30) == large);
+  CHECK(static_cast<char*>(large->ptr)[12345] == 0);  // its pages went back to the host when it was cached
+  CardBlock* small = t.take(1024);
+  REQUIRE(small != nullptr);
+  static_cast<char*>(small->ptr)[100] = 7;
+  t.card.cache(small);
+  REQUIRE(t.take(1024) == small);
+  CHECK(static_cast<char*>(small->ptr)[100] == 0);  // a heap block is cleared when handed out again
+  t.card.cache(small);
+  t.card.cache(large);
+}
+
 }  // namespace
 
 int main() {
@@ -257,6 +316,9 @@ int main() {
       {"full_card_releases_cache_once", full_card_releases_cache_once},
       {"garbage_collection_least_recently_freed_first", garbage_collection_least_recently_freed_first},
       {"host_out_of_memory", host_out_of_memory},
+      {"provisional_block_from_the_cache", provisional_block_from_the_cache},
+      {"admitted_memory_becomes_a_segment", admitted_memory_becomes_a_segment},
+      {"reserved_address_space_backing", reserved_address_space_backing},
   };
   int failed_cases = 0;
   for (const auto& [name, run] : cases) {

@@ -63,6 +63,8 @@ void update(StatArray& stat, size_t size, bool increase) {
   }
 }
 
+}  // namespace
+
 std::string format_size(uint64_t size) {
   std::ostringstream os;
   os.precision(2);
@@ -78,6 +80,8 @@ std::string format_size(uint64_t size) {
   }
   return os.str();
 }
+
+namespace {
 
 DeviceMemory& memory_of(c10::DeviceIndex device) {
   check_device_index(device);

@@ -16,7 +16,6 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 
@@ -36,21 +35,14 @@ struct HostTensorBound {
 };
 HostTensorBound g_host_bound;
 
-std::string in_gib(size_t bytes) {
-  std::ostringstream os;
-  os.precision(1);
-  os << std::fixed << static_cast<double>(bytes) / static_cast<double>(size_t{1} << 30) << " GiB";
-  return os.str();
-}
-
 void routed_raw_delete(void* ptr);
 
 c10::DataPtr allocate_bounded_host(size_t nbytes) {
   const size_t limit = g_host_bound.limit.load();
   {
     std::lock_guard<std::mutex> lock(g_host_bound.mutex);
-    TORCH_CHECK(g_host_bound.live + nbytes <= limit, "planner: the script holds ", in_gib(g_host_bound.live),
-                " in host (CPU) tensors and asks for ", in_gib(nbytes), " more, beyond the ", in_gib(limit),
+    TORCH_CHECK(g_host_bound.live + nbytes <= limit, "planner: the script holds ", format_size(g_host_bound.live),
+                " in host (CPU) tensors and asks for ", format_size(nbytes), " more, beyond the ", format_size(limit),
                 " of host memory a planned rank may use (SUPA_PLAN_HOST_MEMORY): a model built on host tensors needs "
                 "all of its bytes on the host. Build it where it will live instead: under deepspeed.zero.Init() "
                 "(ZeRO-3), or on the meta device and then to_empty(device=...) (FSDP2), or with device= the card");
