@@ -116,18 +116,19 @@ def _phase(frames) -> tuple:
     return phase or "unknown", _location(frames)
 
 
+def _described(frame) -> str:
+    return f"{frame['filename']}:{frame['line']} ({frame['name']})"
+
+
 def _location(frames):
     """The innermost frame of the user's code: under the directories name_user_code gave, else the
     first outside installed packages, the emulator and Python's own frozen modules (runpy)."""
-    def described(frame):
-        return f"{frame['filename']}:{frame['line']} ({frame['name']})"
-
     user_code = (_state or {}).get("user_code", [])
     for frame in frames:
         path = os.path.abspath(frame["filename"])
         if "/supa_emu/" not in path and any(path.startswith(d) for d in user_code):
-            return described(frame)
-    return next((described(f) for f in frames if "site-packages" not in f["filename"]
+            return _described(frame)
+    return next((_described(f) for f in frames if "site-packages" not in f["filename"]
                  and "/supa_emu/" not in f["filename"] and not f["filename"].startswith("<")), None)
 
 
@@ -188,8 +189,15 @@ def _kernels_run(kind: str) -> list:
     """Shapes mode's operators of `kind` that ran their kernels: [{what, count, site}]."""
     explained = {shapes.VALUE_DEPENDENT: "its output's shape depends on the values; ran on the values the card held",
                  shapes.NO_SHAPE_RULE: "PyTorch has no shape rule for it; its kernel ran"}[kind]
-    return [{"what": f"{note['op']}: {explained}", "count": note["count"], "site": _location(note["frames"])}
+    return [{"what": f"{note['op']}: {explained}", "count": note["count"], "site": _site(note["frames"])}
             for note in shapes.notes() if note["kind"] == kind]
+
+
+def _site(frames) -> str:
+    """The user's line that led to a call, and the innermost Python frame where that is elsewhere."""
+    where = _location(frames)
+    innermost = _described(frames[0]) if frames else None
+    return where if innermost in (None, where) else f"{where}, in {innermost}"
 
 
 def _section_figures(entry: dict, device: int, running: list) -> dict:

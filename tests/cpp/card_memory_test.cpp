@@ -258,21 +258,25 @@ void provisional_block_from_the_cache() {
   t.card.cache(block);
 }
 
+// Host memory of the card's backing that is not a segment yet, as a kernel's allocation gets it.
+CardBlock* unplaced_block(TestCard& t, size_t size) {
+  CardBlock* block = new CardBlock{t.card.back(size), size, 0, 0, false, kGeneral};
+  block->is_segment = false;
+  return block;
+}
+
 // Host memory a kernel wrote its result into becomes a segment as a new one would, or does not fit.
 void admitted_memory_becomes_a_segment() {
   TestCard t(4096);
   CardBlock* held = t.take(2048);
-  CardBlock* spare = t.take(1024);
-  t.card.cache(spare);
-  CardBlock* result = new CardBlock{t.card.back(2048), 2048, 0, 0, false, kGeneral};
-  result->is_segment = false;
+  t.card.cache(t.take(1024));
+  CardBlock* result = unplaced_block(t, 2048);
   REQUIRE(result->ptr != nullptr);
   CHECK(t.card.reserved() == 3072);  // not the card's yet
   int retries = 0;
   REQUIRE(t.card.admit(result, BlockPolicy(), &retries));  // 3072 + 2048 > 4096: the cache goes back first
   CHECK(retries == 1 && t.released.size() == 1 && t.card.reserved() == 4096 && result->is_segment);
-  CardBlock* more = new CardBlock{t.card.back(512), 512, 0, 0, false, kGeneral};
-  more->is_segment = false;
+  CardBlock* more = unplaced_block(t, 512);
   CHECK(!t.card.admit(more, BlockPolicy(), &retries));  // the card is full: out of memory
   CHECK(t.card.reserved() == 4096 && !more->is_segment);
   t.card.unback(more->ptr, more->size);

@@ -217,11 +217,6 @@ std::tuple<Tensor, Tensor, Tensor> lstm(const Tensor& input, at::TensorList hx, 
   return {output, at::stack(hy, 0), at::stack(cy, 0)};
 }
 
-template <HostKernel kernel>
-void on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  run_host_kernel(op, stack, kernel);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
@@ -229,12 +224,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&run_cpu_kernel>());
   }
   m.impl("lstm.input", lstm);
-  m.impl("_thnn_fused_lstm_cell", torch::CppFunction::makeFromBoxedFunction<&on_host<&fused_lstm_cell>>());
+  m.impl("_thnn_fused_lstm_cell", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&fused_lstm_cell>>());
   m.impl("_thnn_fused_lstm_cell_backward_impl",
-         torch::CppFunction::makeFromBoxedFunction<&on_host<&fused_lstm_cell_backward>>());
-  m.impl("_thnn_fused_gru_cell", torch::CppFunction::makeFromBoxedFunction<&on_host<&fused_gru_cell>>());
+         torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&fused_lstm_cell_backward>>());
+  m.impl("_thnn_fused_gru_cell", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&fused_gru_cell>>());
   m.impl("_thnn_fused_gru_cell_backward",
-         torch::CppFunction::makeFromBoxedFunction<&on_host<&fused_gru_cell_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&fused_gru_cell_backward>>());
 }
 
 // lstm.input is composite: a kernel at the autograd key keeps it above autograd, so the layer

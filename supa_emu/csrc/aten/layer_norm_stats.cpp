@@ -43,16 +43,11 @@ void layer_norm_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack
   op.redispatchBoxed(kCpuKeys, stack);
 }
 
-template <HostKernel kernel>
-void layer_norm_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  run_host_kernel(op, stack, kernel);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&layer_norm_on_host<&layer_norm_forward>>());
-  m.impl("native_layer_norm_backward", torch::CppFunction::makeFromBoxedFunction<&layer_norm_on_host<&layer_norm_backward>>());
+  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&layer_norm_forward>>());
+  m.impl("native_layer_norm_backward", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&layer_norm_backward>>());
 }
 
 }  // namespace supa

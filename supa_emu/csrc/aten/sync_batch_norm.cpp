@@ -151,20 +151,15 @@ void backward_elemt(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   push_results(stack, 8, {grad_input.to(input.scalar_type()).contiguous(input.suggest_memory_format())});
 }
 
-template <HostKernel kernel>
-void on_host_views(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  run_host_kernel(op, stack, kernel);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("batch_norm_stats", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&channel_stats>>());
-  m.impl("batch_norm_elemt", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&normalize>>());
+  m.impl("batch_norm_stats", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&channel_stats>>());
+  m.impl("batch_norm_elemt", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&normalize>>());
   m.impl("batch_norm_gather_stats_with_counts",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&gather_stats_with_counts>>());
-  m.impl("batch_norm_backward_reduce", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&backward_reduce>>());
-  m.impl("batch_norm_backward_elemt", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&backward_elemt>>());
+         torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&gather_stats_with_counts>>());
+  m.impl("batch_norm_backward_reduce", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&backward_reduce>>());
+  m.impl("batch_norm_backward_elemt", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&backward_elemt>>());
 }
 
 }  // namespace supa
