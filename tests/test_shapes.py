@@ -9,8 +9,11 @@ documented to be: copies from the host write their bytes, a skipped kernel's res
 operators whose output shape depends on values run on the values the card holds and are named.
 """
 
+import json
+import sys
+
 import pytest
-from harness import run_scenario
+from harness import ROOT, run, run_scenario
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 pytestmark = pytest.mark.emulation_only
@@ -182,3 +185,23 @@ def test_card_memory_no_kernel_writes_costs_no_host_memory():
     block = (1 << 30) + 512  # 1 GiB requests, padded and rounded as the card's allocator does
     assert result["allocated"] == 3 * block + (32 << 20) + 512  # a, b, d and the BLAS workspace
     assert result["rss_growth_mib"] < 64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+def test_planning_the_llama_fine_tune_gives_the_same_figures_in_both_modes(tmp_path, engine):
+    # examples/finetune_llama.py at its tiny shape: a HF Llama (grouped-query attention, RMSNorm,
+    # rotary embeddings) built under zero.Init (ZeRO-3) or on the meta device (FSDP2), 8 cards.
+    reports = {}
+    for mode in MODES:
+        out = tmp_path / f"{mode}.json"
+        run([sys.executable, "-m", "supa_emu.plan", "--world-size", "8", "--mode", mode, "--json", out, "--",
+             ROOT / "examples" / "finetune_llama.py", "--engine", engine], timeout=900, check=True)
+        reports[mode] = json.loads(out.read_text())
+    assert reports["shapes"]["mode"] == "shapes"
+    for rank in ("0", "7"):
+        compute, shapes = reports["compute"]["ranks"][rank], reports["shapes"]["ranks"][rank]
+        assert shapes["failure"] is None and compute["failure"] is None
+        for figure in ("peak_allocated", "peak_reserved", "peak_phase", "collectives"):
+            assert shapes[figure] == compute[figure], (rank, figure)
+        assert shapes["value_dependent"] == shapes["no_shape_rule"] == []

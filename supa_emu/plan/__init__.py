@@ -7,7 +7,9 @@ and every collective answers as if each rank held this rank's data, so the progr
 real path with its real shapes. The card, its caching allocator and its memory history are the
 ones a real run uses; rank_record.py reads the peak, its phase and a timeline from that history,
 and the collectives from supa_emu.distributed.call_record. report.py and plot.py put the ranks
-together. The same recording runs in a real job under SUPA_PLAN_RECORD=DIR, to compare.
+together. The same recording runs in a real job under SUPA_PLAN_RECORD=DIR, to compare. With
+`--mode shapes` operators take their results from PyTorch's shape rules instead of running their
+kernels, with the same figures (supa_emu/shapes.py, docs/shapes_mode.md).
 """
 
 
