@@ -3,10 +3,8 @@
 // PyTorch's CUDA caching allocator. One block table under one mutex, which the allocation path,
 // its statistics, settings and snapshots all read.
 //
-// An operator kernel's allocations are provisional (allocate_provisional): the card counts only
-// the ones the operator hands back as results (commit_block), so what a CPU kernel allocates for
-// itself stays out of the card's figures, and the card holds an operator's results whether its
-// kernel ran or, in the planner's shapes mode, only its shape rule did.
+// An operator kernel's allocations are provisional: the card counts the results the operator hands
+// back (commit_block), never the kernel's own scratch (see caching_allocator.h).
 //
 // A request that does not fit its card even after the card released its cache gets
 // torch.OutOfMemoryError with the message shape of the real stack. The allocator settings
@@ -22,6 +20,7 @@
 #include "mem_pool.h"
 #include "memcheck.h"
 #include "memory_history.h"
+#include "out_of_memory.h"
 
 #include <c10/util/Exception.h>
 
@@ -31,7 +30,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <type_traits>
 #include <unordered_map>
 
@@ -62,26 +60,6 @@ void update(StatArray& stat, size_t size, bool increase) {
     increase ? stat[i].increase(size) : stat[i].decrease(size);
   }
 }
-
-}  // namespace
-
-std::string format_size(uint64_t size) {
-  std::ostringstream os;
-  os.precision(2);
-  os << std::fixed;
-  if (size <= 1024) {
-    os << size << " bytes";
-  } else if (size <= 1048576) {
-    os << (static_cast<double>(size) / 1024.0) << " KiB";
-  } else if (size <= 1073741824ULL) {
-    os << (static_cast<double>(size) / 1048576.0) << " MiB";
-  } else {
-    os << (static_cast<double>(size) / 1073741824.0) << " GiB";
-  }
-  return os.str();
-}
-
-namespace {
 
 DeviceMemory& memory_of(c10::DeviceIndex device) {
   check_device_index(device);
@@ -115,38 +93,13 @@ DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing ba
 [[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size,
                             const std::shared_ptr<torch::CapturedTraceback>& stack) {
   mem.stats.num_ooms++;
-  const int64_t allocated = mem.stats.allocated_bytes[0].current;
-  const CardMemory& card = mem.card;
-  std::ostringstream msg;
-  msg << "SUPA out of memory. Tried to allocate " << format_size(size) << ". GPU "
-      << static_cast<int>(device) << " has a total capacity of " << format_size(card.capacity())
-      << " of which " << format_size(card.unreserved()) << " is free. ";
-  if (card.fraction() < 1.0) {
-    msg << "This process is limited to " << format_size(card.limit())
-        << " by set_per_process_memory_fraction. ";
-  }
   record_memory_event("oom", device, nullptr, size, stack);
-  msg << "Of the allocated memory " << format_size(allocated)
-      << " is allocated by PyTorch, and " << format_size(card.reserved() - allocated)
-      << " is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
-         "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
-         "See documentation for Memory Management  "
-         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)";
-  TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
+  throw_card_oom(mem.card, device, size, mem.stats.allocated_bytes[0].current);
 }
 
-// The host could not back a block the card had room for: say so, with the host's numbers, instead
-// of a card OOM whose "free" figure contradicts it. Still an OutOfMemoryError, so code that
-// recovers from OOM (smaller batch, empty_cache) keeps working.
 [[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error) {
   mem.stats.num_ooms++;
-  std::ostringstream msg;
-  msg << "SUPA emulator: the host could not provide " << format_size(size) << " of memory for an allocation on "
-      << "supa:" << static_cast<int>(device) << " (" << std::strerror(error) << "). The emulated card has "
-      << format_size(std::max<int64_t>(0, mem.card.limit() - mem.card.reserved()))
-      << " of its capacity free, but its memory is this host's memory: lower SUPA_EMU_MEMORY to what the host can "
-         "hold, or free host memory.";
-  TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
+  throw_host_oom(mem.card, device, size, error);
 }
 
 // Block hand-outs and returns, for the GPU trace (see gpu_trace.h), once a callback listens for them:
@@ -166,10 +119,6 @@ void report_block(void* ptr, bool allocated) {
     }
   });
 }
-
-}  // namespace
-
-namespace {
 
 // A provisional block freed before its operator handed it back (the kernel's scratch): back to the
 // host, or to the cache it was taken from; the card's figures never saw it. False for other blocks.
@@ -231,10 +180,14 @@ namespace {
 
 using Stack = std::shared_ptr<torch::CapturedTraceback>;
 
-[[noreturn]] void raise_request_too_large(c10::DeviceIndex device, size_t nbytes) {
-  const auto stack = memory_event_stack();
-  std::lock_guard<std::mutex> lock(g_mutex);
-  raise_oom(memory_of(device), device, nbytes, stack);
+// The block size that serves a request; raises for a request no card could hold.
+size_t block_size(size_t nbytes, c10::DeviceIndex device) {
+  if (nbytes > kLargestRequest) {
+    const auto stack = memory_event_stack();
+    std::lock_guard<std::mutex> lock(g_mutex);
+    raise_oom(memory_of(device), device, nbytes, stack);
+  }
+  return g_policy.round_size(nbytes);
 }
 
 // A new segment of the card (under g_mutex).
@@ -283,10 +236,7 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t size, 
 }
 
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
-  if (nbytes > kLargestRequest) {
-    raise_request_too_large(device, nbytes);
-  }
-  const size_t size = g_policy.round_size(nbytes);
+  const size_t size = block_size(nbytes, device);
   const auto stack = memory_event_stack();
   const c10::MempoolId_t pool = allocation_pool(device);
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -309,10 +259,7 @@ void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
 }
 
 void* allocate_provisional(size_t nbytes, c10::DeviceIndex device) {
-  if (nbytes > kLargestRequest) {
-    raise_request_too_large(device, nbytes);
-  }
-  const size_t size = g_policy.round_size(nbytes);
+  const size_t size = block_size(nbytes, device);
   const c10::MempoolId_t pool = allocation_pool(device);
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
@@ -346,8 +293,7 @@ void* commit_block(void* ptr) {
     DeviceMemory& mem = memory_of(device);
     CardBlock* serving = block;
     if (!block->is_segment) {
-      // As a request made now: a cached block when one fits (the bytes move into it), else this
-      // memory becomes a new segment.
+      // As a request made now: a cached block that fits (the bytes move into it), else a new segment.
       serving = mem.card.take_cached(block->size, block->pool, g_policy);
       if (serving != nullptr) {
         std::memcpy(serving->ptr, block->ptr, block->requested);
@@ -362,11 +308,7 @@ void* commit_block(void* ptr) {
         count_segment(mem, device, block, stack);
       }
     }
-    if (serving != block) {
-      serving->provisional = false;  // `block` stays provisional: its owner drops it
-    } else {
-      block->provisional = false;
-    }
+    serving->provisional = false;  // where the bytes moved, `block` stays provisional: its owner drops it
     count_allocation(mem, device, serving, block->requested, stack);
     committed = serving->ptr;
   }

@@ -46,8 +46,6 @@ double get_memory_fraction(c10::DeviceIndex device);
 // `divisions` has one entry per roundup_power2_divisions interval (kRoundUpIntervals).
 void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions);
 int64_t capacity(c10::DeviceIndex device);
-// A size as the out-of-memory messages give it ("40.00 MiB").
-std::string format_size(uint64_t size);
 std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device);
 void* raw_alloc(size_t nbytes, c10::DeviceIndex device);
 void raw_delete(void* ptr);

@@ -8,6 +8,7 @@
 
 #include "caching_allocator.h"
 #include "devices.h"
+#include "out_of_memory.h"
 
 #include <c10/core/CPUAllocator.h>
 
