@@ -1,9 +1,9 @@
 """Turns emulation on in a process: the `supa` device, `torch.supa`, `bccl`, `torch_supa`.
 
-Follows the switching contract of the design: with a real torch_supa installed the
-emulator stands down (one log line) and registers nothing; otherwise it registers the
-device the way the real package does (rename PrivateUse1, register the device module,
-generate the tensor/module/storage helpers).
+With a real torch_supa installed the emulator stands down (one log line) and registers
+nothing, so the same code runs on real cards; otherwise it registers the device the way the
+real package does (rename PrivateUse1, register the device module, generate the
+tensor/module/storage helpers). Both: docs/configuration.md, "Switching to real hardware".
 
 The one module that registers: it imports the parts it installs, and only the entry points
 (`supa_emu._autoload`, `supa_emu.activate`, `import torch_supa`) import it. What it decides and
@@ -95,6 +95,10 @@ def _register() -> None:
     from supa_emu.distributed import register as register_bccl
 
     register_bccl()
+    if cfg.plan_simulate or cfg.plan_record is not None:
+        from supa_emu import plan
+
+        plan.install(cfg.plan_simulate, cfg.plan_record)
 
     from supa_emu import core_share
 

@@ -252,7 +252,7 @@ def test_compiled_attention_calls_the_fused_kernel():
     torch.testing.assert_close(actual.cpu(), expected, **TOLERANCE[torch.float32])
 
 
-# Measured on an NVIDIA H200 (torch 2.11.0+cu130, ../shared/fidelity/card_kernels.py, 2026-11-26):
+# Measured on an NVIDIA H200 (torch 2.11.0+cu130, tests/data/fidelity/card_kernels.py, 2026-11-26):
 # q, k, v requiring grad, causal; bytes. "default" is the card's own choice.
 H200 = {
     ("bf16", "default"): dict(kept=263168, forward_peak=8652288, backward_peak=50595328),
@@ -310,7 +310,9 @@ def test_grouped_query_attention_backward_holds_what_the_h200_holds():
         out.backward(grad)
         figures[name] = torch.supa.max_memory_allocated(device) - start
         card = measured[name]["backward_peak_over_start"]
-        assert 1.0 <= figures[name] / card < 1.01, (name, figures[name], card)
+        # The card's figure is cuDNN's kernel (the H200's default), which holds one 512-byte block
+        # beyond what the flash memory model holds; within 1% either way, as the other kernels.
+        assert abs(figures[name] / card - 1) < 0.01, (name, figures[name], card)
     assert figures["default_gqa"] > figures["default_no_gqa_16heads"]  # as on the card
 
 

@@ -195,10 +195,14 @@ def test_workspaces_are_named_in_memory_snapshots(dev):
 
 def test_graph_capture_uses_the_capture_stream_s_workspace_and_replay_takes_none(dev):
     x, _ = matrices(dev)
+    graph = torch.supa.SUPAGraph()
     with torch.supa.device(dev):
-        graph = torch.supa.SUPAGraph()
         stream = torch.supa.Stream()
-        with torch.supa.graph(graph, stream=stream):
+    # Made outside `device(dev)`: the first torch.supa.graph also makes the class's default capture
+    # stream on the device current then (as torch.cuda.graph does), and later tests capture on it.
+    capture = torch.supa.graph(graph, stream=stream)
+    with torch.supa.device(dev):
+        with capture:
             y = x @ x
         kept = torch.supa.memory_allocated(dev)
         assert any(block["frames"] and block["frames"][0]["name"].startswith("supa BLAS workspace")

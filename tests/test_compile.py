@@ -245,18 +245,39 @@ def test_compiled_allocations_are_counted_on_the_card():
 
 def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
     device = last_device()
-    a = torch.randn(1024, 1024, device=device)  # 4 MiB
+    # 10.6 MiB: from 10 MiB a request gets a segment of its own (rounded up to 2 MiB: 12 MiB), so no
+    # segment has room for a second one.
+    a = torch.randn(1664, 1664, device=device)
     compiled = torch.compile(two_matmuls)
     compiled(a)
+    # Tensors of earlier tests that only the cycle collector frees would otherwise be freed in the
+    # middle of the compiled call, and their blocks serve the products.
+    gc.collect()
     torch.supa.empty_cache()
+    # Free blocks left in split segments by earlier tests could serve the products without reserving:
+    # hold every large free block of this stream, so that each product needs a segment of its own.
+    with torch.supa.device(device):
+        stream = torch.supa.current_stream().supa_stream
+    held = [torch.empty(block["size"], dtype=torch.uint8, device=device)
+            for segment in torch.supa.memory_snapshot() if segment["device"] == device
+            and segment["stream"] == stream and segment["segment_type"] == "large"
+            for block in segment["blocks"] if block["state"] == "inactive"]
     total = torch.supa.get_device_properties(device).total_memory
-    # Room for one more 4 MiB buffer, not for the two the compiled code needs.
-    torch.supa.set_per_process_memory_fraction((torch.supa.memory_reserved(device) + 6 * MiB) / total, device)
+    # Room for one more 12 MiB segment, not for the two the compiled code needs.
+    torch.supa.set_per_process_memory_fraction((torch.supa.memory_reserved(device) + 16 * MiB) / total, device)
+    reserved = torch.supa.memory_reserved(device)
     try:
         with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
             compiled(a)
+            # Not raised: say what served the products, so that a state this test did not foresee
+            # can be named.
+            segments = [(s["stream"], s["total_size"], [(b["size"], b["state"]) for b in s["blocks"]])
+                        for s in torch.supa.memory_snapshot() if s["device"] == device]
+            pytest.fail(f"no out-of-memory error: reserved {reserved} -> "
+                        f"{torch.supa.memory_reserved(device)} bytes, segments {segments}")
     finally:
         torch.supa.set_per_process_memory_fraction(1.0, device)
+        del held
     assert torch.allclose(compiled(a), two_matmuls(a))
 
 

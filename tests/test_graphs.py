@@ -100,12 +100,14 @@ def test_graph_pools_come_from_one_counter_and_own_the_captured_blocks():
     # numbered by the same counter, so they never collide.
     assert g.pool()[1] == 0 and handle[1] == 0
     assert handle[0] > g.pool()[0] > 0
-    segments = {seg["address"]: seg for seg in torch.supa.memory_snapshot()}
+    def segment_of_block():  # blocks are slices of their segments
+        return {block["address"]: seg for seg in torch.supa.memory_snapshot() for block in seg["blocks"]}
+
+    segments = segment_of_block()
     assert tuple(segments[y.data_ptr()]["segment_pool_id"]) == g.pool()
     assert tuple(segments[x.data_ptr()]["segment_pool_id"]) == (0, 0)
     after = torch.empty(1000, device="supa")  # capture over: back to the general pool
-    assert tuple({seg["address"]: seg for seg in torch.supa.memory_snapshot()}[after.data_ptr()]
-                 ["segment_pool_id"]) == (0, 0)
+    assert tuple(segment_of_block()[after.data_ptr()]["segment_pool_id"]) == (0, 0)
 
 
 def test_reset_allows_recapture():

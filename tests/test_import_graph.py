@@ -3,8 +3,10 @@
 The graph is read from the sources with `ast`, so imports inside functions count as much as
 module-level ones (a lazy import that closes a cycle still makes each module depend on the other).
 An import of `a.b.c` is an edge to `a.b.c`; `from a.b import c` is an edge to `a.b.c` when that
-is a module, else to `a.b`. The parent packages Python runs first are not edges: a package whose
-`__init__` re-exports its submodules is a facade, and its submodules never import it back.
+is a module, else to `a.b`. Either import also runs the `__init__` of each parent package, so it
+is an edge to each parent package too, except to the importer's own parents (already running
+when it runs): a package's submodules may import each other without closing a cycle through
+their package, but a module of another package that reaches into one imports its `__init__`.
 """
 
 from __future__ import annotations
@@ -54,16 +56,24 @@ def _imported(node: ast.AST, module: str, is_package: bool, modules: dict) -> li
             for alias in node.names]
 
 
+def _parents(module: str) -> list[str]:
+    """The packages Python initialises before `module`: `a` and `a.b` for `a.b.c`."""
+    parts = module.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts))]
+
+
 def import_graph(root: pathlib.Path = ROOT) -> dict[str, dict[str, int]]:
     """{module: {imported module of the package: line of the first such import}}, without self-edges."""
     modules = _modules(root)
     graph = {}
     for module, path in modules.items():
         edges: dict[str, int] = {}
+        running = set(_parents(module))  # initialised before `module` runs
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for target in _imported(node, module, path.name == "__init__.py", modules):
-                    edges.setdefault(target, node.lineno)
+                    for imported in [p for p in _parents(target) if p not in running] + [target]:
+                        edges.setdefault(imported, node.lineno)
         edges.pop(module, None)
         graph[module] = edges
     return graph
@@ -97,6 +107,12 @@ def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
                      for a, b in zip(cycle, cycle[1:]))
 
 
+def _write(root: pathlib.Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_the_graph_resolves_every_kind_of_import(tmp_path):
     files = {
         "pkg/__init__.py": "import os\nfrom .sub import helper\n",
@@ -105,10 +121,10 @@ def test_the_graph_resolves_every_kind_of_import(tmp_path):
         "pkg/sub/mod.py": "from ..leaf import X\nimport pkg.sub.deep as d\nfrom pkg import other, leaf\n",
         "pkg/sub/deep.py": "def f():\n    from pkg.sub import helper\n",
         "pkg/other.py": "import json\n",
+        "pkg/third/__init__.py": "",
+        "pkg/third/user.py": "from pkg.sub.deep import f\nfrom ..sub import mod\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _write(tmp_path, files)
     assert import_graph(tmp_path / "pkg") == {
         "pkg": {"pkg.sub": 2},
         "pkg.leaf": {},
@@ -116,8 +132,31 @@ def test_the_graph_resolves_every_kind_of_import(tmp_path):
         "pkg.sub": {"pkg.sub.mod": 1, "pkg.leaf": 3},  # the second inside a function
         "pkg.sub.deep": {"pkg.sub": 2},  # a function's name, so its package
         "pkg.sub.mod": {"pkg.leaf": 1, "pkg.sub.deep": 2, "pkg.other": 3},
+        "pkg.third": {},
+        # Reaching into another package runs its __init__: an edge to it, on the line that reaches in.
+        "pkg.third.user": {"pkg.sub": 1, "pkg.sub.deep": 1, "pkg.sub.mod": 2},
     }
     assert find_cycle(import_graph(tmp_path / "pkg")) == ["pkg.sub", "pkg.sub.mod", "pkg.sub.deep", "pkg.sub"]
+
+
+def test_a_cycle_through_a_package_init_is_found(tmp_path):
+    # b's __init__ imports a.x lazily, and a.x reaches into b: a cycle that only __init__ edges show.
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/a/__init__.py": "",
+        "pkg/a/x.py": "from pkg.b.y import Y\n",
+        "pkg/b/__init__.py": "def load():\n    from pkg.a import x\n",
+        "pkg/b/y.py": "Y = 1\n",
+    }
+    _write(tmp_path, files)
+    assert find_cycle(import_graph(tmp_path / "pkg")) == ["pkg.a.x", "pkg.b", "pkg.a.x"]
+
+
+def test_the_collective_layer_never_imports_the_planner():
+    graph = import_graph()
+    reached = {module: target for module, edges in graph.items() if module.startswith("supa_emu.distributed")
+               for target in edges if target.startswith("supa_emu.plan")}
+    assert not reached, f"supa_emu.distributed imports the planner: {reached}"
 
 
 def test_the_graph_covers_every_supa_emu_module():

@@ -81,11 +81,12 @@ def test_one_mib_tensor_moves_allocated_by_its_size():
     assert torch.supa.memory_allocated() == before
 
 
-def test_one_kib_tensor_is_padded_and_rounded_to_1536_bytes():
+def test_one_kib_tensor_is_rounded_to_512_bytes_without_padding():
+    # As PyTorch's CUDA caching allocator: round_size adds nothing, so 1 KiB is two 512-byte units.
     stats = torch.supa.memory_stats()
     t = torch.ones(256, dtype=torch.float32, device="supa")
     after = torch.supa.memory_stats()
-    assert after["active_bytes.all.current"] - stats["active_bytes.all.current"] == 1536
+    assert after["active_bytes.all.current"] - stats["active_bytes.all.current"] == 1024
     assert after["requested_bytes.all.current"] - stats["requested_bytes.all.current"] == 1024
     del t
 
@@ -102,9 +103,9 @@ def test_empty_cache_releases_cached_blocks():
 
 
 @pytest.mark.emulation_only
-def test_a_request_reuses_the_most_recently_freed_block_of_its_size():
-    # The emulator's own policy (the real allocator picks by address): the freshest block's host
-    # memory is the likeliest to be in the CPU caches still.
+def test_freed_neighbours_merge_and_serve_the_next_request_from_the_lowest_address():
+    # As the real allocator: both blocks are slices of one 20 MiB segment; freed, they merge with
+    # the segment's free remainder, and the best fit (then lowest address) starts at `first`.
     dev = last_device()
     first, second = (torch.empty(3 * MiB + 4096, dtype=torch.uint8, device=f"supa:{dev}") for _ in range(2))
     addresses = first.data_ptr(), second.data_ptr()
@@ -112,7 +113,8 @@ def test_a_request_reuses_the_most_recently_freed_block_of_its_size():
     del first
     del second
     again = torch.empty(3 * MiB + 4096, dtype=torch.uint8, device=f"supa:{dev}")
-    assert again.data_ptr() == addresses[1]
+    assert addresses[1] == addresses[0] + 3 * MiB + 4096
+    assert again.data_ptr() == addresses[0]
     assert torch.supa.memory_reserved(dev) == reserved
 
 
@@ -330,7 +332,8 @@ def test_dumped_snapshot_opens_in_pytorch_memory_viz(tmp_path, memory_history):
 
     from torch.cuda import _memory_viz
 
-    keep = torch.empty(4096, device="supa")
+    torch.supa.empty_cache()
+    keep = torch.empty(64 * MiB, dtype=torch.uint8, device="supa")  # a segment of its own: a cudaMalloc
     _make_and_free_tensor()
     path = tmp_path / "snap.pickle"
     torch.supa.memory._dump_snapshot(str(path))
@@ -433,6 +436,8 @@ def test_max_split_size_counts_oversize_blocks_and_lets_them_serve_smaller_reque
     torch.supa._set_allocator_settings("max_split_size_mb:32")
     stats = torch.supa.memory_stats()
     assert stats["max_split_size"] == 32 * MiB
+    segments = stats["segment.all.current"]
+    allocated = torch.supa.memory_allocated()
     big = torch.empty(40 * MiB, dtype=torch.uint8, device="supa")
     stats = torch.supa.memory_stats()
     assert (stats["oversize_allocations.current"], stats["oversize_segments.current"]) == (1, 1)
@@ -440,19 +445,20 @@ def test_max_split_size_counts_oversize_blocks_and_lets_them_serve_smaller_reque
     assert torch.supa.memory_stats()["oversize_allocations.current"] == 0
     # A request below max_split_size never takes an oversize block: a new segment.
     small = torch.empty(30 * MiB, dtype=torch.uint8, device="supa")
-    assert torch.supa.memory_stats()["segment.all.current"] == 2
+    assert torch.supa.memory_stats()["segment.all.current"] == segments + 2
     # An oversize request takes a cached oversize block less than 20 MiB larger, whole.
     reused = torch.empty(35 * MiB, dtype=torch.uint8, device="supa")
     stats = torch.supa.memory_stats()
-    assert stats["segment.all.current"] == 2 and stats["oversize_allocations.current"] == 1
-    assert torch.supa.memory_allocated() == (30 * MiB + 512) + (40 * MiB + 512)
+    assert stats["segment.all.current"] == segments + 2 and stats["oversize_allocations.current"] == 1
+    assert torch.supa.memory_allocated() - allocated == 30 * MiB + 40 * MiB
     del small, reused
 
 
 @pytest.mark.emulation_only
 def test_garbage_collection_threshold_releases_the_oldest_cached_blocks(allocator_settings_restored):
-    torch.supa.set_per_process_memory_fraction(1 / 1024)
-    limit = torch.supa.get_device_properties(0).total_memory // 1024
+    # Blocks of 10 MiB or more get segments of their own size (rounded to 2 MiB).
+    torch.supa.set_per_process_memory_fraction(1 / 256)
+    limit = torch.supa.get_device_properties(0).total_memory // 256
     eighth = limit // 8 - 512
     blocks = [torch.empty(eighth, dtype=torch.uint8, device="supa") for _ in range(3)]
     addresses = [b.data_ptr() for b in blocks]
@@ -495,7 +501,7 @@ def test_fallback_kernel_scratch_is_not_the_cards():
     # A CPU kernel run for a supa op allocates its temporaries on the host, not on the card: median's
     # CPU kernel partitions a copy of its 4 MiB input, and the card holds only the one-element result,
     # as the card's figures hold an operator's results and the scratch modelled for its card kernel
-    # (docs/card_memory.md, "Kernel scratch").
+    # (docs/memory_model.md, "What an operator's kernel allocates").
     dev = last_device()
     x = torch.rand(1 << 20, device=f"supa:{dev}")  # 4 MiB
     before = torch.supa.memory_allocated(dev)
@@ -634,21 +640,50 @@ def test_custom_allocators_are_rejected_clearly():
         torch.supa.change_current_allocator(object())
 
 
-def test_caching_allocator_alloc_checks_its_stream_and_warns_it_is_not_tied_to_one():
+def segment_stream(address: int) -> int:
+    """The stream of the snapshot segment holding `address`."""
+    [stream] = [seg["stream"] for seg in torch.supa.memory_snapshot()
+                if seg["address"] <= address < seg["address"] + seg["total_size"]]
+    return stream
+
+
+def test_caching_allocator_alloc_allocates_on_its_stream_and_checks_it():
     device = last_device()
     with torch.supa.device(device):
         current = torch.supa.current_stream()
         side = torch.supa.Stream()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the current stream, as object or handle: nothing to say
-        for stream in (None, current, current.supa_stream):
-            torch.supa.caching_allocator_delete(torch.supa.caching_allocator_alloc(MiB, device, stream))
-    with pytest.warns(UserWarning, match="does not tie blocks to streams"):
-        address = torch.supa.caching_allocator_alloc(MiB, device, side)
-    torch.supa.caching_allocator_delete(address)
+    for stream in (None, current, current.supa_stream):
+        address = torch.supa.caching_allocator_alloc(MiB, device, stream)
+        assert segment_stream(address) == current.supa_stream
+        torch.supa.caching_allocator_delete(address)
+    for stream in (side, side.supa_stream):
+        address = torch.supa.caching_allocator_alloc(MiB, device, stream)
+        assert segment_stream(address) == side.supa_stream
+        torch.supa.caching_allocator_delete(address)
+    with torch.supa.device(device):  # the side stream's freed block serves the side stream again only
+        assert torch.supa.caching_allocator_alloc(MiB, device, side) == address
+        other = torch.supa.caching_allocator_alloc(MiB, device)
+        assert other != address and segment_stream(other) == current.supa_stream
+        for freed in (address, other):
+            torch.supa.caching_allocator_delete(freed)
+    with pytest.raises(TypeError, match="must be `torch.supa.Stream` or `int`"):
+        torch.supa.caching_allocator_alloc(MiB, device, "side")
     if device > 0:
         with pytest.raises(ValueError, match=f"the stream is on supa:{device}, the allocation on supa:0"):
             torch.supa.caching_allocator_alloc(MiB, 0, side)
+
+
+def test_a_block_freed_on_one_stream_serves_only_that_stream():
+    side = torch.supa.Stream()
+    with torch.supa.stream(side):
+        freed = torch.empty(3 * MiB, dtype=torch.uint8, device="supa")
+    address = freed.data_ptr()
+    del freed
+    on_default = torch.empty(3 * MiB, dtype=torch.uint8, device="supa")
+    assert on_default.data_ptr() != address and segment_stream(on_default.data_ptr()) == 0
+    with torch.supa.stream(side):
+        again = torch.empty(3 * MiB, dtype=torch.uint8, device="supa")
+    assert again.data_ptr() == address and segment_stream(address) == side.supa_stream
 
 
 def test_snapshot_checks_its_device_and_covers_every_device():

@@ -225,6 +225,35 @@ def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
         assert scratch["peak_allocated"] == out["scratch_peak"] > 1 << 20
 
 
+PROFILED_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+
+dist.init_process_group("bccl")
+t = torch.ones(8, device="supa")
+out = torch.empty(8 * dist.get_world_size(), device="supa")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    dist.all_gather_into_tensor(out, t)
+    dist.reduce_scatter_tensor(t, out)
+    dist.barrier()
+names = sorted(e.name for e in prof.events() if e.name.startswith("bccl:"))
+with open(sys.argv[1] + f".{dist.get_rank()}", "w") as f:
+    json.dump(names, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_profiled_planned_rank_names_each_collective_by_its_op(tmp_path):
+    # The trace of a planned rank names its collectives as a real rank's does (c10d's names).
+    script = tmp_path / "profiled.py"
+    script.write_text(PROFILED_SCRIPT)
+    plan([str(script), str(tmp_path / "names")], 2, tmp_path / "plan.json", "--rank", "0")
+    assert json.loads((tmp_path / "names.0").read_text()) == sorted([
+        "bccl:all_reduce", "bccl:broadcast", "bccl:_allgather_base", "bccl:_reduce_scatter_base", "bccl:barrier"])
+
+
 BOUND_MESH_SCRIPT = """
 import json, os, sys
 import torch
@@ -275,8 +304,9 @@ def test_an_out_of_memory_rank_is_a_result_with_the_failed_allocation(tmp_path, 
         entry = report["ranks"][rank]
         assert entry["oom"] and entry["capacity"] == 64 << 20
         (event,) = entry["oom_events"]
-        # Sizes as the allocator counts them: rounded up to its 512-byte blocks.
-        assert event["requested_bytes"] == event["allocated"] == (40 << 20) + 512
+        # Sizes as the allocator counts them: 40 MiB is a whole number of its 512-byte blocks, and its
+        # segment is the request rounded to 2 MiB, so nothing is added.
+        assert event["requested_bytes"] == event["allocated"] == 40 << 20
         assert event["phase"] == "unknown" and event["location"] == f"{script}:4 (<module>)"
         assert "OutOfMemoryError" in entry["failure"]["error"]
     assert (f"rank 1: out of memory asking for 40 MiB in unknown at {script}:4 (<module>), with 40 MiB allocated, "
@@ -342,7 +372,7 @@ def test_uniform_reduction_is_the_reduction_of_n_equal_copies(op, size):
     import functools
     import torch
     import torch.distributed as dist
-    from supa_emu.plan.uniform_group import _reduce_uniform
+    from supa_emu.plan.uniform_transport import reduce_uniform
 
     local = torch.tensor([1, -2, 3, 0, 7], dtype=torch.int64)
     copies = [local.clone() for _ in range(size)]
@@ -353,7 +383,7 @@ def test_uniform_reduction_is_the_reduction_of_n_equal_copies(op, size):
     else:
         expected = functools.reduce(combine[op], copies)
     result = local.clone()
-    _reduce_uniform(result, getattr(dist.ReduceOp.RedOpType, op), size)
+    reduce_uniform(result, getattr(dist.ReduceOp.RedOpType, op), size)
     assert torch.equal(result, expected)
 
 

@@ -117,7 +117,7 @@ def test_process_group_across_hosts_runs_collectives_and_rejects_mismatches(rank
         options._timeout = TIMEOUT
         group = ProcessGroupBCCL(store, rank, WORLD, options)
         try:
-            assert isinstance(group._agreement._exchange, GlooExchange)
+            assert isinstance(group._transport._agreement._exchange, GlooExchange)
             device = torch.device("supa", rank)
             x = torch.full((4,), float(rank + 1), device=device)
             group.allreduce([x]).wait()

@@ -327,7 +327,7 @@ def test_stub_classes_raise(ext, name):
 
 
 @needs_ext
-def test_table_a_has_device_kernels_only(ext):
+def test_ops_with_kernels_have_device_kernels_only(ext):
     for schema in KERNEL_OPS:
         qualname = f"deepspeed::{_name(schema)}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "PrivateUse1"), qualname

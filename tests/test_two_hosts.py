@@ -5,7 +5,8 @@ IPC, and a fresh tmpfs on /dev/shm), sharing the machine's network, so the ranks
 cannot see the other host's shared memory and bccl must carry a group that spans both hosts over
 the network, as it would between real machines. Every host starts its ranks with its own
 launcher: torchrun with --nnodes 2, or DeepSpeed's launcher with a two-entry hostfile and
---no_ssh (DeepSpeed's multi-node path without ssh; see the README for the --launcher choices).
+--no_ssh (DeepSpeed's multi-node path without ssh; docs/collectives.md, "Several hosts on one
+machine", says why the --launcher choices cannot run here).
 
 Checked: bccl collectives across the hosts and on per-host subgroups (values against plain
 arithmetic), and a ZeRO-3 job whose losses equal those of the same job on 1 host x 4 cards.

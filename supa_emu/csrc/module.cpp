@@ -122,43 +122,34 @@ py::list memory_snapshot(int device) {
     workspaces.emplace(reinterpret_cast<uintptr_t>(workspace.ptr), workspace);
   }
   py::list segments;
-  for (const auto& fields : supa::segment_snapshot(static_cast<c10::DeviceIndex>(device))) {
+  for (const auto& info : supa::segment_snapshot(static_cast<c10::DeviceIndex>(device))) {
     py::dict segment;
-    bool small = false;
-    int64_t pool_graph_id = 0;
-    int64_t pool_user_id = 0;
-    for (const auto& field : fields) {
-      if (field.first == "is_small") {
-        small = field.second != 0;
-      } else if (field.first == "pool_graph_id") {
-        pool_graph_id = field.second;
-      } else if (field.first == "pool_user_id") {
-        pool_user_id = field.second;
-      } else {
-        segment[py::str(field.first)] = field.second;
-      }
-    }
-    const int64_t allocated = segment["allocated_size"].cast<int64_t>();
-    segment["active_size"] = allocated;
-    segment["stream"] = 0;
-    segment["segment_type"] = small ? "small" : "large";
-    segment["segment_pool_id"] = pool_id(pool_graph_id, pool_user_id);
+    segment["device"] = info.device;
+    segment["address"] = info.address;
+    segment["total_size"] = info.total_size;
+    segment["allocated_size"] = info.allocated_size;
+    segment["active_size"] = info.allocated_size;
+    segment["requested_size"] = info.requested_size;
+    segment["stream"] = info.stream;
+    segment["segment_type"] = info.small ? "small" : "large";
+    segment["segment_pool_id"] = pool_id(static_cast<int64_t>(info.pool.first), static_cast<int64_t>(info.pool.second));
     segment["is_expandable"] = false;
     segment["frames"] = py::list();
-    py::dict block;
-    block["address"] = segment["address"];
-    block["size"] = segment["total_size"];
-    block["requested_size"] = segment["requested_size"];
-    block["state"] = allocated > 0 ? "active_allocated" : "inactive";
-    const auto address = static_cast<uintptr_t>(segment["address"].cast<int64_t>());
-    py::list frames = allocated > 0 ? symbolize({supa::block_stack(reinterpret_cast<void*>(address))})[0]
-                                    : py::list();
-    if (auto it = workspaces.find(address); allocated > 0 && it != workspaces.end()) {
-      frames.insert(0, workspace_frame(it->second));
-    }
-    block["frames"] = frames;
     py::list blocks;
-    blocks.append(block);
+    for (const auto& b : info.blocks) {
+      py::dict block;
+      block["address"] = b.address;
+      block["size"] = b.size;
+      block["requested_size"] = b.requested;
+      block["state"] = b.allocated ? "active_allocated" : "inactive";
+      py::list frames = b.allocated ? symbolize({supa::block_stack(reinterpret_cast<void*>(b.address))})[0]
+                                    : py::list();
+      if (auto it = workspaces.find(b.address); b.allocated && it != workspaces.end()) {
+        frames.insert(0, workspace_frame(it->second));
+      }
+      block["frames"] = frames;
+      blocks.append(block);
+    }
     segment["blocks"] = blocks;
     segments.append(segment);
   }
@@ -293,6 +284,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bccl: the flat host view of a dense contiguous supa tensor, else None");
   m.def("_copy_rows", &supa::copy_rows,
         "bccl: fill a contiguous CPU tensor with memcpy copies of another (a whole number of them)");
+  m.def("_plain_pair", &supa::plain_pair,
+        "bccl: whether an all_gather's (gather=True) or reduce_scatter's output and input are dense, "
+        "contiguous, of one device and dtype and of fitting sizes");
   m.def("_pair_operands", &supa::pair_operands,
         "bccl: flat host views of an all_gather's (gather=True) or reduce_scatter's output and input "
         "when they are dense, contiguous, of one dtype and of fitting sizes, else None");

@@ -8,14 +8,15 @@ calls its methods directly: all_reduce -> `allreduce`, all_gather_into_tensor ->
 `all_gather_single`, reduce_scatter_tensor -> `reduce_scatter_single`, the coalescing manager ->
 `*_coalesced` plus `_start_coalescing`/`_end_coalescing`, and so on. The C++ spellings
 (`_allgather_base`, `alltoall_base`, ...) are aliases, so C++ callers that go through the
-process-group trampoline land in the same code. Inside, each group owns a private gloo group and
-passes it CPU views aliasing the device tensors' host memory: no copy on the way in or out.
-What c10d reads of a backend besides the collectives (device binding, splitting, sequence
-numbers, teardown) is in c10d_backend.py.
+process-group trampoline land in the same code. Each group checks a call, describes it in one
+record and hands that to its transport (process_group.py); between real ranks the transport is a
+private gloo group working on CPU views that alias the device tensors' host memory: no copy on
+the way in or out (gloo_transport.py).
 
 `register()` installs the backend under the name "bccl" for the "supa" device with the extended
 plugin API, and makes 10 minutes (the real backend's default) the timeout a bccl group gets when
-init_process_group/new_group are not given one.
+init_process_group/new_group are not given one. `install_transport()` and `watch()` are how the
+planner (supa_emu/plan), which this package never imports, plugs its world and its recorder in.
 """
 
 import datetime
@@ -23,10 +24,11 @@ import datetime
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from supa_emu import core_share, process_state
+from supa_emu import core_share
 
-from . import c10d_backend, compile_boundary, host_memory
-from .process_group import BACKEND_NAME, DEFAULT_TIMEOUT, ProcessGroupBCCL
+from . import c10d_backend, compile_boundary, host_memory, process_group
+from .c10d_backend import DEFAULT_TIMEOUT
+from .process_group import BACKEND_NAME, ProcessGroupBCCL, Watcher, install_transport, watch
 from .signature_exchange import CollectiveMismatchError
 from .work import BCCLWork
 
@@ -36,20 +38,16 @@ __all__ = [
     "CollectiveMismatchError",
     "DEFAULT_TIMEOUT",
     "ProcessGroupBCCL",
+    "Watcher",
+    "install_transport",
     "is_registered",
     "register",
+    "watch",
 ]
 
 
 def _create_process_group(backend_options, pg_options=None) -> ProcessGroupBCCL:
-    settings = process_state.config()
-    if settings.plan_simulate or settings.plan_record is not None:
-        # The planner's world and recorder (supa_emu/plan), imported only when asked for.
-        from supa_emu.plan import rank_record, uniform_group
-
-        rank_record.start(settings.plan_record, backend_options.group_rank)
-        if settings.plan_simulate:
-            return uniform_group.create(backend_options, pg_options)
+    process_group.announce_group(backend_options.group_rank)
     core_share.at_first_group(backend_options.group_size)
     return ProcessGroupBCCL(
         backend_options.store, backend_options.group_rank, backend_options.group_size,

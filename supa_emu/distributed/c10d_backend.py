@@ -7,19 +7,18 @@ collectives and tears it down (`abort`, `shutdown`). ProcessGroupBCCL is a whole
 rather than a c10d Backend, so c10d finds all of these on the group itself: this mixin is that
 surface, kept apart from the collectives.
 
-The emulated communicator is gloo's, which connects every pair of ranks when the group is
-constructed: eager connection has nothing left to connect, and binding only checks the card.
-A split is, as ncclCommSplit is, collective over the parent group: every parent rank posts the
-ranks of the subgroup it joins (or none), all read all posts, and a split in which the posts do
-not fit together (a rank in two subgroups, a subgroup naming a rank the parent does not have)
-raises the same ValueError on every rank instead of leaving some ranks waiting for peers that
-never come. Failures NCCL reports as `DistBackendError` (use after abort, timeouts, lost peers)
+The group's transport connects every pair of ranks when the group is constructed (gloo's does):
+eager connection has nothing left to connect, and binding only checks the card. A split is, as
+ncclCommSplit is, collective over the parent group: every parent rank posts, through the
+transport, the ranks of the subgroup it joins (or none), all read all posts, and a split in
+which the posts do not fit together (a rank in two subgroups, a subgroup naming a rank the parent
+does not have) raises the same ValueError on every rank instead of leaving some ranks waiting for
+peers that never come. Failures NCCL reports as `DistBackendError` (use after abort, timeouts, lost peers)
 are raised with that type here too.
 """
 
 import copy
 import datetime
-import json
 import warnings
 from typing import List, Optional, Sequence
 
@@ -62,17 +61,14 @@ def closed_error(label: str, rank: int, how: str) -> dist.DistBackendError:
         "create a new process group to communicate again")
 
 
-class _ClosedCommunicator:
-    """Stands in for an aborted or shut-down group's gloo group and agreement step: any use raises."""
+class _ClosedTransport:
+    """Stands in for an aborted or shut-down group's transport: any use raises."""
 
     def __init__(self, error: dist.DistBackendError):
         self._error = error
 
     def __getattr__(self, name):
         raise self._error
-
-    def close(self, reason=None) -> None:
-        pass
 
 
 def check_device(device, what: str) -> torch.device:
@@ -89,8 +85,8 @@ def check_device(device, what: str) -> torch.device:
 
 
 class C10dBackend:
-    """Mixin of ProcessGroupBCCL: the backend attributes torch reads. Expects `_gloo`, `_agreement`,
-    `_label`, `_store` and `options` from the group."""
+    """Mixin of ProcessGroupBCCL: the backend attributes torch reads. Expects `_transport`, `_label`,
+    `_store` and `options` from the group."""
 
     Options = Options
 
@@ -161,7 +157,7 @@ class C10dBackend:
         self._splits += 1
         self._split_count += 1
         prefix = f"bccl/split/{self._splits}/"
-        self._agree_on_split(prefix, mine)
+        self._transport.agree_on_split(self._store, prefix, mine)
         if mine is None:
             return None
         options = copy.deepcopy(opts if opts is not None else self.options)
@@ -176,12 +172,6 @@ class C10dBackend:
         if group_desc:
             child._set_group_desc(group_desc)
         return child
-
-    def _agree_on_split(self, prefix: str, mine: Optional[List[int]]) -> None:
-        """Posts the subgroup this rank joins and raises ValueError unless all ranks' posts fit."""
-        self._store.set(f"{prefix}member/{self.rank()}", json.dumps(mine))
-        posted = [json.loads(self._store.get(f"{prefix}member/{r}")) for r in range(self.size())]
-        check_split(posted, self.size())
 
     # ---- sequence numbers -----------------------------------------------------------------------
     def _set_sequence_number_for_group(self) -> None:
@@ -204,14 +194,9 @@ class C10dBackend:
         if self._closed is not None:
             return
         self._closed = how
-        gloo, agreement = self._gloo, self._agreement
-        error = closed_error(self._label, self.rank(), how)
-        self._gloo, self._agreement = _ClosedCommunicator(error), _ClosedCommunicator(error)
-        agreement.close(error)
-        if how == "aborted":
-            gloo.abort()
-        else:
-            gloo.shutdown()
+        transport, error = self._transport, closed_error(self._label, self.rank(), how)
+        self._transport = _ClosedTransport(error)
+        transport.close(how, error)
 
     def _require_open(self) -> None:
         if self._closed is not None:

@@ -1,4 +1,4 @@
-"""Collectives bccl builds from gloo's all-to-all, and the stand-in for a collective a rank refused.
+"""Collectives the gloo transport builds from gloo's all-to-all, where gloo lacks them or runs them slowly.
 
 - all_reduce (SUM/AVG/PRODUCT/MIN/MAX) of buffers up to a few MiB: one pairwise exchange (an
   all-to-all in which every rank sends its whole buffer to every peer and nothing to itself), then
@@ -12,11 +12,8 @@
 - all_gather: one all-to-all that sends every peer a copy of the input (with 2 ranks, an exchange
   of the inputs themselves, with no send buffer), started by the native core
   (csrc/bccl/all_gather.h; host_memory.start_all_gather). Bit-exact: only placement.
-- PREMUL_SUM: each rank multiplies its own contribution by its own factor (in the tensor's dtype,
-  as NCCL does), then the ranks SUM (premultiply below; the reductions treat it as SUM).
-- stand_in: a rank that refuses a collective its peers already started (signatures.Agreement)
-  runs the same gloo operation on scratch buffers, so theirs finishes and every rank's gloo stays
-  at the same collective.
+- PREMUL_SUM: each rank's contribution was multiplied by its own factor before (in the tensor's
+  dtype, as NCCL does; collective.premultiplied), so the reductions treat it as SUM.
 
 Every rank folds the contributions in the same (rank) order, so all ranks hold bit-identical
 results. With 2 ranks they are also gloo's bits (each reduction is one commutative step), except
@@ -26,14 +23,12 @@ the last bit.
 """
 
 import datetime
-from typing import Callable, List
+from typing import List
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 
-from . import gloo_handoff, host_memory, signatures
-from .arguments import premul_factor, reduce_kind
+from . import host_memory
 from .host_memory import HostCall
 
 _RedOp = dist.ReduceOp.RedOpType
@@ -54,27 +49,6 @@ _LOCAL_REDUCTIONS = {
 # page faults); with 3 and 4 ranks, 0.3-0.85x up to 1 MiB sent per rank and 1.2-2x from 2 MiB up.
 _EXCHANGE_LIMIT_TWO_RANKS = 8 << 20
 _EXCHANGE_LIMIT_MORE_RANKS = 1 << 20
-
-
-def premultiply(contribution: torch.Tensor, op, out: torch.Tensor = None) -> torch.Tensor:
-    """`contribution` times the factor of PREMUL_SUM `op`, into `out` (a fresh host tensor if
-    None), rounded to the contribution's dtype as NCCL rounds it."""
-    factor = premul_factor(op, contribution.dtype)
-    if isinstance(factor, torch.Tensor):
-        factor = host_memory.host_view(factor).item()
-    if contribution.dtype == torch.float16:
-        factor = float(torch.tensor(factor, dtype=torch.float16))  # NCCL takes a half factor for half inputs
-    # A Python number multiplies in the dtype's compute type (float for half and bfloat16), as
-    # NCCL's premultiplication does, with one rounding to the dtype.
-    return torch.mul(contribution, factor, out=out)
-
-
-def premultiplied(contribution: torch.Tensor, op, in_place: bool) -> torch.Tensor:
-    """What a rank contributes to a reduction by `op`: a PREMUL_SUM's contribution times its factor
-    (in place for a buffer the result overwrites), any other as it is."""
-    if reduce_kind(op) != _RedOp.PREMUL_SUM:
-        return contribution
-    return premultiply(contribution, op, out=contribution if in_place else None)
 
 
 def reduces_locally(kind: _RedOp, dtype: torch.dtype) -> bool:
@@ -113,7 +87,7 @@ def _all_to_all_options(timeout: datetime.timedelta) -> dist.AllToAllOptions:
     return options
 
 
-def _exchange_splits(rank: int, size: int, numel: int) -> List[int]:
+def exchange_splits(rank: int, size: int, numel: int) -> List[int]:
     return [0 if peer == rank else numel for peer in range(size)]
 
 
@@ -132,7 +106,7 @@ def all_reduce(gloo, buffer: torch.Tensor, kind: _RedOp, call: HostCall, timeout
         _fold_in_rank_order(buffer, peers[:rank] + [own] + peers[rank:], kind)
 
     call.after(reduce)
-    splits = _exchange_splits(rank, size, numel)
+    splits = exchange_splits(rank, size, numel)
     return gloo.alltoall_base(received, send, splits, splits, _all_to_all_options(timeout))
 
 
@@ -142,41 +116,3 @@ def reduce_scatter(gloo, output: torch.Tensor, input: torch.Tensor, kind: _RedOp
     received = torch.empty_like(input)
     call.after(lambda: _fold_in_rank_order(output, list(received.view(gloo.size(), -1)), kind))
     return gloo.alltoall_base(received, input, [], [], _all_to_all_options(timeout))
-
-
-def stand_in(gloo, signature: List[int], gloo_op_for: Callable) -> None:
-    """Run, on scratch buffers, the gloo operation of the collective `signature` describes.
-
-    Only collectives that may start before all ranks agree (signatures.Agreement) ever need this;
-    their signatures name all it takes. `gloo_op_for(kind, dtype)` is the op gloo runs for a
-    reduction, as the group chose it for the peers.
-    """
-    operation, dtype, kind, root, numel_in, numel_out = signatures.decode(signature)
-    size = gloo.size()
-    exchanged = operation == "all_reduce" and all_reduce_exchanges(_RedOp(kind), dtype, numel_in, size)
-    scratch = torch.zeros((size - 1 if exchanged else 1) * numel_in, dtype=dtype)
-    if exchanged:  # the peers sent `numel_in` elements to every other rank and expect as many back
-        splits = _exchange_splits(gloo.rank(), size, numel_in)
-        work = gloo.alltoall_base(torch.empty_like(scratch), scratch, splits, splits, dist.AllToAllOptions())
-    elif operation == "all_gather_into_tensor":
-        work = host_memory.start_all_gather(gloo, torch.empty(numel_out, dtype=dtype), scratch, AllgatherOptions())
-    elif operation == "all_reduce":
-        options = dist.AllreduceOptions()
-        options.reduceOp = gloo_op_for(_RedOp(kind), dtype)
-        work = gloo.allreduce([scratch], options)
-    elif operation == "broadcast":
-        options = dist.BroadcastOptions()
-        options.rootRank = root
-        work = gloo.broadcast([scratch], options)
-    elif operation == "reduce_scatter_tensor" and reduces_locally(_RedOp(kind), dtype):
-        work = gloo.alltoall_base(torch.empty_like(scratch), scratch, [], [], dist.AllToAllOptions())
-    elif operation == "reduce_scatter_tensor":
-        options = dist.ReduceScatterOptions()
-        options.reduceOp = gloo_op_for(_RedOp(kind), dtype)
-        work = gloo._reduce_scatter_base(torch.empty(numel_out, dtype=dtype), scratch, options)
-    elif operation == "barrier":
-        work = gloo.barrier()
-    else:
-        raise AssertionError(f"bccl: {operation} never starts before all ranks agree")
-    gloo_handoff.hold([work])
-    work.wait()

@@ -13,6 +13,7 @@ interpreter starts shutting down, the works still in flight are waited for.
 import atexit
 import collections
 import ctypes
+import os
 import threading
 import time
 from typing import Deque, Iterable
@@ -58,13 +59,19 @@ def release_now(works: Iterable[dist.Work]) -> None:
     rank peaks at must not depend on thread timing (the planner compares it to the byte).
     """
     use_count = process_state.core()._work_use_count
-    deadline = time.monotonic() + _RELEASE_WAIT_S
+    deadline = None
     with _lock:
         for work in works:
-            if not any(held is work for held in _held):
+            if work not in _held:
                 continue  # not gloo's (a combined bccl work), or released already
-            while use_count(work) > 1 and time.monotonic() < deadline:  # 1: Python's (ours, the caller's)
-                time.sleep(0)
+            while use_count(work) > 1:  # 1: Python's (ours, the caller's)
+                deadline = deadline or time.monotonic() + _RELEASE_WAIT_S
+                if time.monotonic() >= deadline:
+                    break
+                # The worker lets go microseconds after completing the work: yield to it if it
+                # waits for this core. time.sleep(0) would sleep the kernel's timer slack
+                # (50 us and more) on every turn, several times per training step.
+                os.sched_yield()
             if use_count(work) == 1:
                 _held.remove(work)
         _release_finished()

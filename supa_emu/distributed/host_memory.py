@@ -3,8 +3,8 @@
 An emulated card keeps its memory in host RAM, so gloo can read and write a device tensor's bytes
 through a CPU tensor that aliases them. Everything in this package reaches device memory through
 `host_view()` and asks `is_device_tensor()` which tensors it may accept; nothing else here knows
-how the alias is made. `HostCall` gathers one call's views and stages the layouts gloo cannot
-address in place (non-contiguous tensors) through contiguous host buffers.
+how the alias is made. `HostCall` gathers one call's views and stages the layouts a transport
+cannot address in place (non-contiguous tensors) through contiguous host buffers.
 """
 
 from typing import Callable, List, Optional
@@ -22,6 +22,12 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     view is in use, since the view does not own the memory.
     """
     return process_state.core()._host_view(tensor)
+
+
+def plain_pair(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool) -> bool:
+    """Whether `output` and `input` are the plain case of plain_pair_operands, checked natively
+    (a fraction of the Python checks' cost)."""
+    return process_state.core()._plain_pair(output, input, group_size, gather)
 
 
 def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool):
@@ -65,30 +71,22 @@ def device() -> torch.device:
 
 
 class HostCall:
-    """The host side of one call: views handed to gloo, fix-ups and write-backs to run at the end."""
+    """The host side of one call: the views a transport works on, and the fix-ups and write-backs
+    that complete it (run by the work once the transport's operations are done)."""
 
     def __init__(self):
-        self.device_tensors: List[torch.Tensor] = []
-        self.access_modes: List[tuple] = []  # (read, write) per device tensor, for the sanitizer
         self._fixups: List[Callable[[], None]] = []
         self._writebacks = []
-
-    def track(self, tensor: torch.Tensor, read: bool = True, write: bool = True) -> None:
-        """Count `tensor` as an operand of this call (kept alive, its accesses reported)."""
-        self.device_tensors.append(tensor)
-        self.access_modes.append((read, write))
 
     def elementwise_view(self, tensor: torch.Tensor) -> torch.Tensor:
         """Like `view` (read and written) for operations that ignore shape (gloo's all_reduce): a
         dense contiguous tensor gets a flat view, built natively in one call."""
-        flat = process_state.core()._all_reduce_operand(tensor)
-        if flat is None:
-            return self.view(tensor)
-        self.track(tensor)
-        return flat
+        plain = process_state.core()._all_reduce_operand(tensor)
+        return self.view(tensor) if plain is None else plain
 
     def view(self, tensor: torch.Tensor, read: bool = True, write: bool = True) -> torch.Tensor:
-        self.track(tensor, read, write)
+        """A contiguous CPU view of `tensor`, or a staging buffer (filled from it if `read`,
+        written back to it at the end if `write`) where the layout is not contiguous."""
         view = host_view(tensor)
         if view.is_contiguous():
             return view
@@ -96,6 +94,14 @@ class HostCall:
         if write:
             self._writebacks.append((view, staged))
         return staged
+
+    def pair_views(self, output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool):
+        """Flat CPU views of an all_gather's (gather=True) or reduce_scatter's checked output and
+        input: built natively in one call where both are contiguous, else through `view`."""
+        plain = plain_pair_operands(output, input, group_size, gather)
+        if plain is not None:
+            return plain
+        return flat(self.view(output, read=False)), flat(self.view(input, write=False))
 
     def after(self, fixup: Callable[[], None]) -> None:
         self._fixups.append(fixup)
@@ -113,3 +119,7 @@ class HostCall:
 
         return run
 
+
+def flat(view: torch.Tensor) -> torch.Tensor:
+    """`view` (contiguous) as one dimension, without a copy (gloo wants flat buffers)."""
+    return view if view.dim() == 1 else view.view(-1)

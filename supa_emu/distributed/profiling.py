@@ -1,10 +1,10 @@
-"""bccl's collectives in profiler traces, named as c10d names NCCL's (`bccl:all_reduce`, ...).
+"""bccl's collectives in profiler traces, named as c10d names NCCL's (`bccl:all_reduce`, ...; collective.OPERATIONS).
 
 c10d's own backends open a profiler range when a collective is issued and close it when the
 collective completes, on the thread that completes it, so the trace shows the collective as an
 asynchronous event (DDP's profiling, torch's tests and trace tools look for these names). bccl
 does the same, only while a profiler is recording: the range opens when the collective has been
-handed to gloo and closes once gloo completed it, on a closing thread of its own (gloo's callback
+handed to its transport and closes once gloo completed it, on a closing thread of its own (gloo's callback
 runs inline when the work finished before the callback was attached, and would then close the
 range on the issuing thread, as if it were synchronous).
 """
@@ -16,47 +16,21 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-# ProcessGroupBCCL method (or helper) that issued the collective -> the c10d operation name.
-_TITLES = {
-    "allreduce": "all_reduce",
-    "allreduce_coalesced": "all_reduce_coalesced",
-    "reduce": "reduce",
-    "broadcast": "broadcast",
-    "allgather": "all_gather",
-    "allgather_coalesced": "all_gather_coalesced",
-    "all_gather_single": "_allgather_base",
-    "_all_gather_tensors": "_allgather_base",
-    "reduce_scatter": "reduce_scatter",
-    "_reduce_scatter_tensors": "_reduce_scatter_base",
-    "gather": "gather",
-    "scatter": "scatter",
-    "alltoall": "all_to_all",
-    "all_to_all_single": "all_to_all",
-    "barrier": "barrier",
-    "send": "send",
-    "recv": "recv",
-    "recv_anysource": "recv",
-}
 
-
-def open_range(backend: str, issuer: str) -> Optional[object]:
-    """The profiler range of a collective `issuer` just issued, or None when nothing records."""
+def record(call, parts: Sequence[dist.Work]) -> None:
+    """While a profiler records: the range of collective `call` (collective.Collective) just
+    issued, closed once every gloo part of it has completed (parts without futures, or none: at once)."""
     if not torch.autograd.profiler._is_profiler_enabled:
-        return None
-    name = _TITLES.get(issuer, issuer)
-    return torch.ops.profiler._record_function_enter_new(f"{backend}:{name}", None)
-
-
-def close_on_completion(record: object, parts: Sequence[dist.Work]) -> None:
-    """Close `record` once every gloo part has completed (parts without futures: now)."""
+        return
+    opened = torch.ops.profiler._record_function_enter_new(f"bccl:{call.operation.profiled_as}", None)
     try:
         futures = [part.get_future() for part in parts]
     except RuntimeError:
         futures = []
     if not futures:
-        _closer().put(record)
+        _closer().put(opened)
         return
-    torch.futures.collect_all(futures).then(lambda _: _closer().put(record))
+    torch.futures.collect_all(futures).then(lambda _: _closer().put(opened))
 
 
 _records: Optional["queue.SimpleQueue[object]"] = None

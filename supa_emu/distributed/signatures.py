@@ -17,26 +17,10 @@ from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 
+from . import collective
 from .signature_exchange import RING, WORDS, CollectiveMismatchError
 
-OPERATIONS = (
-    "all_reduce",
-    "all_reduce_coalesced",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_coalesced",
-    "all_gather_into_tensor_coalesced",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_tensor_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-)
+OPERATIONS = tuple(collective.OPERATIONS)  # an op's code is its position
 _OPCODE = {name: code for code, name in enumerate(OPERATIONS)}
 
 _DTYPES = (

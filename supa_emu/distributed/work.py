@@ -79,6 +79,11 @@ class BCCLWork(dist.Work):
         self._future: Optional[torch.futures.Future] = None
         self._waited = False
 
+    @property
+    def parts(self) -> List[dist.Work]:
+        """The transport's operations this work completes with (until it was waited for)."""
+        return self._parts
+
     def __del__(self):
         # Python finalises an object once: a work adopted here is freed for good when released.
         if not getattr(self, "_waited", True) and self._future is None and _orphans is not None:

@@ -5,7 +5,7 @@ Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each 
 that plays that rank of an N-card world (see supa_emu/plan/__init__.py), one after the other,
 then prints each rank's peak memory and collectives and writes the JSON report and the plot.
 With --mode shapes, operators take their results from PyTorch's shape rules instead of running
-their kernels (docs/planner_shapes.md): the same figures, at the cost of the Python program alone.
+their kernels (docs/shapes_mode.md): the same figures, at the cost of the Python program alone.
 Exit status: 0 when every planned rank ran to the end, 1 when one failed (out of memory
 included: the report says where), 2 for bad arguments.
 """
@@ -45,7 +45,7 @@ def parse(argv):
     n = args.world_size
     if n < 1:
         raise UsageError(f"--world-size {n}: a world has at least 1 rank")
-    # Rank 0 is always played, first: later ranks take the values it broadcasts (uniform_group).
+    # Rank 0 is always played, first: later ranks take the values it broadcasts (world.root_value).
     args.ranks = sorted(set(args.ranks or [n - 1]) | {0})
     outside = [r for r in args.ranks if not 0 <= r < n]
     if outside:

@@ -2,12 +2,15 @@
 (or `... VALUES -m MODULE [ARGS...]`).
 
 Started by the planner with the environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK,
-...) plus SUPA_PLAN_SIMULATE=1. It hosts the rendezvous store itself (as torchrun's agent does,
-TORCHELASTIC_USE_AGENT_STORE), so init_process_group by env:// finds a store and no peer is
-waited for; records memory and collectives from the first line of the script on; runs the
-script unchanged as __main__ (a module as `python -m` runs it); and writes this rank's record (with the failure, if the script
-failed) to RECORD as JSON. VALUES holds the small values roots broadcast, written by the first
-rank played and read by the others (see uniform_group).
+...) plus SUPA_PLAN_SIMULATE=1, under which activation installed the uniform transport for its
+bccl groups (supa_emu.plan.install). It hosts the rendezvous store itself (as torchrun's agent
+does, TORCHELASTIC_USE_AGENT_STORE), so init_process_group by env:// finds a store and no peer is
+waited for; plays its rank (world.py), gloo groups under the uniform rule too and object
+collectives flagged for the report; records memory and collectives from the first line of the
+script on; runs the script unchanged as __main__ (a module as `python -m` runs it); and writes
+this rank's record (with the failure, if the script failed) to RECORD as JSON. VALUES holds the
+small values roots broadcast, written by the first rank played and read by the others
+(world.root_value).
 
 What a planned rank cannot do fails at once with one line: starting other ranks
 (torch.multiprocessing.spawn), and holding more host tensors than the host can give it (a model
@@ -84,7 +87,7 @@ def main(argv) -> int:
     import torch.distributed as dist
 
     from supa_emu import process_state
-    from supa_emu.plan import rank_record, uniform_group, uniform_host_group
+    from supa_emu.plan import call_record, rank_record, uniform_host_group, world
 
     host_memory = process_state.config().plan_host_memory
     process_state.core()._limit_host_tensors(host_memory or _available_host_memory())
@@ -94,8 +97,9 @@ def main(argv) -> int:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, None, True, wait_for_workers=False)
     os.environ["MASTER_PORT"] = str(store.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    uniform_group.play(rank, world_size, values_path)
+    world.play(rank, world_size, values_path)
     uniform_host_group.install()
+    call_record.flag_object_collectives()
 
     failure = None
     rank_record.start(None, rank)
@@ -110,10 +114,10 @@ def main(argv) -> int:
     except BaseException as error:  # the script's failure is this rank's result
         failure = _failure(error)
         traceback.print_exc()
-    if failure is None and uniform_group.groups_created() == 0:
+    if failure is None and world.groups_created() == 0:
         failure = {"error": f"planner: {script} never initialises a process group (init_process_group, "
                             f"deepspeed.init_distributed()); there is no world to plan", "traceback": None}
-    uniform_group.save_root_values()
+    world.save_root_values()
     with open(record_path, "w") as out:
         json.dump(rank_record.record(failure), out)
     sys.stdout.flush()

@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from supa_emu import shapes
-from supa_emu.distributed import call_record
+from supa_emu import distributed, shapes
+from supa_emu.plan import call_record
 
 TIMELINE_POINTS = 600
 
@@ -35,12 +35,32 @@ _state: Optional[dict] = None
 _sections: list = []
 
 
-def start(directory: Optional[pathlib.Path], rank: int) -> None:
-    """Starts recording (once per process); with a directory, the record is written there at exit."""
+class _Recording(distributed.Watcher):
+    """Starts the record at the first bccl group (unless it started before) and counts every collective."""
+
+    def __init__(self, directory: Optional[pathlib.Path]):
+        self._directory = directory
+
+    def group_created(self, rank: int) -> None:
+        _begin(self._directory, rank)
+
+    def collective_issued(self, group, call) -> None:
+        call_record.note_call(group.size(), call)
+
+
+def start(directory: Optional[pathlib.Path], rank: Optional[int] = None) -> None:
+    """Records this process's card memory and bccl collectives: from now on, as `rank` (the
+    planner's rank process), or without a rank from the first bccl group on, as its rank (a real
+    run under SUPA_PLAN_RECORD). With a directory, the record is written there at exit."""
+    distributed.watch(_Recording(directory))
+    if rank is not None:
+        _begin(directory, rank)
+
+
+def _begin(directory: Optional[pathlib.Path], rank: int) -> None:
     global _state
     if _state is not None:
         return
-    call_record.start()
     devices = range(torch.supa.device_count())
     _state = {
         "directory": directory, "rank": rank, "started": time.time(),
@@ -56,10 +76,6 @@ def name_user_code(directories) -> None:
     """Peak locations name the innermost frame under these directories (the script's, or the
     package of a module run with -m) rather than the first frame outside PyTorch and DeepSpeed."""
     _state["user_code"] = [os.path.join(os.path.abspath(d), "") for d in directories]
-
-
-def started() -> bool:
-    return _state is not None
 
 
 def _position():

@@ -3,10 +3,10 @@
 Programs create gloo groups beside their device groups (Megatron keeps one per data-parallel
 group for checkpointing; object collectives stage on them). A real gloo group would wait for
 peer processes that a planned world does not have, so the planner's rank process builds this
-group wherever c10d would build a ProcessGroupGloo (`install`). It answers as uniform_group's
-bccl group does: a reduction is that of N copies of this rank's tensor, gathers replicate it, a
-reduce_scatter gives this rank's chunk reduced N times, a small broadcast carries the root's value
-when rank 0 was played first. Its limits: it holds no memory of the card and, as a real gloo group
+group wherever c10d would build a ProcessGroupGloo (`install`). It answers as a planned bccl
+group does (uniform_transport.py): a reduction is that of N copies of this rank's tensor, gathers
+replicate it, a reduce_scatter gives this rank's chunk reduced N times, a small broadcast carries
+the root's value when rank 0 was played first. Its limits: it holds no memory of the card and, as a real gloo group
 in a recorded run, it records no collectives; where an answer depends on values only other ranks
 hold (a scatter's or recv's data, uneven all_to_all splits) the call is flagged for the report.
 """
@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from supa_emu.distributed import call_record, composed
-from supa_emu.distributed.arguments import check_reduction, reduce_kind
 from supa_emu.distributed.c10d_backend import Options
-from supa_emu.plan import uniform_group
+from supa_emu.distributed.collective import check_reduction, premultiplied, reduce_kind
+from supa_emu.plan import call_record, uniform_transport, world
 
 
 def _done(result=None) -> dist.Work:
@@ -67,7 +66,7 @@ class UniformHostGroup(dist.ProcessGroup):
 
     def _reduce(self, tensor: torch.Tensor, op) -> None:
         check_reduction(op, tensor.dtype)
-        uniform_group._reduce_uniform(composed.premultiplied(tensor, op, in_place=True), reduce_kind(op), self.size())
+        uniform_transport.reduce_uniform(premultiplied(tensor, op, in_place=True), reduce_kind(op), self.size())
 
     # ---- collectives -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -86,7 +85,7 @@ class UniformHostGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         for tensor in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
-            value = uniform_group.root_value(self.group_name, tensor, self.rank() == opts.rootRank)
+            value = world.root_value(self.group_name, tensor, self.rank() == opts.rootRank)
             if value is not None:
                 tensor.copy_(value.reshape(tensor.shape))
         return _done(tensors)
@@ -139,12 +138,12 @@ class UniformHostGroup(dist.ProcessGroup):
         start = sum(send[:self.rank()])
         mine = input.reshape(rows, -1)[start:start + send[self.rank()]]
         receive = list(output_split_sizes) or [output.shape[0] // self.size()] * self.size()
-        uniform_group.receive_own_chunk(list(output.reshape(output.shape[0], -1).split(receive)), mine,
+        uniform_transport.receive_own_chunk(list(output.reshape(output.shape[0], -1).split(receive)), mine,
                                         "all_to_all_single")
         return _done([output])
 
     def alltoall(self, outputs, inputs, opts=None):
-        uniform_group.receive_own_chunk(outputs, inputs[self.rank()], "all_to_all")
+        uniform_transport.receive_own_chunk(outputs, inputs[self.rank()], "all_to_all")
         return _done(outputs)
 
     def barrier(self, opts=None):
@@ -174,7 +173,7 @@ class _GlooName(type):
 
 def install() -> None:
     """Makes c10d build a UniformHostGroup wherever it would build a gloo group (in this process
-    only: the planner's rank process; monkeypatch, listed in the README)."""
+    only: the planner's rank process; monkeypatch, listed in docs/pytorch_patches.md)."""
     from torch.distributed import distributed_c10d
 
     real_class = distributed_c10d.ProcessGroupGloo
@@ -185,7 +184,7 @@ def install() -> None:
         real = real_class
 
         def __new__(cls, store, rank, size, timeout=datetime.timedelta(minutes=30)):
-            uniform_group.admit(rank, size)
+            world.admit(rank, size)
             return UniformHostGroup(rank, size, timeout)
 
     distributed_c10d.ProcessGroupGloo = ProcessGroupGloo

@@ -326,12 +326,18 @@ class SupaSanitizer:
             seq = self.order.next_kernel(comm)
             for tensor, read, write in tensors:
                 self._access(tensor, comm, seq, write, f"bccl {op}", "collective buffer", stack)
+                # The group keeps its buffers from the allocator until the collective is done, as
+                # NCCL's process group does (record_stream on its stream, or tensors held by the
+                # work): a buffer freed early is not handed out again while the collective runs.
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() != 0:
+                    self.history.state_of(storage.data_ptr(), storage, current,
+                                          StorageWeakRef).recorded_streams.add(comm)
             work._supa_sanitizer_clock = (device, self.order.snapshot(comm))
 
     def written_outside_operators(self, tensors) -> None:
         # torch.supa.bccl's single-process collectives: synchronous host copies issued on no
-        # stream, which this sanitizer does not model (README: torch.supa.bccl under "What the
-        # emulator does and does not model").
+        # stream, which this sanitizer does not model (docs/collectives.md, "torch.supa.bccl").
         pass
 
     def work_waited(self, work) -> None:

@@ -46,12 +46,10 @@ def caching_allocator_alloc(size: int, device: _DeviceLike = None, stream: Any =
 
     `stream` may be a `torch.supa.Stream` or an int stream handle (default: the current stream).
     Raises TypeError for any other stream type, ValueError for a Stream of another device,
-    torch.OutOfMemoryError when the card is full. The emulator's allocator keeps one cache per
-    device, not one per stream (work runs synchronously, so no stream still uses a freed block):
-    a stream other than the device's current one is accepted with a warning that the block is
-    not tied to it (docs/real_stack.md, "Caching allocator").
+    torch.OutOfMemoryError when the card is full. As on a card, the block belongs to that stream:
+    once freed it serves later allocations made on the same stream only.
     """
-    from .streams import Stream, current_stream
+    from .streams import ExternalStream, Stream, current_stream, stream as stream_context
 
     if device is None:
         device = current_device()
@@ -68,12 +66,7 @@ def caching_allocator_alloc(size: int, device: _DeviceLike = None, stream: Any =
         raise TypeError(
             "Invalid type for stream argument, must be `torch.supa.Stream` or `int` representing a "
             "pointer to a existing stream")
-    if stream != current:
-        warnings.warn(
-            f"torch.supa.caching_allocator_alloc(stream={stream:#x}): the emulator's caching allocator "
-            "does not tie blocks to streams (one cache per device); once freed, this block can serve an "
-            "allocation on any stream", UserWarning, stacklevel=2)
-    with _device_ctx(idx):
+    with _device_ctx(idx), stream_context(ExternalStream(stream, device=idx)):
         return int(_native()._raw_alloc(int(size), idx))
 
 

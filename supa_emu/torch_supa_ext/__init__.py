@@ -2,10 +2,11 @@
 
 Served as ``torch_supa_ext`` by supa_emu's import hook when emulation is on and
 ``SUPA_EMU_EXT=1``. Importing it does what importing the real package does: registers the
-``deepspeed::`` ops with SUPA kernels (table A, here reference kernels in plain PyTorch), the
-``deepspeed::`` and ``dc::`` stubs that raise NotImplementedError (tables B and C), and
-provides the stub classes in ``torch_supa_ext.deepspeed_classes`` (table D). Registration is
-idempotent, so importing it again, or under its other name, changes nothing.
+``deepspeed::`` ops with SUPA kernels (here reference kernels in plain PyTorch), the
+``deepspeed::`` and ``dc::`` stubs that raise NotImplementedError, and provides the stub classes
+in ``torch_supa_ext.deepspeed_classes`` (the four groups of docs/real_stack.md,
+"torch_supa_ext"). Registration is idempotent, so importing it again, or under its other name,
+changes nothing.
 """
 
 from . import deepspeed, deepspeed_classes, stub_ops  # noqa: F401  (importing registers the ops)

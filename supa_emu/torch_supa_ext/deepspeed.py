@@ -1,4 +1,4 @@
-"""``torch_supa_ext.deepspeed``: registers table A, the deepspeed:: ops with SUPA kernels.
+"""``torch_supa_ext.deepspeed``: registers the deepspeed:: ops that have SUPA kernels.
 
 In the real package this is the compiled extension; importing it defines the 23 ops and their
 SUPA kernels. Here each op gets a reference kernel (plain PyTorch on the device) for the
@@ -19,7 +19,7 @@ FAKES = {**normalization.FAKES, **optimizers.FAKES, **pointwise.FAKES, **quantiz
 def _register():
     table = OpTable(DEEPSPEED_NAMESPACE, KERNEL_SCHEMAS)
     if set(KERNELS) != set(table.names) or set(FAKES) != set(table.names):
-        raise ImportError("torch_supa_ext: the reference kernels do not cover table A exactly: "
+        raise ImportError("torch_supa_ext: the reference kernels do not match the ops with SUPA kernels: "
                           f"missing {sorted(set(table.names) - set(KERNELS))}, "
                           f"extra {sorted(set(KERNELS) - set(table.names))}")
     for name in table.names:

@@ -1,4 +1,4 @@
-"""Reference kernels for the layer-norm ops of table A (layer_norm and its residual variants).
+"""Reference kernels for the layer-norm ops that have SUPA kernels: layer_norm and its residual variants.
 
 Meaning, as in DeepSpeed's inference kernels: normalise each row of the last dimension with the
 biased variance, ``(x - mean) * rsqrt(var + eps) * gamma + beta``; the residual variants first

@@ -1,4 +1,4 @@
-"""Reference kernels for the fused optimizer ops of table A: multi_tensor_adam and multi_tensor_lion.
+"""Reference kernels for the fused optimizer ops that have SUPA kernels: multi_tensor_adam and multi_tensor_lion.
 
 Meaning, as in DeepSpeed's multi-tensor CUDA kernels (one launch updates whole tensor lists):
 - Adam, mode 0 (L2): ``g += wd * p`` before the moments; mode 1 (AdamW): ``wd * p`` is added to

@@ -1,4 +1,4 @@
-"""Reference kernels for the bias, activation and residual ops of table A.
+"""Reference kernels for the bias, activation and residual ops that have SUPA kernels.
 
 Meanings follow DeepSpeed's inference and spatial kernels (math in fp32, result in the input's
 dtype, bias broadcast along the last dimension unless stated):

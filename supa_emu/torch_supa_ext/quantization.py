@@ -1,4 +1,4 @@
-"""Reference kernels for the quantization ops of table A.
+"""Reference kernels for the quantization ops that have SUPA kernels.
 
 Groups are contiguous runs of ``numel / groups`` elements in flat order. Rounding is
 round-half-to-even (the CUDA kernels' ``__float2int_rn``). Meanings follow DeepSpeed:

@@ -1,15 +1,15 @@
 """Operator schemas of torch_supa_ext 2.12.0a1: the tables the emulated package registers.
 
-The strings are the real package's schemas verbatim (facts read from its wheel, see
-/work/shared/reference/torch_supa_ext_ops.md); everything else in this package is derived
-from them, so a schema is written down exactly once.
+The strings are the real package's schemas verbatim, read from its published wheel; the four
+groups and their counts are described in docs/real_stack.md, "torch_supa_ext". Everything else
+in this package is derived from them, so a schema is written down exactly once.
 """
 
 # Namespaces as the real package names them.
 DEEPSPEED_NAMESPACE = "deepspeed"
 DC_NAMESPACE = "dc"
 
-# Table A: ops with compiled SUPA kernels (the emulator gives them reference kernels).
+# Ops with kernels: compiled SUPA kernels in the real package (reference kernels here).
 KERNEL_SCHEMAS = (
     "layer_norm(Tensor input, Tensor gamma, Tensor beta, float epsilon) -> Tensor",
     "_layer_norm_residual(Tensor input, Tensor bias, Tensor residual, Tensor gamma, Tensor beta, float epsilon) -> Tensor",
@@ -36,7 +36,7 @@ KERNEL_SCHEMAS = (
     "dequantize_int8_to_half_experimental(Tensor data_in, Tensor scale_buffer, Tensor min_val_buffer, int num_group, int group_size) -> Tensor",
 )
 
-# Table B: ops the real package registers as stubs raising NotImplementedError.
+# Stub ops: deepspeed:: ops the real package registers as stubs raising NotImplementedError.
 STUB_SCHEMAS = (
     "lamb(Tensor p, Tensor p_copy, Tensor m, Tensor v, Tensor g, float lr, float beta1, float beta2, float max_coeff, float min_coeff, float eps, float grad_scale, int step, int mode, int bias_correction, float decay) -> Tensor",
     "transformer_forward_fp32(int layer_id, Tensor input, Tensor input_mask, Tensor attn_qkvw, Tensor attn_qkvb, Tensor attn_ow, Tensor attn_ob, Tensor attn_nw, Tensor attn_nb, Tensor inter_w, Tensor inter_b, Tensor output_w, Tensor output_b, Tensor norm_w, Tensor norm_b, bool training_mode, bool prelayernorm, bool attn_dropout_checkpoint, bool normalize_invertible, bool gelu_checkpoint) -> Tensor[]",
@@ -106,7 +106,7 @@ STUB_SCHEMAS = (
     "inference_all_reduce(Tensor input) -> Tensor",
 )
 
-# Table C: DeepCompile ops, all stubs.
+# DeepCompile stubs: dc:: ops, all stubs.
 DC_STUB_SCHEMAS = (
     "allgather_param(Tensor a, int graph_id, int id) -> Tensor",
     "prefetch_params_fused(int graph_id, Tensor[] params, int[] ids) -> ()",
@@ -123,7 +123,7 @@ DC_STUB_SCHEMAS = (
     "end_backward(Tensor[] deps, int graph_id) -> ()",
 )
 
-# Table D: Python classes of torch_supa_ext.deepspeed_classes that raise on use.
+# Stub classes: Python classes of torch_supa_ext.deepspeed_classes that raise on use.
 STUB_CLASS_NAMES = ("DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "AIOHandle", "GDSHandle")
 
 EXPECTED_COUNTS = {"kernels": 23, "stubs": 66, "dc_stubs": 13, "classes": 5}

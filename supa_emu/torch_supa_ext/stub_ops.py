@@ -1,4 +1,4 @@
-"""Registers tables B and C: deepspeed:: and dc:: ops that torch_supa_ext 2.12.0a1 only stubs.
+"""Registers the deepspeed:: and dc:: ops that torch_supa_ext 2.12.0a1 only stubs.
 
 Each op gets its real schema, a fake (meta) implementation, and a CompositeExplicitAutograd
 implementation raising ``NotImplementedError("<ns>::<name> not yet implemented on SUPA")``, the

@@ -1,6 +1,6 @@
 // Unit tests of the emulated card's block policy (supa_emu/csrc/runtime/card_memory.h): request
-// rounding, no splitting or coalescing, which cached block a request reuses, garbage collection,
-// and the capacity and host-memory decisions. Plain C++ with no test framework: each case prints
+// rounding, segment sizes, best fit, splitting and whole-block hand-outs, coalescing on free,
+// per-stream reuse, oversize blocks, garbage collection, and the capacity and host-memory decisions. Plain C++ with no test framework: each case prints
 // "ok <name>" or "FAIL <name>" with the failed checks, and the exit status counts the failures.
 // Built and run by tests/test_native_allocator_policy.py.
 #include "card_memory.h"
@@ -16,6 +16,7 @@ namespace {
 using supa::BlockPolicy;
 using supa::CardBlock;
 using supa::CardMemory;
+using supa::CardSegment;
 using supa::Placement;
 using supa::PoolId;
 
@@ -45,12 +46,13 @@ bool check(bool ok, int line, const char* what) {
 // A card whose released segments are remembered (by address and size, in release order).
 struct TestCard {
   explicit TestCard(int64_t capacity, supa::Backing backing = supa::Backing::kHeap)
-      : card(0, capacity, [this](const CardBlock& b) { released.push_back({b.ptr, b.size}); }, backing) {}
+      : card(0, capacity, [this](const CardSegment& s) { released.push_back({s.ptr, s.size}); }, backing) {}
   ~TestCard() { card.release_cached(); }  // give the host memory back between cases
 
   // A new or cached block, marked allocated as the caching allocator marks it.
-  CardBlock* take(size_t size, const PoolId& pool = kGeneral, const BlockPolicy& policy = BlockPolicy()) {
-    Placement placed = card.place(size, pool, policy);
+  CardBlock* take(size_t size, const PoolId& pool = kGeneral, const BlockPolicy& policy = BlockPolicy(),
+                  int64_t stream = 0) {
+    Placement placed = card.place(size, pool, policy, stream);
     if (placed.block != nullptr) {
       placed.block->allocated = true;
     }
@@ -65,24 +67,33 @@ struct TestCard {
 
 void round_up_sizes() {
   const BlockPolicy policy;
-  CHECK(policy.round_size(0) == 512);          // 32 bytes of padding, then whole 512-byte blocks
+  CHECK(policy.round_size(0) == 512);  // whole 512-byte blocks, no padding
   CHECK(policy.round_size(1) == 512);
-  CHECK(policy.round_size(480) == 512);        // 480 + 32 fills one block exactly
-  CHECK(policy.round_size(481) == 1024);
-  CHECK(policy.round_size(1 * MiB) == 1 * MiB + 512);
+  CHECK(policy.round_size(512) == 512);
+  CHECK(policy.round_size(513) == 1024);
+  CHECK(policy.round_size(1 * MiB) == 1 * MiB);
 
   BlockPolicy divided;
   divided.divisions[0] = 4;  // [1 MiB, 2 MiB) in quarter steps of the power of two below
-  CHECK(divided.round_size(1 * MiB - 32) == 1 * MiB);              // a power of two stays
-  CHECK(divided.round_size(1 * MiB + 1 - 32) == 1 * MiB + 256 * KiB);
-  CHECK(divided.round_size(1 * MiB + 256 * KiB + 1 - 32) == 1 * MiB + 512 * KiB);
-  CHECK(divided.round_size(2 * MiB + 1 - 32) == 2 * MiB + 512);    // next interval: no divisions set
-  CHECK(divided.round_size(1000) == 1536);                          // below 1 MiB: 512-byte blocks
+  CHECK(divided.round_size(1 * MiB) == 1 * MiB);              // a power of two stays
+  CHECK(divided.round_size(1 * MiB + 1) == 1 * MiB + 256 * KiB);
+  CHECK(divided.round_size(1 * MiB + 256 * KiB + 1) == 1 * MiB + 512 * KiB);
+  CHECK(divided.round_size(2 * MiB + 1) == 2 * MiB + 512);    // next interval: no divisions set
+  CHECK(divided.round_size(1000) == 1024);                     // below 1 MiB: 512-byte blocks
 
   BlockPolicy last_interval;
   last_interval.divisions[supa::kRoundUpIntervals - 1] = 2;  // the last interval is open-ended
   const size_t huge = size_t{1} << 40;
-  CHECK(last_interval.round_size(huge + 1 - 32) == huge + huge / 2);
+  CHECK(last_interval.round_size(huge + 1) == huge + huge / 2);
+}
+
+void segment_sizes() {
+  CHECK(supa::segment_size(512) == 2 * MiB);         // small pool: 2 MiB segments
+  CHECK(supa::segment_size(1 * MiB) == 2 * MiB);     // 1 MiB is still small
+  CHECK(supa::segment_size(1 * MiB + 512) == 20 * MiB);  // large, below 10 MiB: 20 MiB segments
+  CHECK(supa::segment_size(10 * MiB - 512) == 20 * MiB);
+  CHECK(supa::segment_size(10 * MiB) == 10 * MiB);   // from 10 MiB: rounded up to 2 MiB
+  CHECK(supa::segment_size(11 * MiB) == 12 * MiB);
 }
 
 void oversize_marks() {
@@ -93,196 +104,242 @@ void oversize_marks() {
   CHECK(policy.is_oversize(2 * MiB));
 }
 
-// A request of `size` gets a new segment, not a cached block, leaving `reserved` reserved.
-void expect_new_segment(TestCard& t, size_t size, int64_t reserved) {
-  CardBlock* block = t.take(size);
-  REQUIRE(block != nullptr);
-  CHECK(!t.last.from_cache);
-  CHECK(t.card.reserved() == reserved);
-  t.card.cache(block);
-}
-
-void no_split() {
-  TestCard t(1 * MiB);
-  t.card.cache(t.take(4096));
-  expect_new_segment(t, 1024, 4096 + 1024);  // a cached block larger than the request is not split for it
-  CHECK(t.card.cached_blocks() == 2);
-}
-
-void no_coalescing() {
-  TestCard t(1 * MiB);
+void small_requests_split_a_segment() {
+  TestCard t(64 * MiB);
   CardBlock* a = t.take(512);
-  CardBlock* b = t.take(512);
+  REQUIRE(a != nullptr);
+  CHECK(t.last.segment != nullptr && t.last.segment->size == 2 * MiB && t.last.segment->small);
+  CHECK(a->size == 512 && a->small && a->is_split());
+  CHECK(t.last.inactive_split == 1 && t.last.inactive_split_bytes == int64_t(2 * MiB - 512));
+  CardBlock* b = t.take(4096);  // from the remainder, right after `a`
+  REQUIRE(b != nullptr);
+  CHECK(t.last.segment == nullptr && b->ptr == static_cast<char*>(a->ptr) + 512);
+  CHECK(t.last.inactive_split == 0 && t.last.inactive_split_bytes == -4096);
+  CHECK(t.card.reserved() == int64_t(2 * MiB) && t.card.cached_blocks() == 1);
   t.card.cache(a);
   t.card.cache(b);
-  expect_new_segment(t, 1024, 2048);  // two free 512-byte blocks do not merge to serve it
 }
 
-void reuse_most_recently_freed() {
-  TestCard t(1 * MiB);
-  CardBlock* first = t.take(2048);
-  CardBlock* second = t.take(2048);
-  CardBlock* third = t.take(2048);
-  t.card.cache(second);
-  t.card.cache(first);
-  t.card.cache(third);
-  REQUIRE(t.take(2048) == third);  // the most recently freed block of the size, then the next
-  CHECK(t.last.from_cache);
-  REQUIRE(t.take(2048) == first);
-  REQUIRE(t.take(2048) == second);
-  CHECK(t.card.reserved() == 3 * 2048);  // all served from the cache: nothing new reserved
-  t.card.cache(first);
-  t.card.cache(second);
-  t.card.cache(third);
+void large_request_whole_block_handout() {
+  TestCard t(64 * MiB);
+  CardBlock* a = t.take(19 * MiB);  // remainder 1 MiB: not more than 1 MiB, so not split
+  REQUIRE(a != nullptr);
+  CHECK(t.last.segment->size == 20 * MiB && !t.last.segment->small);
+  CHECK(a->size == 20 * MiB && !a->is_split());
+  CHECK(t.last.inactive_split == 0);
+  t.card.cache(a);
+  CardBlock* b = t.take(18 * MiB);  // remainder 2 MiB: split
+  REQUIRE(b == a);
+  CHECK(b->size == 18 * MiB && b->is_split() && t.last.inactive_split == 1);
+  CardBlock* c = t.take(2 * MiB);  // the 2 MiB remainder: handed out whole, no new segment
+  REQUIRE(c != nullptr && t.last.segment == nullptr);
+  CHECK(t.last.inactive_split == -1 && t.last.inactive_split_bytes == -int64_t(2 * MiB));
+  CHECK(t.card.reserved() == int64_t(20 * MiB));
+  t.card.cache(b);
+  t.card.cache(c);
+  CHECK(t.card.cached_blocks() == 1);
+}
+
+void small_whole_block_below_512_remainder() {
+  TestCard t(64 * MiB);
+  CardBlock* a = t.take(2 * MiB - 1024);
+  REQUIRE(a != nullptr);
+  CHECK(!a->small);  // above 1 MiB: the large pool
+  CardBlock* s = t.take(1 * MiB);
+  CardBlock* rest = t.take(1 * MiB);  // takes the segment's other half exactly
+  REQUIRE(s != nullptr && rest != nullptr);
+  CHECK(t.last.segment == nullptr && rest->size == 1 * MiB);
+  t.card.cache(s);
+  CardBlock* whole = t.take(1 * MiB - 256);  // rounds to 1 MiB: s, exactly
+  CHECK(whole == s && whole->size == 1 * MiB);
+  t.card.cache(whole);
+  t.card.cache(rest);
+  t.card.cache(a);
+}
+
+void best_fit_then_lowest_address() {
+  TestCard t(64 * MiB);
+  CardBlock* a = t.take(4096);
+  CardBlock* gap1 = t.take(1024);
+  CardBlock* b = t.take(4096);
+  CardBlock* gap2 = t.take(2048);
+  CardBlock* c = t.take(4096);
+  t.card.cache(gap2);
+  t.card.cache(gap1);
+  CardBlock* d = t.take(1024);  // the 1 KiB hole fits best, not the 2 KiB one or the remainder
+  REQUIRE(d != nullptr);
+  CHECK(d->ptr == static_cast<char*>(a->ptr) + 4096);
+  for (CardBlock* x : {a, b, c, d}) {
+    t.card.cache(x);
+  }
+  CHECK(t.card.cached_blocks() == 1);  // everything merged back into the one segment
+}
+
+void coalescing_on_free() {
+  TestCard t(64 * MiB);
+  CardBlock* a = t.take(512);
+  CardBlock* b = t.take(512);
+  CardBlock* c = t.take(512);
+  void* const start = a->ptr;
+  supa::Release r = t.card.cache(a);
+  CHECK(r.inactive_split == 1 && r.inactive_split_bytes == 512);
+  r = t.card.cache(c);  // merges with the segment's remainder
+  CHECK(r.inactive_split == 0 && r.inactive_split_bytes == 512);
+  r = t.card.cache(b);  // merges with both neighbours: the segment is whole again
+  CHECK(r.inactive_split == -2 && r.inactive_split_bytes == -int64_t(2 * MiB - 512));
+  CHECK(t.card.cached_blocks() == 1);
+  CardBlock* whole = t.take(1024);
+  REQUIRE(whole != nullptr);
+  CHECK(whole->ptr == start && t.last.segment == nullptr);
+  t.card.cache(whole);
+  t.card.release_cached();
+  CHECK(t.released.size() == 1 && t.released[0].second == 2 * MiB && t.card.reserved() == 0);
+}
+
+void split_segment_is_not_released() {
+  TestCard t(64 * MiB);
+  CardBlock* a = t.take(512);
+  t.card.release_cached();  // the segment holds an allocated block: it stays
+  CHECK(t.released.empty() && t.card.reserved() == int64_t(2 * MiB));
+  t.card.cache(a);
+  t.card.release_cached();
+  CHECK(t.released.size() == 1);
 }
 
 void reuse_only_within_pool() {
-  TestCard t(1 * MiB);
+  TestCard t(64 * MiB);
   const PoolId user{0, 1};
   CardBlock* general = t.take(2048);
   t.card.cache(general);
-  CardBlock* pooled = t.take(2048, user);  // the general pool's block is not the user pool's
-  REQUIRE(pooled != general && !t.last.from_cache && pooled->pool == user);
-  t.card.cache(pooled);
-  REQUIRE(t.take(2048) == general);
-  REQUIRE(t.take(2048, user) == pooled);
-  t.card.cache(general);
-  t.card.cache(pooled);
+  CardBlock* pooled = t.take(2048, user);  // the general pool's segment is not the user pool's
+  REQUIRE(pooled != nullptr && t.last.segment != nullptr && pooled->pool == user);
   void* const pooled_memory = pooled->ptr;
-  t.card.release_cached(&user);  // empty_cache of one pool leaves the others' blocks
+  t.card.cache(pooled);
+  t.card.release_cached(&user);  // empty_cache of one pool leaves the others' segments
   CHECK(t.released.size() == 1 && t.released[0].first == pooled_memory);
-  CHECK(t.card.cached_blocks() == 1 && t.card.reserved() == 2048);
+  CHECK(t.card.cached_blocks() == 1 && t.card.reserved() == int64_t(2 * MiB));
 }
 
-void oversize_reuse_of_larger_block() {
+void reuse_only_within_stream() {
+  TestCard t(256 * MiB);
+  const BlockPolicy policy;
+  CardBlock* on_side = t.take(3 * MiB, kGeneral, policy, 7);
+  REQUIRE(on_side != nullptr);
+  CHECK(on_side->stream == 7 && t.last.segment != nullptr && t.last.segment->stream == 7);
+  void* const side_ptr = on_side->ptr;
+  t.card.cache(on_side);
+  CardBlock* on_default = t.take(3 * MiB);  // the side stream's free segment does not serve it
+  REQUIRE(on_default != nullptr);
+  CHECK(t.last.segment != nullptr && on_default->ptr != side_ptr && on_default->stream == 0);
+  CardBlock* again = t.take(2 * MiB, kGeneral, policy, 7);  // it serves its own stream, split
+  REQUIRE(again != nullptr);
+  CHECK(t.last.segment == nullptr && again->ptr == side_ptr && again->stream == 7);
+  CHECK(again->next != nullptr && again->next->stream == 7);  // the remainder stays the stream's
+  t.card.cache(again);
+  t.card.cache(on_default);
+  t.card.release_cached();  // every stream's whole free segments go back
+  CHECK(t.card.reserved() == 0 && t.released.size() == 2);
+}
+
+void small_and_large_pools_apart() {
   TestCard t(64 * MiB);
+  CardBlock* large = t.take(3 * MiB);
+  t.card.cache(large);
+  CardBlock* small = t.take(4096);  // the free 20 MiB segment is the large pool's
+  REQUIRE(small != nullptr && t.last.segment != nullptr);
+  CHECK(t.card.reserved() == int64_t(22 * MiB));
+  t.card.cache(small);
+}
+
+void oversize_blocks() {
+  TestCard t(256 * MiB);
   BlockPolicy policy;
-  policy.max_split_size = 1 * MiB;
-  CardBlock* big = t.take(3 * MiB, kGeneral, policy);
-  REQUIRE(big != nullptr && big->oversize);
+  policy.max_split_size = 4 * MiB;
+  CardBlock* big = t.take(30 * MiB, kGeneral, policy);
+  REQUIRE(big != nullptr && big->oversize && t.last.segment->oversize);
+  CHECK(big->size == 30 * MiB);
   t.card.cache(big);
-  REQUIRE(t.take(2 * MiB, kGeneral, policy) == big);  // oversize: a larger block serves it whole
-  CHECK(t.last.from_cache);
+  REQUIRE(t.take(12 * MiB, kGeneral, policy) == big);  // oversize: served whole, not split
+  CHECK(big->size == 30 * MiB && t.last.segment == nullptr);
   t.card.cache(big);
-  CardBlock* own = t.take(2 * MiB);  // without max_split_size the request gets a block of its size
-  REQUIRE(own != nullptr && own != big);
-  CHECK(!t.last.from_cache && !own->oversize);
-  t.card.cache(own);
-  t.card.release_cached();
-  CardBlock* huge = t.take(23 * MiB, kGeneral, policy);
-  REQUIRE(huge != nullptr);
-  t.card.cache(huge);
-  CardBlock* fresh = t.take(2 * MiB, kGeneral, policy);  // 21 MiB larger: beyond kLargeBuffer
-  REQUIRE(fresh != nullptr && fresh != huge);
-  CHECK(!t.last.from_cache);
+  CardBlock* small_request = t.take(2 * MiB, kGeneral, policy);  // below max_split_size: not from it
+  REQUIRE(small_request != nullptr && small_request != big);
+  CHECK(t.last.segment != nullptr);
+  t.card.cache(small_request);
+  CardBlock* fresh = t.take(5 * MiB, kGeneral, policy);  // 25 MiB smaller: beyond kLargeBuffer
+  REQUIRE(fresh != nullptr && fresh != big);
   t.card.cache(fresh);
 }
 
 void capacity_limit() {
-  TestCard t(4096);
-  CardBlock* a = t.take(2048);
-  CardBlock* b = t.take(2048);
-  REQUIRE(a != nullptr && b != nullptr);
-  CHECK(t.card.reserved() == 4096);
-  CHECK(t.take(512) == nullptr);  // the card is full and nothing is cached: out of memory
-  CHECK(t.last.host_error == 0 && t.last.retries == 0);
+  TestCard t(4 * MiB);
+  CardBlock* a = t.take(1 * MiB);
+  CardBlock* b = t.take(1 * MiB);
+  CardBlock* c = t.take(1 * MiB);  // a second 2 MiB segment
+  REQUIRE(a != nullptr && b != nullptr && c != nullptr);
+  CHECK(t.card.reserved() == int64_t(4 * MiB));
+  CardBlock* d = t.take(1 * MiB);
+  CardBlock* e = t.take(512);  // the card is full and nothing is free: out of memory
+  CHECK(e == nullptr);
+  CHECK(t.last.host_error == 0 && t.last.retries == 1);
   CHECK(t.card.unreserved() == 0);
-  t.card.cache(a);
-  t.card.cache(b);
+  for (CardBlock* x : {a, b, c, d}) {
+    t.card.cache(x);
+  }
   t.card.set_fraction(0.5);  // set_per_process_memory_fraction
-  CHECK(t.card.limit() == 2048);
+  CHECK(t.card.limit() == int64_t(2 * MiB));
   t.card.release_cached();
   CardBlock* within = t.take(2048);
   REQUIRE(within != nullptr);
-  CHECK(t.take(512) == nullptr);
+  CHECK(t.take(2 * MiB) == nullptr);  // a 20 MiB segment does not fit 2 MiB
   t.card.cache(within);
 }
 
-void full_card_releases_cache_once() {
-  TestCard t(4096);
-  CardBlock* held = t.take(2048);
-  CardBlock* spare = t.take(1024);
+void full_card_releases_free_segments() {
+  TestCard t(22 * MiB);
+  CardBlock* held = t.take(512);
+  CardBlock* spare = t.take(3 * MiB);
   t.card.cache(spare);
-  CardBlock* fresh = t.take(2048);  // 3072 + 2048 > 4096: the cache goes back to the host first
-  REQUIRE(fresh != nullptr);
-  CHECK(!t.last.from_cache);
-  CHECK(t.last.retries == 1);
-  CHECK(t.released.size() == 1 && t.released[0].second == 1024);
-  CHECK(t.card.reserved() == 4096 && t.card.cached_blocks() == 0);
+  CardBlock* small = t.take(1 * MiB);  // fits the small segment's remainder: nothing released
+  REQUIRE(small != nullptr && t.last.retries == 0);
+  t.card.cache(small);
   t.card.cache(held);
+  CardBlock* held2 = t.take(512);
+  const PoolId user{0, 1};
+  CardBlock* fresh = t.take(3 * MiB, user);  // 22 + 20 MiB > 22 MiB: the free segments go back first
+  REQUIRE(fresh != nullptr);
+  CHECK(t.last.retries == 1);
+  CHECK(t.released.size() == 1 && t.released[0].second == 20 * MiB);
+  CHECK(t.card.reserved() == int64_t(22 * MiB));
+  t.card.cache(held2);
   t.card.cache(fresh);
 }
 
 void garbage_collection_least_recently_freed_first() {
-  TestCard t(8192);
+  TestCard t(64 * MiB);
   BlockPolicy policy;
-  policy.gc_threshold = 0.5;  // keep reserved memory at or below 4096 when it can
-  CardBlock* a = t.take(1024, kGeneral, policy);
-  CardBlock* b = t.take(1024, kGeneral, policy);
-  CardBlock* c = t.take(1024, kGeneral, policy);
+  policy.gc_threshold = 0.5;  // keep reserved memory at or below 32 MiB when it can
+  CardBlock* a = t.take(3 * MiB, kGeneral, policy);
+  CardBlock* b = t.take(512, kGeneral, policy);
   void* const first_freed = a->ptr;
   t.card.cache(a);
-  t.card.cache(c);
   t.card.cache(b);
-  CardBlock* d = t.take(2048, kGeneral, policy);  // 3072 + 2048 > 4096: release until it fits
+  CardBlock* d = t.take(15 * MiB, {0, 1}, policy);  // 22 + 16 > 32 MiB: release until it fits
   REQUIRE(d != nullptr);
   CHECK(t.last.retries == 0);
   CHECK(t.released.size() == 1 && t.released[0].first == first_freed);
-  CHECK(t.card.cached_blocks() == 2 && t.card.reserved() == 4096);
+  CHECK(t.card.reserved() == int64_t(18 * MiB));
   t.card.cache(d);
 }
 
 void host_out_of_memory() {
-  TestCard t(int64_t{1} << 62);  // the card has room; the host cannot back the block
+  TestCard t(int64_t{1} << 62);  // the card has room; the host cannot back the segment
   CardBlock* spare = t.take(512);
   t.card.cache(spare);
   CHECK(t.take(size_t{1} << 50) == nullptr);
   CHECK(t.last.host_error == ENOMEM);
-  CHECK(t.last.retries == 1);  // the cache was given back before the one retry
+  CHECK(t.last.retries == 1);  // the free segments were given back before the one retry
   CHECK(t.released.size() == 1 && t.card.reserved() == 0);
-}
-
-// An operator kernel's allocation taken from the cache and given back leaves the card as it was.
-void provisional_block_from_the_cache() {
-  TestCard t(1 * MiB);
-  CardBlock* block = t.take(2048);
-  t.card.cache(block);
-  const uint64_t age = block->freed_at;
-  REQUIRE(t.card.take_cached(2048, kGeneral, BlockPolicy()) == block);
-  CHECK(t.card.cached_blocks() == 0 && t.card.reserved() == 2048);
-  CHECK(t.card.take_cached(2048, kGeneral, BlockPolicy()) == nullptr);  // no second one; nothing new reserved
-  t.card.put_back(block);
-  CHECK(block->freed_at == age && t.card.cached_blocks() == 1 && t.card.reserved() == 2048);
-  REQUIRE(t.take(2048) == block);
-  CHECK(t.last.from_cache);
-  t.card.cache(block);
-}
-
-// Host memory of the card's backing that is not a segment yet, as a kernel's allocation gets it.
-CardBlock* unplaced_block(TestCard& t, size_t size) {
-  CardBlock* block = new CardBlock{t.card.back(size), size, 0, 0, false, kGeneral};
-  block->is_segment = false;
-  return block;
-}
-
-// Host memory a kernel wrote its result into becomes a segment as a new one would, or does not fit.
-void admitted_memory_becomes_a_segment() {
-  TestCard t(4096);
-  CardBlock* held = t.take(2048);
-  t.card.cache(t.take(1024));
-  CardBlock* result = unplaced_block(t, 2048);
-  REQUIRE(result->ptr != nullptr);
-  CHECK(t.card.reserved() == 3072);  // not the card's yet
-  int retries = 0;
-  REQUIRE(t.card.admit(result, BlockPolicy(), &retries));  // 3072 + 2048 > 4096: the cache goes back first
-  CHECK(retries == 1 && t.released.size() == 1 && t.card.reserved() == 4096 && result->is_segment);
-  CardBlock* more = unplaced_block(t, 512);
-  CHECK(!t.card.admit(more, BlockPolicy(), &retries));  // the card is full: out of memory
-  CHECK(t.card.reserved() == 4096 && !more->is_segment);
-  t.card.unback(more->ptr, more->size);
-  delete more;
-  t.card.cache(held);
-  t.card.cache(result);
 }
 
 // Shapes mode's backing: a card larger than the host, and blocks that read zeros when handed out again.
@@ -293,15 +350,22 @@ void reserved_address_space_backing() {
   CHECK(t.last.host_error == 0);
   static_cast<char*>(large->ptr)[12345] = 7;
   t.card.cache(large);
-  REQUIRE(t.take(size_t{64} << 30) == large);
-  CHECK(static_cast<char*>(large->ptr)[12345] == 0);  // its pages went back to the host when it was cached
-  CardBlock* small = t.take(1024);
-  REQUIRE(small != nullptr);
-  static_cast<char*>(small->ptr)[100] = 7;
-  t.card.cache(small);
-  REQUIRE(t.take(1024) == small);
-  CHECK(static_cast<char*>(small->ptr)[100] == 0);  // a heap block is cleared when handed out again
-  t.card.cache(small);
+  large = t.take(size_t{64} << 30);
+  REQUIRE(large != nullptr);
+  CHECK(t.last.segment == nullptr);
+  CHECK(static_cast<char*>(large->ptr)[12345] == 0);  // its pages went back to the host when it was freed
+  CardBlock* first = t.take(3 * KiB);  // the start of a small segment, ending inside its first page
+  REQUIRE(first != nullptr);
+  CardBlock* second = t.take(2 * KiB);  // shares that page
+  REQUIRE(second != nullptr && second->ptr == static_cast<char*>(first->ptr) + 3 * KiB);
+  static_cast<char*>(first->ptr)[3000] = 7;
+  static_cast<char*>(second->ptr)[100] = 9;
+  t.card.cache(first);
+  REQUIRE(t.take(3 * KiB) == first);
+  CHECK(static_cast<char*>(first->ptr)[3000] == 0);  // the partial page of a block handed out is cleared
+  CHECK(static_cast<char*>(second->ptr)[100] == 9);  // and nothing beyond the block
+  t.card.cache(first);
+  t.card.cache(second);
   t.card.cache(large);
 }
 
@@ -310,18 +374,22 @@ void reserved_address_space_backing() {
 int main() {
   const std::vector<std::pair<const char*, std::function<void()>>> cases = {
       {"round_up_sizes", round_up_sizes},
+      {"segment_sizes", segment_sizes},
       {"oversize_marks", oversize_marks},
-      {"no_split", no_split},
-      {"no_coalescing", no_coalescing},
-      {"reuse_most_recently_freed", reuse_most_recently_freed},
+      {"small_requests_split_a_segment", small_requests_split_a_segment},
+      {"large_request_whole_block_handout", large_request_whole_block_handout},
+      {"small_whole_block_below_512_remainder", small_whole_block_below_512_remainder},
+      {"best_fit_then_lowest_address", best_fit_then_lowest_address},
+      {"coalescing_on_free", coalescing_on_free},
+      {"split_segment_is_not_released", split_segment_is_not_released},
       {"reuse_only_within_pool", reuse_only_within_pool},
-      {"oversize_reuse_of_larger_block", oversize_reuse_of_larger_block},
+      {"reuse_only_within_stream", reuse_only_within_stream},
+      {"small_and_large_pools_apart", small_and_large_pools_apart},
+      {"oversize_blocks", oversize_blocks},
       {"capacity_limit", capacity_limit},
-      {"full_card_releases_cache_once", full_card_releases_cache_once},
+      {"full_card_releases_free_segments", full_card_releases_free_segments},
       {"garbage_collection_least_recently_freed_first", garbage_collection_least_recently_freed_first},
       {"host_out_of_memory", host_out_of_memory},
-      {"provisional_block_from_the_cache", provisional_block_from_the_cache},
-      {"admitted_memory_becomes_a_segment", admitted_memory_becomes_a_segment},
       {"reserved_address_space_backing", reserved_address_space_backing},
   };
   int failed_cases = 0;

@@ -224,12 +224,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&run_cpu_kernel>());
   }
   m.impl("lstm.input", lstm);
-  m.impl("_thnn_fused_lstm_cell", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&fused_lstm_cell>>());
+  m.impl("_thnn_fused_lstm_cell", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&fused_lstm_cell>>());
   m.impl("_thnn_fused_lstm_cell_backward_impl",
-         torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&fused_lstm_cell_backward>>());
-  m.impl("_thnn_fused_gru_cell", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&fused_gru_cell>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&fused_lstm_cell_backward>>());
+  m.impl("_thnn_fused_gru_cell", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&fused_gru_cell>>());
   m.impl("_thnn_fused_gru_cell_backward",
-         torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&fused_gru_cell_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&fused_gru_cell_backward>>());
 }
 
 // lstm.input is composite: a kernel at the autograd key keeps it above autograd, so the layer

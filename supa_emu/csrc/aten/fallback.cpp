@@ -1,8 +1,8 @@
 // The boxed fallback: every operator without a supa kernel of its own runs PyTorch's CPU
 // kernel on CPU views of the supa operands. Nothing is copied: inputs are viewed in place,
 // and what the CPU kernel allocates comes from the device's memory pool (see
-// DeviceOutputScope), provisionally: the results become supa tensors by relabelling their
-// memory and are then counted as the card's, in the order the operator returns them, while the
+// DeviceOutputScope), provisionally: the results become supa tensors by moving their bytes
+// onto the card, counted as the card's in the order the operator returns them, while the
 // kernel's own scratch never reaches the card's figures (a card kernel has none of it; what card
 // kernels do keep, BLAS workspaces and attention's buffers, is modelled by their operators).
 //

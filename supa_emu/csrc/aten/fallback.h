@@ -21,9 +21,9 @@ void run_cpu_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // CPU kernel because PyTorch only calls them for GPUs. In shapes mode, the op's shape rule.
 using HostKernel = void (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 void run_host_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel);
-// run_host_kernel with its kernel fixed: a boxed function to register as an op's supa kernel.
+// `kernel` as an op's boxed supa kernel (registered with makeFromBoxedFunction).
 template <HostKernel kernel>
-void host_kernel_call(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+void on_host_views(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   run_host_kernel(op, stack, kernel);
 }
 // For a kernel that allocates what the card holds itself (on supa, not through the host

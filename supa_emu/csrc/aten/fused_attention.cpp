@@ -4,7 +4,7 @@
 // Values come from PyTorch's CPU flash attention kernel (blockwise host math where it does not
 // apply: host_attention.h). Memory is the card kernel's, not the CPU kernel's: the CPU kernel
 // runs with its scratch in host memory (not card memory), and the card holds what a GPU's fused
-// kernel holds, as measured on an H200 (../shared/fidelity, docs/card_memory.md):
+// kernel holds, as measured on an H200 (tests/data/fidelity, docs/card_memory.md):
 // - forward: the output and the log-sum-exp (float32 per query row) it keeps for backward, plus
 //   the dropout seed and offset of memory-efficient attention; nothing of size L x S;
 // - backward: the gradients, and for the kernel's duration a dense copy of the output gradient
@@ -262,13 +262,13 @@ void card_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_scaled_dot_product_flash_attention_for_cpu",
-         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_forward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&flash_forward>>());
   m.impl("_scaled_dot_product_flash_attention_for_cpu_backward",
-         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&flash_backward>>());
   m.impl("_scaled_dot_product_efficient_attention",
-         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_forward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&efficient_forward>>());
   m.impl("_scaled_dot_product_efficient_attention_backward",
-         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&efficient_backward>>());
 }
 
 }  // namespace supa::fused_attention

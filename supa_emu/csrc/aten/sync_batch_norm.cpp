@@ -154,12 +154,12 @@ void backward_elemt(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("batch_norm_stats", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&channel_stats>>());
-  m.impl("batch_norm_elemt", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&normalize>>());
+  m.impl("batch_norm_stats", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&channel_stats>>());
+  m.impl("batch_norm_elemt", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&normalize>>());
   m.impl("batch_norm_gather_stats_with_counts",
-         torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&gather_stats_with_counts>>());
-  m.impl("batch_norm_backward_reduce", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&backward_reduce>>());
-  m.impl("batch_norm_backward_elemt", torch::CppFunction::makeFromBoxedFunction<&host_kernel_call<&backward_elemt>>());
+         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&gather_stats_with_counts>>());
+  m.impl("batch_norm_backward_reduce", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&backward_reduce>>());
+  m.impl("batch_norm_backward_elemt", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&backward_elemt>>());
 }
 
 }  // namespace supa

@@ -13,10 +13,10 @@
 #include "blas_workspace.h"
 
 #include "caching_allocator.h"
+#include "device_guard.h"
 #include "devices.h"
 #include "graph.h"
 
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <map>
 #include <mutex>
@@ -93,10 +93,6 @@ uintptr_t handle_locked(BlasState& s, c10::DeviceIndex device) {
     it = t_window.handles.emplace(device, take_handle(s, device)).first;
   }
   return it->second;
-}
-
-int64_t current_stream_id(c10::DeviceIndex device) {
-  return c10::impl::getDeviceGuardImpl(kSupa)->getStream(c10::Device(kSupa, device)).id();
 }
 
 // Makes sure (handle, stream, lt) has its block; allocated without the lock held, since the

@@ -3,18 +3,22 @@
 // PyTorch's CUDA caching allocator. One block table under one mutex, which the allocation path,
 // its statistics, settings and snapshots all read.
 //
-// An operator kernel's allocations are provisional: the card counts the results the operator hands
-// back (commit_block), never the kernel's own scratch (see caching_allocator.h).
-//
 // A request that does not fit its card even after the card released its cache gets
 // torch.OutOfMemoryError with the message shape of the real stack. The allocator settings
 // that change accounting act as on the real allocator: roundup_power2_divisions rounds request
 // sizes, max_split_size makes large blocks "oversize" (counted apart), and
-// garbage_collection_threshold releases the least recently freed cached blocks once reserved
-// memory passes that fraction of the card (see BlockPolicy).
+// garbage_collection_threshold releases the least recently freed whole free segments once
+// reserved memory passes that fraction of the card (see BlockPolicy). Segments, splitting and
+// merging are the card's (card_memory.h); the statistics count them as PyTorch's allocator does
+// (inactive_split for the free blocks of split segments, whole blocks in allocated_bytes).
+//
+// An operator kernel's allocations are provisional: host memory the card does not count, until
+// the operator hands a result back (commit_block), which the card then places as a request made
+// at that moment. The kernel's own scratch never reaches the card (see caching_allocator.h).
 #include "caching_allocator.h"
 
 #include "card_memory.h"
+#include "device_guard.h"
 #include "devices.h"
 #include "gpu_trace.h"
 #include "mem_pool.h"
@@ -25,8 +29,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -51,14 +55,27 @@ struct DeviceMemory {
 
 std::mutex g_mutex;
 std::vector<std::unique_ptr<DeviceMemory>> g_devices;
-std::unordered_map<void*, CardBlock*> g_blocks;  // every block that holds host memory
+std::unordered_map<void*, CardBlock*> g_blocks;  // the allocated blocks, by address
+
+// An operator kernel's allocation not yet handed back as a result: host memory of its rounded size.
+struct ProvisionalBlock {
+  size_t size;
+  size_t requested;
+  c10::DeviceIndex device;
+};
+std::unordered_map<void*, ProvisionalBlock> g_provisional;
 BlockPolicy g_policy;  // `_set_allocator_settings`
 
-void update(StatArray& stat, size_t size, bool increase) {
-  const size_t pool = size < kSmallSize ? 1 : 2;
+// A statistic moves in "all" and in the pool (small or large) of the block or segment.
+void update(StatArray& stat, bool small, int64_t amount) {
+  const size_t pool = small ? 1 : 2;
   for (size_t i : {size_t{0}, pool}) {
-    increase ? stat[i].increase(size) : stat[i].decrease(size);
+    amount >= 0 ? stat[i].increase(static_cast<size_t>(amount)) : stat[i].decrease(static_cast<size_t>(-amount));
   }
+}
+
+void update(StatArray& stat, bool small, size_t size, bool increase) {
+  update(stat, small, increase ? static_cast<int64_t>(size) : -static_cast<int64_t>(size));
 }
 
 DeviceMemory& memory_of(c10::DeviceIndex device) {
@@ -67,31 +84,35 @@ DeviceMemory& memory_of(c10::DeviceIndex device) {
 }
 
 // Count statistics (allocation, segment, active) move by one per block.
-void count_block(StatArray& stat, size_t size, bool increase) {
-  const size_t pool = size < kSmallSize ? 1 : 2;
-  for (size_t i : {size_t{0}, pool}) {
-    increase ? stat[i].increase(1) : stat[i].decrease(1);
-  }
+void count_block(StatArray& stat, bool small, bool increase) {
+  update(stat, small, increase ? 1 : -1);
+}
+
+// The free blocks of split segments ("inactive_split"), as the card reports their change.
+void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t bytes) {
+  update(stats.inactive_split, small, blocks);
+  update(stats.inactive_split_bytes, small, bytes);
 }
 
 // A segment the card gives back to the host (called by the card, under g_mutex).
-void segment_released(DeviceMemory& mem, const CardBlock& block) {
-  record_memory_event("segment_free", static_cast<c10::DeviceIndex>(block.device), block.ptr, block.size, nullptr);
-  count_block(mem.stats.segment, block.size, false);
-  update(mem.stats.reserved_bytes, block.size, false);
-  if (block.oversize) {
+void segment_released(DeviceMemory& mem, const CardSegment& segment) {
+  record_memory_event("segment_free", static_cast<c10::DeviceIndex>(segment.device), segment.ptr, segment.size,
+                      nullptr);
+  count_block(mem.stats.segment, segment.small, false);
+  update(mem.stats.reserved_bytes, segment.small, segment.size, false);
+  if (segment.oversize) {
     mem.stats.oversize_segments.decrease(1);
   }
   mem.stats.num_device_free++;
-  g_blocks.erase(block.ptr);
 }
 
 DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing)
-    : card(device, capacity, [this](const CardBlock& block) { segment_released(*this, block); }, backing) {}
+    : card(device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }, backing) {}
+
+using Stack = std::shared_ptr<torch::CapturedTraceback>;
 
 // `stack`: the request's, kept with the history's "oom" event (the planner reports where it failed).
-[[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size,
-                            const std::shared_ptr<torch::CapturedTraceback>& stack) {
+[[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, const Stack& stack) {
   mem.stats.num_ooms++;
   record_memory_event("oom", device, nullptr, size, stack);
   throw_card_oom(mem.card, device, size, mem.stats.allocated_bytes[0].current);
@@ -121,23 +142,15 @@ void report_block(void* ptr, bool allocated) {
 }
 
 // A provisional block freed before its operator handed it back (the kernel's scratch): back to the
-// host, or to the cache it was taken from; the card's figures never saw it. False for other blocks.
+// host; the card never saw it. False for other blocks.
 bool drop_provisional(void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_blocks.find(ptr);
-  if (it == g_blocks.end() || !it->second->provisional) {
+  auto it = g_provisional.find(ptr);
+  if (it == g_provisional.end()) {
     return false;
   }
-  CardBlock* block = it->second;
-  CardMemory& card = g_devices.at(block->device)->card;
-  block->provisional = false;
-  if (block->is_segment) {
-    card.put_back(block);
-  } else {
-    g_blocks.erase(it);
-    card.unback(block->ptr, block->size);
-    delete block;
-  }
+  unback(ptr, it->second.size, memory_of(it->second.device).card.backing());
+  g_provisional.erase(it);
   return true;
 }
 
@@ -154,18 +167,21 @@ void free_block(void* ptr) {
   auto it = g_blocks.find(ptr);
   TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: freeing unknown device pointer");
   CardBlock* block = it->second;
+  g_blocks.erase(it);
   DeviceMemory& mem = *g_devices.at(block->device);
   const auto device = static_cast<c10::DeviceIndex>(block->device);
-  count_block(mem.stats.allocation, block->size, false);
-  count_block(mem.stats.active, block->size, false);
-  update(mem.stats.allocated_bytes, block->size, false);
-  update(mem.stats.active_bytes, block->size, false);
-  update(mem.stats.requested_bytes, block->requested, false);
+  const bool small = block->small;
+  count_block(mem.stats.allocation, small, false);
+  count_block(mem.stats.active, small, false);
+  update(mem.stats.allocated_bytes, small, block->size, false);
+  update(mem.stats.active_bytes, small, block->size, false);
+  update(mem.stats.requested_bytes, small, block->requested, false);
   if (block->oversize) {
     mem.stats.oversize_allocations.decrease(1);
   }
   const size_t size = block->size;
-  mem.card.cache(block);
+  const Release changed = mem.card.cache(block);  // may merge `block` away
+  count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
   record_memory_event("free_requested", device, ptr, size, stack);
   record_memory_event("free_completed", device, ptr, size, stack);
 }
@@ -178,8 +194,6 @@ void delete_device_ptr(void* ptr) {
 
 namespace {
 
-using Stack = std::shared_ptr<torch::CapturedTraceback>;
-
 // The block size that serves a request; raises for a request no card could hold.
 size_t block_size(size_t nbytes, c10::DeviceIndex device) {
   if (nbytes > kLargestRequest) {
@@ -190,38 +204,11 @@ size_t block_size(size_t nbytes, c10::DeviceIndex device) {
   return g_policy.round_size(nbytes);
 }
 
-// A new segment of the card (under g_mutex).
-void count_segment(DeviceMemory& mem, c10::DeviceIndex device, CardBlock* block, const Stack& stack) {
-  g_blocks[block->ptr] = block;
-  record_memory_event("segment_alloc", device, block->ptr, block->size, stack);
-  mem.stats.num_device_alloc++;
-  count_block(mem.stats.segment, block->size, true);
-  update(mem.stats.reserved_bytes, block->size, true);
-  if (block->oversize) {
-    mem.stats.oversize_segments.increase(1);
-  }
-}
-
-// A block handed out for a request of `nbytes` (under g_mutex).
-void count_allocation(DeviceMemory& mem, c10::DeviceIndex device, CardBlock* block, size_t nbytes,
-                      const Stack& stack) {
-  block->allocated = true;
-  block->requested = nbytes;
-  count_block(mem.stats.allocation, block->size, true);
-  count_block(mem.stats.active, block->size, true);
-  update(mem.stats.allocated_bytes, block->size, true);
-  update(mem.stats.active_bytes, block->size, true);
-  update(mem.stats.requested_bytes, nbytes, true);
-  if (block->oversize) {
-    mem.stats.oversize_allocations.increase(1);
-  }
-  record_memory_event("alloc", device, block->ptr, block->size, stack);
-}
-
-// The block that serves a request (under g_mutex): cached, or a new segment; raises when none fits.
-CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t size, const c10::MempoolId_t& pool,
-                       const Stack& stack) {
-  const Placement placed = mem.card.place(size, pool, g_policy);
+// A block for a request of `nbytes` on the current stream, counted as allocated (under g_mutex).
+CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes, const c10::MempoolId_t& pool,
+                       c10::StreamId stream, const Stack& stack) {
+  const size_t size = g_policy.round_size(nbytes);
+  const Placement placed = mem.card.place(size, pool, g_policy, stream);
   mem.stats.num_alloc_retries += placed.retries;
   if (placed.block == nullptr) {
     if (placed.host_error != 0) {
@@ -229,21 +216,40 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t size, 
     }
     raise_oom(mem, device, size, stack);
   }
-  if (!placed.from_cache) {
-    count_segment(mem, device, placed.block, stack);
+  CardBlock* block = placed.block;
+  const bool small = block->small;
+  if (const CardSegment* segment = placed.segment) {
+    record_memory_event("segment_alloc", device, segment->ptr, segment->size, stack);
+    mem.stats.num_device_alloc++;
+    count_block(mem.stats.segment, small, true);
+    update(mem.stats.reserved_bytes, small, segment->size, true);
+    if (segment->oversize) {
+      mem.stats.oversize_segments.increase(1);
+    }
   }
-  return placed.block;
+  count_inactive_split(mem.stats, small, placed.inactive_split, placed.inactive_split_bytes);
+  g_blocks.emplace(block->ptr, block);
+  block->allocated = true;
+  block->requested = nbytes;
+  count_block(mem.stats.allocation, small, true);
+  count_block(mem.stats.active, small, true);
+  update(mem.stats.allocated_bytes, small, block->size, true);
+  update(mem.stats.active_bytes, small, block->size, true);
+  update(mem.stats.requested_bytes, small, nbytes, true);
+  if (block->oversize) {
+    mem.stats.oversize_allocations.increase(1);
+  }
+  record_memory_event("alloc", device, block->ptr, block->size, stack);
+  return block;
 }
 
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
-  const size_t size = block_size(nbytes, device);
+  block_size(nbytes, device);
   const auto stack = memory_event_stack();
   const c10::MempoolId_t pool = allocation_pool(device);
+  const c10::StreamId stream = current_stream_id(device);
   std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceMemory& mem = memory_of(device);
-  CardBlock* block = place_block(mem, device, size, pool, stack);
-  count_allocation(mem, device, block, nbytes, stack);
-  return block->ptr;
+  return place_block(memory_of(device), device, nbytes, pool, stream, stack)->ptr;
 }
 
 }  // namespace
@@ -260,57 +266,39 @@ void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
 
 void* allocate_provisional(size_t nbytes, c10::DeviceIndex device) {
   const size_t size = block_size(nbytes, device);
-  const c10::MempoolId_t pool = allocation_pool(device);
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
-  CardBlock* block = mem.card.take_cached(size, pool, g_policy);
-  if (block == nullptr) {
-    void* ptr = mem.card.back(size);
-    if (ptr == nullptr) {
-      raise_host_oom(mem, device, size, errno);
-    }
-    block = new CardBlock{ptr, size, 0, static_cast<int>(device), false, pool};
-    block->is_segment = false;
-    g_blocks.emplace(ptr, block);
+  void* ptr = back(size, mem.card.backing());
+  if (ptr == nullptr) {
+    raise_host_oom(mem, device, size, errno);
   }
-  block->provisional = true;
-  block->requested = nbytes;
-  return block->ptr;
+  g_provisional.emplace(ptr, ProvisionalBlock{size, nbytes, device});
+  return ptr;
 }
 
 void* commit_block(void* ptr) {
+  c10::DeviceIndex device = -1;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_provisional.find(ptr);
+    if (it == g_provisional.end()) {
+      return ptr;
+    }
+    device = it->second.device;
+  }
   const auto stack = memory_event_stack();
+  const c10::MempoolId_t pool = allocation_pool(device);
+  const c10::StreamId stream = current_stream_id(device);
   void* committed = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_blocks.find(ptr);
-    TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: committing unknown device pointer");
-    CardBlock* block = it->second;
-    if (!block->provisional) {
-      return ptr;
-    }
-    const auto device = static_cast<c10::DeviceIndex>(block->device);
+    auto it = g_provisional.find(ptr);
+    const ProvisionalBlock provisional = it->second;
     DeviceMemory& mem = memory_of(device);
-    CardBlock* serving = block;
-    if (!block->is_segment) {
-      // As a request made now: a cached block that fits (the bytes move into it), else a new segment.
-      serving = mem.card.take_cached(block->size, block->pool, g_policy);
-      if (serving != nullptr) {
-        std::memcpy(serving->ptr, block->ptr, block->requested);
-      } else {
-        int retries = 0;
-        const bool fits = mem.card.admit(block, g_policy, &retries);
-        mem.stats.num_alloc_retries += retries;
-        if (!fits) {
-          raise_oom(mem, device, block->size, stack);
-        }
-        serving = block;
-        count_segment(mem, device, block, stack);
-      }
-    }
-    serving->provisional = false;  // where the bytes moved, `block` stays provisional: its owner drops it
-    count_allocation(mem, device, serving, block->requested, stack);
-    committed = serving->ptr;
+    committed = place_block(mem, device, provisional.requested, pool, stream, stack)->ptr;
+    std::memcpy(committed, ptr, provisional.requested);
+    unback(ptr, provisional.size, mem.card.backing());
+    g_provisional.erase(it);
   }
   report_block(committed, true);
   return committed;
@@ -404,19 +392,43 @@ c10::DeviceAllocator* device_allocator() {
   return &g_device_allocator;
 }
 
+namespace {
+
+// The segment of any card that holds `ptr` (under g_mutex).
+const CardSegment* segment_of(const void* ptr) {
+  for (const auto& mem : g_devices) {
+    if (const CardSegment* segment = mem->card.segment_of(ptr)) {
+      return segment;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 c10::DeviceIndex device_of_ptr(const void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_blocks.find(const_cast<void*>(ptr));
-  return it == g_blocks.end() ? -1 : static_cast<c10::DeviceIndex>(it->second->device);
+  if (auto it = g_blocks.find(const_cast<void*>(ptr)); it != g_blocks.end()) {
+    return static_cast<c10::DeviceIndex>(it->second->device);
+  }
+  if (auto it = g_provisional.find(const_cast<void*>(ptr)); it != g_provisional.end()) {
+    return it->second.device;
+  }
+  const CardSegment* segment = segment_of(ptr);
+  return segment == nullptr ? -1 : static_cast<c10::DeviceIndex>(segment->device);
 }
 
 std::optional<LiveBlock> live_block(const void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_blocks.find(const_cast<void*>(ptr));
-  if (it == g_blocks.end()) {
-    return std::nullopt;
+  if (auto it = g_blocks.find(const_cast<void*>(ptr)); it != g_blocks.end()) {
+    return LiveBlock{true, it->second->requested};
   }
-  return LiveBlock{it->second->allocated, it->second->requested};
+  // Not the start of an allocated block: inside a segment, it is memory that was freed (or a
+  // pointer into the middle of a block, which no storage starts at).
+  if (segment_of(ptr) != nullptr) {
+    return LiveBlock{false, 0};
+  }
+  return std::nullopt;
 }
 
 void set_memory_fraction(double fraction, c10::DeviceIndex device) {
@@ -450,22 +462,25 @@ int64_t capacity(c10::DeviceIndex device) {
   return memory_of(device).card.capacity();
 }
 
-std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device) {
+std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  std::vector<std::vector<std::pair<std::string, int64_t>>> out;
-  for (const auto& entry : g_blocks) {
-    const CardBlock* b = entry.second;
-    if (!b->is_segment || (device >= 0 && b->device != device)) {
-      continue;
+  std::vector<SegmentInfo> out;
+  for (const auto& mem : g_devices) {
+    for (const auto& entry : mem->card.segments()) {
+      const CardSegment& segment = *entry.second;
+      if (device >= 0 && segment.device != device) {
+        continue;
+      }
+      SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, segment.small, segment.pool, segment.stream, {}};
+      for (const CardBlock* b : mem->card.blocks_of(segment)) {
+        info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, b->allocated});
+        if (b->allocated) {
+          info.allocated_size += b->size;
+          info.requested_size += b->requested;
+        }
+      }
+      out.push_back(std::move(info));
     }
-    out.push_back({{"device", b->device},
-                   {"address", static_cast<int64_t>(reinterpret_cast<uintptr_t>(b->ptr))},
-                   {"total_size", static_cast<int64_t>(b->size)},
-                   {"allocated_size", b->allocated ? static_cast<int64_t>(b->size) : 0},
-                   {"requested_size", b->allocated ? static_cast<int64_t>(b->requested) : 0},
-                   {"is_small", b->size < kSmallSize ? 1 : 0},
-                   {"pool_graph_id", static_cast<int64_t>(b->pool.first)},
-                   {"pool_user_id", static_cast<int64_t>(b->pool.second)}});
   }
   return out;
 }

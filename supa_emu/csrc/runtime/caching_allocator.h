@@ -20,14 +20,14 @@ c10::DeviceAllocator* device_allocator();
 // A block of `device`'s pool (counted as allocated) and the deleter that gives it back.
 void* allocate_block(size_t nbytes, c10::DeviceIndex device);
 void free_block(void* ptr);
-// An operator kernel's allocation on `device`: card memory that the card does not count until
+// An operator kernel's allocation on `device`: host memory that the card does not count until
 // commit_block() (a result the operator hands back); freed before that (the kernel's own
 // scratch) it leaves the card's statistics, history and cache as they were. Only the results of
-// an operator thus reach the card's figures, allocated in the order they are committed.
+// an operator thus reach the card's figures, placed in the order they are committed.
 void* allocate_provisional(size_t nbytes, c10::DeviceIndex device);
-// Counts a provisional block as allocated now (a no-op for a block already counted) and returns
-// the block that holds its bytes: the same one, or, when the card serves the request from a
-// cached block, that block with the bytes copied into it (the caller then drops `ptr`).
+// Places a provisional block on the card as a request made now, moves its bytes there and gives
+// the provisional memory back (the caller drops `ptr` without freeing it); returns the card's
+// block. A pointer that is not provisional comes back unchanged.
 void* commit_block(void* ptr);
 void delete_device_ptr(void* ptr);  // free_block, accepting nullptr
 // From now on block hand-outs and returns reach the GPU trace (when it is on).
@@ -46,7 +46,26 @@ double get_memory_fraction(c10::DeviceIndex device);
 // `divisions` has one entry per roundup_power2_divisions interval (kRoundUpIntervals).
 void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions);
 int64_t capacity(c10::DeviceIndex device);
-std::vector<std::vector<std::pair<std::string, int64_t>>> segment_snapshot(c10::DeviceIndex device);
+// A segment and its blocks in address order, for torch.supa.memory._snapshot().
+struct BlockInfo {
+  uintptr_t address;
+  size_t size;
+  size_t requested;  // 0 unless allocated
+  bool allocated;
+};
+struct SegmentInfo {
+  int device;
+  uintptr_t address;
+  size_t total_size;
+  size_t allocated_size;
+  size_t requested_size;
+  bool small;
+  std::pair<unsigned long long, unsigned long long> pool;  // (graph pool, user pool)
+  int64_t stream;  // the stream whose requests its blocks serve
+  std::vector<BlockInfo> blocks;
+};
+// The segments of `device` (every device's when it is negative), by device and address.
+std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device);
 void* raw_alloc(size_t nbytes, c10::DeviceIndex device);
 void raw_delete(void* ptr);
 // Grow or shrink a supa storage in place (keeps the common prefix of the bytes).

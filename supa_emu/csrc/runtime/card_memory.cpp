@@ -2,6 +2,7 @@
 #include "card_memory.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -31,20 +32,78 @@ size_t round_to_division(size_t size, size_t divisions) {
 }  // namespace
 
 size_t BlockPolicy::round_size(size_t nbytes) const {
-  const size_t padded = nbytes + kPadding;
+  if (nbytes < kMinBlockSize) {
+    return kMinBlockSize;
+  }
   size_t interval = 0;
-  while (interval + 1 < kRoundUpIntervals && (kRoundUpStart << (interval + 1)) <= padded) {
+  while (interval + 1 < kRoundUpIntervals && (kRoundUpStart << (interval + 1)) <= nbytes) {
     ++interval;
   }
   const size_t steps = divisions[interval];
-  if (steps > 1 && padded > kMinBlockSize * steps) {
-    return round_to_division(padded, steps);
+  if (steps > 1 && nbytes > kMinBlockSize * steps) {
+    return round_to_division(nbytes, steps);
   }
-  return ((padded + kMinBlockSize - 1) / kMinBlockSize) * kMinBlockSize;
+  return ((nbytes + kMinBlockSize - 1) / kMinBlockSize) * kMinBlockSize;
 }
 
 bool BlockPolicy::is_oversize(size_t size) const {
   return max_split_size >= 0 && size >= static_cast<size_t>(max_split_size);
+}
+
+bool BlockPolicy::may_serve(size_t block_size, size_t size) const {
+  if (max_split_size < 0) {
+    return true;
+  }
+  if (!is_oversize(size)) {
+    return !is_oversize(block_size);  // no oversize block for a request below max_split_size
+  }
+  return block_size < size + kLargeBuffer;  // an oversize one only a little larger than the request
+}
+
+size_t segment_size(size_t size) {
+  if (size <= kSmallSize) {
+    return kSmallBuffer;
+  }
+  if (size < kMinLargeAlloc) {
+    return kLargeBuffer;
+  }
+  return ((size + kRoundLarge - 1) / kRoundLarge) * kRoundLarge;
+}
+
+namespace {
+
+bool lazily_backed(size_t size, Backing backing) {
+  return backing == Backing::kReservedAddressSpace && size >= kReservedBackingMin;
+}
+
+uintptr_t page_size() {
+  static const auto size = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+}  // namespace
+
+void* back(size_t size, Backing backing) {
+  if (lazily_backed(size, backing)) {
+    // MAP_NORESERVE: not counted against the host's commit limit, so a card larger than the host
+    // can be planned; pages cost host RAM only once written.
+    void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return ptr == MAP_FAILED ? nullptr : ptr;
+  }
+  void* ptr = nullptr;
+  if (const int error = posix_memalign(&ptr, kSegmentAlignment, size); error != 0) {
+    errno = error;
+    return nullptr;
+  }
+  return ptr;
+}
+
+void unback(void* ptr, size_t size, Backing backing) {
+  if (lazily_backed(size, backing)) {
+    munmap(ptr, size);
+  } else {
+    std::free(ptr);
+  }
 }
 
 CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing)
@@ -58,176 +117,279 @@ int64_t CardMemory::unreserved() const {
   return std::max<int64_t>(0, capacity_ - reserved_);
 }
 
-// Of the request's size, the most recently freed block, whose memory is the likeliest to be in
-// the CPU's caches still (taking the oldest made a convolution on supa 10% slower than on CPU
-// tensors, where malloc hands back the freshest memory).
-std::multimap<size_t, CardBlock*>::iterator CardMemory::find_cached(size_t size, const PoolId& pool,
-                                                                   const BlockPolicy& policy) {
-  const auto [same_size, larger] = cached_.equal_range(size);
-  for (auto it = larger; it != same_size;) {
-    if ((--it)->second->pool == pool) {
-      return it;
-    }
+size_t CardMemory::cached_blocks() const {
+  size_t n = 0;
+  for (const auto& entry : free_) {
+    n += entry.second.size();
   }
-  if (policy.is_oversize(size)) {
-    for (auto it = larger; it != cached_.end() && it->first < size + kLargeBuffer; ++it) {
-      if (it->second->pool == pool) {
-        return it;
-      }
-    }
-  }
-  return cached_.end();
+  return n;
 }
 
-bool CardMemory::lazily_backed(size_t size) const {
-  return backing_ == Backing::kReservedAddressSpace && size >= kReservedBackingMin;
-}
-
-void* CardMemory::back(size_t size) {
-  if (lazily_backed(size)) {
-    // MAP_NORESERVE: not counted against the host's commit limit, so a card larger than the host
-    // can be planned; pages cost host RAM only once written.
-    void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    return ptr == MAP_FAILED ? nullptr : ptr;
-  }
-  void* ptr = nullptr;
-  if (const int error = posix_memalign(&ptr, kMemoryAlignment, size); error != 0) {
-    errno = error;
+const CardSegment* CardMemory::segment_of(const void* ptr) const {
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  auto it = segments_.upper_bound(address);
+  if (it == segments_.begin()) {
     return nullptr;
   }
-  return ptr;
+  --it;
+  return address < it->first + it->second->size ? it->second : nullptr;
 }
 
-void CardMemory::unback(void* ptr, size_t size) {
-  if (lazily_backed(size)) {
-    munmap(ptr, size);
-  } else {
-    std::free(ptr);
+std::vector<const CardBlock*> CardMemory::blocks_of(const CardSegment& segment) const {
+  std::vector<const CardBlock*> blocks;
+  for (const CardBlock* b = segment.first; b != nullptr; b = b->next) {
+    blocks.push_back(b);
   }
+  return blocks;
 }
 
+// The smallest free block of the pool and stream that holds `size` (then the lowest address), if
+// the max_split_size rules let it serve the request.
+CardBlock* CardMemory::find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy) {
+  FreeBlocks& blocks = free_blocks(pool, size <= kSmallSize, stream);
+  CardBlock key{nullptr, size, 0, device_, false};
+  auto it = blocks.lower_bound(&key);
+  if (it == blocks.end() || !policy.may_serve((*it)->size, size)) {
+    return nullptr;
+  }
+  CardBlock* block = *it;
+  blocks.erase(it);
+  return block;
+}
+
+// Gives a whole free segment back to the host; the block is out of the free lists already.
 void CardMemory::release(CardBlock* block) {
-  on_release_(*block);
-  reserved_ -= static_cast<int64_t>(block->size);
-  unback(block->ptr, block->size);
+  CardSegment* segment = block->segment;
+  on_release_(*segment);
+  reserved_ -= static_cast<int64_t>(segment->size);
+  segments_.erase(reinterpret_cast<uintptr_t>(segment->ptr));
+  unback(segment->ptr, segment->size, backing_);
+  delete segment;
   delete block;
 }
 
 void CardMemory::release_cached(const PoolId* pool) {
-  for (auto it = cached_.begin(); it != cached_.end();) {
-    CardBlock* block = it->second;
-    if (pool != nullptr && block->pool != *pool) {
-      ++it;
+  for (auto& entry : free_) {
+    if (pool != nullptr && std::get<0>(entry.first) != *pool) {
       continue;
     }
-    it = cached_.erase(it);
-    release(block);
+    FreeBlocks& blocks = entry.second;
+    for (auto it = blocks.begin(); it != blocks.end();) {
+      CardBlock* block = *it;
+      if (block->is_split()) {
+        ++it;
+        continue;
+      }
+      it = blocks.erase(it);
+      release(block);
+    }
   }
 }
 
-// Once reserved memory passes the threshold's share of the limit, cached blocks go back to the
-// host, least recently freed first, until it is below again.
+// With max_split_size set, the free oversize segments of the pool and stream that make room for
+// `size`: the smallest that is large enough, else the largest ones until their sum is.
+bool CardMemory::release_oversize(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy) {
+  if (policy.max_split_size < 0) {
+    return false;
+  }
+  FreeBlocks& blocks = free_blocks(pool, false, stream);
+  const size_t wanted = std::max(size, static_cast<size_t>(policy.max_split_size));
+  CardBlock key{nullptr, wanted, 0, device_, false};
+  for (auto it = blocks.lower_bound(&key); it != blocks.end(); ++it) {
+    if (!(*it)->is_split()) {
+      CardBlock* block = *it;
+      blocks.erase(it);
+      release(block);
+      return true;
+    }
+  }
+  size_t released = 0;
+  auto it = blocks.lower_bound(&key);
+  while (released < wanted && it != blocks.begin()) {
+    --it;
+    CardBlock* block = *it;
+    if (!policy.is_oversize(block->size)) {
+      break;
+    }
+    if (block->is_split()) {
+      continue;
+    }
+    released += block->size;
+    it = blocks.erase(it);
+    release(block);
+  }
+  return released >= wanted;
+}
+
+// Once reserved memory passes the threshold's share of the limit, whole free segments go back
+// to the host, least recently freed first, until it is below again.
 void CardMemory::collect_garbage(size_t incoming, const BlockPolicy& policy) {
   const auto target = static_cast<int64_t>(policy.gc_threshold * static_cast<double>(limit()));
   if (policy.gc_threshold <= 0.0 || reserved_ + static_cast<int64_t>(incoming) <= target) {
     return;
   }
-  std::vector<std::multimap<size_t, CardBlock*>::iterator> by_age;
-  for (auto it = cached_.begin(); it != cached_.end(); ++it) {
-    by_age.push_back(it);
+  std::vector<std::pair<FreeBlocks*, CardBlock*>> by_age;
+  for (auto& entry : free_) {
+    for (CardBlock* block : entry.second) {
+      if (!block->is_split()) {
+        by_age.emplace_back(&entry.second, block);
+      }
+    }
   }
   std::sort(by_age.begin(), by_age.end(),
-            [](const auto& a, const auto& b) { return a->second->freed_at < b->second->freed_at; });
-  for (auto it : by_age) {
+            [](const auto& a, const auto& b) { return a.second->freed_at < b.second->freed_at; });
+  for (auto [blocks, block] : by_age) {
     if (reserved_ + static_cast<int64_t>(incoming) <= target) {
       break;
     }
-    CardBlock* block = it->second;
-    cached_.erase(it);
+    blocks->erase(block);
     release(block);
   }
 }
 
-// Room for a new segment of `size`: after garbage collection and, when the card is full, releasing
-// its whole cache once.
-bool CardMemory::make_room(size_t size, const BlockPolicy& policy, int* retries) {
-  collect_garbage(size, policy);
-  if (reserved_ + static_cast<int64_t>(size) > limit() && !cached_.empty()) {
-    ++*retries;
+// A new segment for a request of `size`, as one free block; on a full card the oversize free
+// segments, then every whole free segment, go back first.
+CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy,
+                               Placement& placed) {
+  const size_t bytes = segment_size(size);
+  void* ptr = nullptr;
+  int error = 0;
+  const auto fits = [&] { return reserved_ + static_cast<int64_t>(bytes) <= limit(); };
+  const auto try_reserve = [&] {
+    if (!fits()) {
+      return false;
+    }
+    ptr = back(bytes, backing_);
+    error = ptr == nullptr ? errno : 0;
+    return ptr != nullptr;
+  };
+  bool ok = try_reserve() || (release_oversize(size, pool, stream, policy) && try_reserve());
+  if (!ok) {
+    placed.retries++;
     release_cached();
+    ok = try_reserve();
   }
-  return reserved_ + static_cast<int64_t>(size) <= limit();
-}
-
-Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& policy) {
-  Placement placed;
-  if (auto hit = find_cached(size, pool, policy); hit != cached_.end()) {
-    placed.block = hit->second;
-    placed.from_cache = true;
-    cached_.erase(hit);
-    clear_if_reused_heap(placed.block);
-    return placed;
-  }
-  if (!make_room(size, policy, &placed.retries)) {
-    return placed;
-  }
-  void* ptr = back(size);
-  if (ptr == nullptr) {
-    const int error = errno;  // set by back()
-    if (!cached_.empty()) {  // cached blocks hold host memory too: give it back and retry once
-      placed.retries++;
-      release_cached();
-    }
-    ptr = back(size);
-    if (ptr == nullptr) {
-      placed.host_error = error;
-      return placed;
-    }
-  }
-  placed.block = new CardBlock{ptr, size, 0, device_, false, pool};
-  placed.block->oversize = policy.is_oversize(size);
-  reserved_ += static_cast<int64_t>(size);
-  clear_if_reused_heap(placed.block);
-  return placed;
-}
-
-void CardMemory::clear_if_reused_heap(CardBlock* block) const {
-  if (backing_ == Backing::kReservedAddressSpace && !lazily_backed(block->size)) {
-    std::memset(block->ptr, 0, block->size);
-  }
-}
-
-CardBlock* CardMemory::take_cached(size_t size, const PoolId& pool, const BlockPolicy& policy) {
-  auto hit = find_cached(size, pool, policy);
-  if (hit == cached_.end()) {
+  if (!ok) {
+    placed.host_error = fits() ? error : 0;
     return nullptr;
   }
-  CardBlock* block = hit->second;
-  cached_.erase(hit);
+  const bool small = size <= kSmallSize;
+  auto* segment = new CardSegment{ptr, bytes, device_, pool, small, policy.is_oversize(bytes), stream};
+  auto* block = new CardBlock{ptr, bytes, 0, device_, false, pool, small};
+  block->stream = stream;
+  block->segment = segment;
+  segment->first = block;
+  segments_.emplace(reinterpret_cast<uintptr_t>(ptr), segment);
+  reserved_ += static_cast<int64_t>(bytes);
+  placed.segment = segment;
   return block;
 }
 
-void CardMemory::put_back(CardBlock* block) {
-  if (lazily_backed(block->size)) {
-    madvise(block->ptr, block->size, MADV_DONTNEED);
+Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
+  Placement placed;
+  CardBlock* block = find_free(size, pool, stream, policy);
+  if (block == nullptr) {
+    collect_garbage(segment_size(size), policy);
+    block = reserve(size, pool, stream, policy, placed);
+    if (block == nullptr) {
+      return placed;
+    }
   }
-  cached_.emplace(block->size, block);  // freed_at unchanged: its place in the cache as before
-}
-
-bool CardMemory::admit(CardBlock* block, const BlockPolicy& policy, int* retries) {
-  if (!make_room(block->size, policy, retries)) {
-    return false;
+  const bool already_split = block->is_split();
+  const size_t remaining = block->size - size;
+  const bool split = block->small ? remaining >= kMinBlockSize : !policy.is_oversize(size) && remaining > kSmallSize;
+  if (split) {
+    auto* rest = new CardBlock{static_cast<char*>(block->ptr) + size, remaining, 0, device_, false, pool, block->small};
+    rest->segment = block->segment;
+    rest->stream = block->stream;
+    rest->freed_at = block->freed_at;
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next != nullptr) {
+      block->next->prev = rest;
+    }
+    block->next = rest;
+    block->size = size;
+    free_blocks_of(*rest).insert(rest);
+    if (already_split) {  // a free block of a split segment shrinks
+      placed.inactive_split_bytes -= static_cast<int64_t>(size);
+    } else {  // a segment is split: its remainder is a new free block
+      placed.inactive_split += 1;
+      placed.inactive_split_bytes += static_cast<int64_t>(remaining);
+    }
+  } else if (already_split) {  // a free block of a split segment is handed out whole
+    placed.inactive_split -= 1;
+    placed.inactive_split_bytes -= static_cast<int64_t>(block->size);
   }
-  block->is_segment = true;
   block->oversize = policy.is_oversize(block->size);
-  reserved_ += static_cast<int64_t>(block->size);
-  return true;
+  clear(*block);
+  placed.block = block;
+  return placed;
 }
 
-void CardMemory::cache(CardBlock* block) {
+Release CardMemory::cache(CardBlock* block) {
+  Release changed;
   block->allocated = false;
+  block->requested = 0;
   block->freed_at = ++frees_;
-  put_back(block);
+  FreeBlocks& blocks = free_blocks_of(*block);
+  for (CardBlock* neighbour : {block->prev, block->next}) {
+    if (neighbour == nullptr || neighbour->allocated) {
+      continue;
+    }
+    blocks.erase(neighbour);
+    if (neighbour == block->prev) {
+      block->ptr = neighbour->ptr;
+      block->prev = neighbour->prev;
+      if (block->prev != nullptr) {
+        block->prev->next = block;
+      } else {
+        block->segment->first = block;
+      }
+    } else {
+      block->next = neighbour->next;
+      if (block->next != nullptr) {
+        block->next->prev = block;
+      }
+    }
+    block->size += neighbour->size;
+    changed.inactive_split -= 1;
+    changed.inactive_split_bytes -= static_cast<int64_t>(neighbour->size);
+    delete neighbour;
+  }
+  blocks.insert(block);
+  drop_pages(*block);
+  if (block->is_split()) {
+    changed.inactive_split += 1;
+    changed.inactive_split_bytes += static_cast<int64_t>(block->size);
+  }
+  return changed;
+}
+
+void CardMemory::drop_pages(const CardBlock& block) const {
+  if (backing_ != Backing::kReservedAddressSpace) {
+    return;
+  }
+  const auto begin = reinterpret_cast<uintptr_t>(block.ptr);
+  const uintptr_t first = (begin + page_size() - 1) & ~(page_size() - 1);
+  const uintptr_t last = (begin + block.size) & ~(page_size() - 1);
+  if (first < last) {
+    madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  }
+}
+
+// The pages wholly inside a free block were dropped (drop_pages) or never written: only the
+// partial pages at the block's ends may hold old bytes.
+void CardMemory::clear(const CardBlock& block) const {
+  if (backing_ != Backing::kReservedAddressSpace) {
+    return;
+  }
+  const auto begin = reinterpret_cast<uintptr_t>(block.ptr);
+  const uintptr_t end = begin + block.size;
+  const uintptr_t first = std::min(end, (begin + page_size() - 1) & ~(page_size() - 1));
+  const uintptr_t last = std::max(first, end & ~(page_size() - 1));
+  std::memset(block.ptr, 0, first - begin);
+  std::memset(reinterpret_cast<void*>(last), 0, end - last);
 }
 
 }  // namespace supa

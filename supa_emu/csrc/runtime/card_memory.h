@@ -1,19 +1,33 @@
 // The emulated card's memory, as the device would manage it: its capacity, the segments it has
-// reserved from the host, the cache of freed blocks, and the policy that decides which block
+// reserved from the host, the free blocks cached in them, and the policy that decides which block
 // serves a request. Plain C++ (no PyTorch), so it is unit-tested on its own
 // (tests/cpp/card_memory_test.cpp); the statistics, snapshots and the c10 allocator interface
 // that mirror PyTorch's CUDA caching allocator are built on it in caching_allocator.cpp.
 //
-// Blocks are never split and free blocks are never coalesced: a freed block goes back to its
-// card's cache whole and serves a later request of the same rounded size (the most recently
-// freed first). An oversize block (max_split_size) also serves requests up to kLargeBuffer
-// smaller, as the real allocator does since it will not split it.
+// The rules are those of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp):
+// - A request is rounded to 512 bytes (or to its roundup_power2_divisions step), with no padding.
+// - Requests up to 1 MiB belong to the small pool, larger ones to the large pool; each memory
+//   pool (the card's general one, graph pools, user pools) has one of each.
+// - A request is served from the smallest free block of its pool that fits (best fit, then the
+//   lowest address) among the blocks of the stream it is made on: a block freed on one stream
+//   serves that stream again (segments, and the blocks split from them, belong to the stream
+//   they were reserved on). Only when none fits is a segment reserved: 2 MiB for a small request,
+//   20 MiB for a large one below 10 MiB, else the request rounded up to 2 MiB.
+// - A block larger than the request is split when the remainder is at least 512 bytes (small
+//   pool) or more than 1 MiB (large pool, and only for requests below max_split_size);
+//   otherwise the whole block is handed out and counted.
+// - A freed block merges with its free neighbours in the segment. Only whole free segments go
+//   back to the host (empty_cache, garbage collection, and the retry before an out-of-memory).
+// - Blocks of max_split_size or more ("oversize") serve only requests of max_split_size or
+//   more, and at most kLargeBuffer smaller than themselves.
+// Each segment is one host allocation; its blocks are slices of it, so reserved bytes are host
+// memory, as a card's reserved bytes are device memory.
 //
 // A segment's host memory comes from the heap, or (Backing::kReservedAddressSpace, the planner's
 // shapes mode) for larger segments from reserved address space that costs no host RAM until the
-// host writes it; such a block's pages go back to the host when it is cached. Under that backing
-// every block place() hands out reads as zeros (fresh or dropped pages; a small block is cleared),
-// so what a program reads from memory no kernel wrote does not depend on what was there before.
+// host writes it; the pages inside a free block go back to the host. Under that backing every
+// block place() hands out reads as zeros (dropped or fresh pages; what remains is cleared), so
+// what a program reads from memory no kernel wrote does not depend on what was there before.
 //
 // Not thread-safe: the caller serialises every call (caching_allocator.cpp holds one mutex).
 #pragma once
@@ -22,16 +36,21 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace supa {
 
-constexpr size_t kMemoryAlignment = 64;   // of device blocks and pinned host memory
-constexpr size_t kPadding = 32;           // the real allocator pads each request by 32 bytes
-constexpr size_t kMinBlockSize = 512;     // and rounds to 512-byte blocks
-constexpr size_t kSmallSize = 1 << 20;    // blocks below 1 MiB belong to the small pool
-constexpr size_t kLargeBuffer = 20 << 20;  // an oversize block serves requests up to this much smaller
+constexpr size_t kMemoryAlignment = 64;    // of pinned host memory
+constexpr size_t kSegmentAlignment = 512;  // of the segments' host memory (blocks are 512-byte multiples)
+constexpr size_t kMinBlockSize = 512;      // requests are rounded to 512-byte blocks
+constexpr size_t kSmallSize = 1 << 20;     // requests up to 1 MiB belong to the small pool
+constexpr size_t kSmallBuffer = 2 << 20;   // the small pool's segments
+constexpr size_t kLargeBuffer = 20 << 20;  // the large pool's segments for requests below kMinLargeAlloc
+constexpr size_t kMinLargeAlloc = 10 << 20;
+constexpr size_t kRoundLarge = 2 << 20;    // larger segments are rounded to this
 constexpr size_t kRoundUpStart = 1 << 20;  // roundup_power2_divisions intervals start at 1 MiB
 // roundup_power2_divisions has one entry per power-of-two interval from 1 MiB (the last is open).
 constexpr size_t kRoundUpIntervals = 16;
@@ -48,6 +67,11 @@ enum class Backing {
   kReservedAddressSpace  // larger segments mapped without reserving host memory: shapes mode
 };
 
+// Host memory of `size` bytes as `backing` provides it for a segment of that size (nullptr with
+// errno set when the host has none), and its release.
+void* back(size_t size, Backing backing);
+void unback(void* ptr, size_t size, Backing backing);
+
 // A memory pool's identity: (graph pool n, user pool n); (0, 0) is the card's general pool.
 // The same type as c10::MempoolId_t (see mem_pool.cpp).
 using PoolId = std::pair<unsigned long long, unsigned long long>;
@@ -58,37 +82,68 @@ struct BlockPolicy {
   double gc_threshold = 0.0;    // 0: off
   std::vector<size_t> divisions = std::vector<size_t>(kRoundUpIntervals, 0);  // per power of two from 1 MiB
 
-  // The block size that serves a request of `nbytes` (padded, then rounded to 512 bytes or to
-  // the interval's roundup_power2_divisions step).
+  // The block size that serves a request of `nbytes` (rounded to 512 bytes or to the interval's
+  // roundup_power2_divisions step).
   size_t round_size(size_t nbytes) const;
   bool is_oversize(size_t size) const;
+  // Whether a free block of `block_size` may serve a request of rounded `size` (max_split_size).
+  bool may_serve(size_t block_size, size_t size) const;
 };
 
+// The size of the segment reserved for a request of rounded `size`.
+size_t segment_size(size_t size);
+
+// A segment: one host allocation, the unit reserved and released.
+struct CardSegment {
+  void* ptr;
+  size_t size;
+  int device;
+  PoolId pool;
+  bool small;     // of the small pool
+  bool oversize;  // decided when it was reserved (max_split_size at that time)
+  int64_t stream;  // the stream it was reserved on (its blocks serve only that stream)
+  struct CardBlock* first = nullptr;  // its blocks, linked in address order
+};
+
+// A block: a slice of a segment, allocated or free.
 struct CardBlock {
   void* ptr;
-  size_t size;       // rounded size, what the statistics count
-  size_t requested;  // what the caller asked for
+  size_t size;       // what the statistics count
+  size_t requested;  // what the caller asked for (0 while free)
   int device;
   bool allocated;
   PoolId pool{0, 0};
+  bool small = false;
   uint64_t freed_at = 0;  // order of the last free on its card, for garbage collection
-  bool oversize = false;  // decided when the segment was reserved (max_split_size at that time)
-  bool is_segment = true;  // false: host memory backed by the card's backing, not yet a segment (admit)
-  bool provisional = false;  // taken by an operator's kernel and not yet handed back as a result
+  bool oversize = false;  // decided when it was handed out (max_split_size at that time)
+  int64_t stream = 0;     // its segment's
+  CardSegment* segment = nullptr;
+  CardBlock* prev = nullptr;  // neighbours in the segment
+  CardBlock* next = nullptr;
+
+  bool is_split() const { return prev != nullptr || next != nullptr; }
 };
 
 // How a request was served (CardMemory::place).
 struct Placement {
-  CardBlock* block = nullptr;  // null: the request did not fit
-  bool from_cache = false;     // a cached block; otherwise a new segment (or none)
-  int retries = 0;             // times the whole cache was released to make room
-  int host_error = 0;          // the host could not back a segment the card had room for (errno)
+  CardBlock* block = nullptr;          // null: the request did not fit
+  const CardSegment* segment = nullptr;  // the segment reserved for it, if one was
+  int retries = 0;                     // times the whole cache was released to make room
+  int host_error = 0;                  // the host could not back a segment the card had room for (errno)
+  int inactive_split = 0;              // change of the free blocks in split segments
+  int64_t inactive_split_bytes = 0;    // and of their bytes
+};
+
+// What a free changed (CardMemory::cache).
+struct Release {
+  int inactive_split = 0;
+  int64_t inactive_split_bytes = 0;
 };
 
 class CardMemory {
  public:
   // Called for each segment going back to the host, before its memory is freed.
-  using SegmentReleased = std::function<void(const CardBlock&)>;
+  using SegmentReleased = std::function<void(const CardSegment&)>;
 
   // The card's segments outlive it (the process's cards live until exit).
   CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing = Backing::kHeap);
@@ -96,6 +151,7 @@ class CardMemory {
   CardMemory& operator=(const CardMemory&) = delete;
 
   int64_t capacity() const { return capacity_; }
+  Backing backing() const { return backing_; }
   int64_t reserved() const { return reserved_; }
   double fraction() const { return fraction_; }
   void set_fraction(double fraction) { fraction_ = fraction; }
@@ -103,45 +159,52 @@ class CardMemory {
   int64_t limit() const;
   // Capacity not reserved (what cudaMemGetInfo reports as free).
   int64_t unreserved() const;
-  size_t cached_blocks() const { return cached_.size(); }
+  size_t cached_blocks() const;
+  const std::map<uintptr_t, CardSegment*>& segments() const { return segments_; }
+  // The segment that holds `ptr`, or null.
+  const CardSegment* segment_of(const void* ptr) const;
+  // The segment's blocks in address order.
+  std::vector<const CardBlock*> blocks_of(const CardSegment& segment) const;
 
-  // Serves a request of rounded `size` for `pool`: a cached block if one fits the policy, else a
-  // new segment, after garbage collection and, when the card is full, releasing the cache once.
-  // The block is returned unmarked (the caller sets allocated and requested).
-  Placement place(size_t size, const PoolId& pool, const BlockPolicy& policy);
-  // Takes a freed block back into the cache, as the most recently freed.
-  void cache(CardBlock* block);
-
-  // Operator kernels' allocations are provisional until the operator hands back its results
-  // (caching_allocator.cpp): a cached block taken for one and put back, with its age, when the
-  // kernel frees it leaves the cache holding what it held; otherwise the kernel gets host memory
-  // of the segment's size that is not yet the card's, which admit() makes a segment.
-  CardBlock* take_cached(size_t size, const PoolId& pool, const BlockPolicy& policy);
-  void put_back(CardBlock* block);
-  // Host memory for a segment of `size` bytes (nullptr when the host has none), and its release.
-  void* back(size_t size);
-  void unback(void* ptr, size_t size);
-  // Makes `block` (is_segment false, memory from back()) a segment of this card, as place() would
-  // make a new one: false when the card has no room for it even after releasing its cache.
-  bool admit(CardBlock* block, const BlockPolicy& policy, int* retries);
-  // Returns the cached blocks (only `pool`'s when given) to the host.
+  // Serves a request of rounded `size` for `pool` made on `stream`: the best-fitting free block of
+  // the pool and stream, else a new segment, after garbage collection and, when the card is full, releasing the cache.
+  // The block is split to the request where the rules allow; it is returned unmarked (the caller
+  // sets allocated and requested).
+  Placement place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream = 0);
+  // Takes a freed block back, merged with its free neighbours (`block` may be deleted).
+  Release cache(CardBlock* block);
+  // Returns the whole free segments (only `pool`'s when given) to the host.
   void release_cached(const PoolId* pool = nullptr);
 
  private:
-  std::multimap<size_t, CardBlock*>::iterator find_cached(size_t size, const PoolId& pool, const BlockPolicy& policy);
+  struct BySize {
+    bool operator()(const CardBlock* a, const CardBlock* b) const {
+      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+    }
+  };
+  using FreeBlocks = std::set<CardBlock*, BySize>;
+
+  // The free blocks of one (pool, small or large, stream).
+  using FreeKey = std::tuple<PoolId, bool, int64_t>;
+  FreeBlocks& free_blocks(const PoolId& pool, bool small, int64_t stream) { return free_[{pool, small, stream}]; }
+  FreeBlocks& free_blocks_of(const CardBlock& block) { return free_blocks(block.pool, block.small, block.stream); }
+  CardBlock* find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
+  CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
+  bool release_oversize(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   void collect_garbage(size_t incoming, const BlockPolicy& policy);
-  bool make_room(size_t size, const BlockPolicy& policy, int* retries);
+  // Under kReservedAddressSpace: the pages inside a free block go back to the host, and a block
+  // handed out reads as zeros.
+  void drop_pages(const CardBlock& block) const;
+  void clear(const CardBlock& block) const;
   void release(CardBlock* block);
-  bool lazily_backed(size_t size) const;
-  // Under kReservedAddressSpace, clears a heap-backed block (lazily backed ones read zeros anyway).
-  void clear_if_reused_heap(CardBlock* block) const;
 
   int device_;
   int64_t capacity_;
   double fraction_ = 1.0;
   int64_t reserved_ = 0;
   uint64_t frees_ = 0;
-  std::multimap<size_t, CardBlock*> cached_;  // free blocks by size
+  std::map<FreeKey, FreeBlocks> free_;
+  std::map<uintptr_t, CardSegment*> segments_;          // by address
   SegmentReleased on_release_;
   Backing backing_;
 };

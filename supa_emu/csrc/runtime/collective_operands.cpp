@@ -61,15 +61,17 @@ std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor) {
   return flat_host_view(tensor);
 }
 
-std::optional<std::pair<at::Tensor, at::Tensor>> pair_operands(const at::Tensor& output, const at::Tensor& input,
-                                                               int64_t group_size, bool gather) {
+bool plain_pair(const at::Tensor& output, const at::Tensor& input, int64_t group_size, bool gather) {
   if (!plain_device_tensor(output) || !plain_device_tensor(input) || output.device() != input.device() ||
       output.scalar_type() != input.scalar_type()) {
-    return std::nullopt;
+    return false;
   }
-  const bool sizes_fit = gather ? output.numel() == input.numel() * group_size
-                                : input.numel() == output.numel() * group_size;
-  if (!sizes_fit) {
+  return gather ? output.numel() == input.numel() * group_size : input.numel() == output.numel() * group_size;
+}
+
+std::optional<std::pair<at::Tensor, at::Tensor>> pair_operands(const at::Tensor& output, const at::Tensor& input,
+                                                               int64_t group_size, bool gather) {
+  if (!plain_pair(output, input, group_size, gather)) {
     return std::nullopt;
   }
   return std::make_pair(flat_host_view(output), flat_host_view(input));

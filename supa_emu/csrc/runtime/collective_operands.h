@@ -9,6 +9,9 @@
 
 namespace supa {
 
+// Whether an all_gather's (gather=true) or reduce_scatter's output and input are dense contiguous
+// supa tensors of one device and dtype whose element counts fit the collective.
+bool plain_pair(const at::Tensor& output, const at::Tensor& input, int64_t group_size, bool gather);
 // Flat CPU views when the operands are dense contiguous supa tensors that fit the collective;
 // nothing otherwise.
 std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor);

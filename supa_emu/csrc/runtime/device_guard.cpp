@@ -63,9 +63,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
   }
   c10::Stream getStream(c10::Device d) const override {
-    auto it = t_current_streams.find(d.index());
-    const c10::StreamId id = it == t_current_streams.end() ? 0 : it->second;
-    return c10::Stream(c10::Stream::UNSAFE, d, id);
+    return c10::Stream(c10::Stream::UNSAFE, d, current_stream_id(d.index()));
   }
   c10::Stream getDefaultStream(c10::Device d) const override {
     return c10::Stream(c10::Stream::UNSAFE, d, 0);
@@ -160,6 +158,11 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 
 int stream_priority(c10::StreamId id) {
   return (id & 1) != 0 ? -1 : 0;
+}
+
+c10::StreamId current_stream_id(c10::DeviceIndex device) {
+  auto it = t_current_streams.find(device);
+  return it == t_current_streams.end() ? 0 : it->second;
 }
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SupaGuardImpl);

@@ -8,5 +8,7 @@ namespace supa {
 
 // A stream's priority is encoded in its id (as CUDA encodes it), so no table is kept.
 int stream_priority(c10::StreamId id);
+// This thread's current stream on `device` (0: the default stream).
+c10::StreamId current_stream_id(c10::DeviceIndex device);
 
 }  // namespace supa

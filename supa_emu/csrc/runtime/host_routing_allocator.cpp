@@ -2,8 +2,8 @@
 // (DeviceOutputScope): the process's CPU allocator is replaced by one that passes every request
 // through to the allocator it replaced, except on a thread inside a fallback kernel, where the
 // kernel's allocations (its outputs, and its scratch) come from the device's pool, provisionally
-// (allocate_provisional). The outputs then become supa tensors by relabelling their memory instead
-// of copying it, and only then count as the card's (take_device_block); the scratch never does.
+// (allocate_provisional). The outputs then become supa tensors by moving their bytes onto the card,
+// and only then count as the card's (take_device_block); the scratch never does.
 #include "host_routing_allocator.h"
 
 #include "caching_allocator.h"
@@ -111,7 +111,8 @@ c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex 
   host_storage->set_nbytes(0);
   void* committed = commit_block(taken.get());
   if (committed != taken.get()) {
-    // The card served it from a cached block, which now holds the bytes; `taken` goes back.
+    // The bytes moved to the card's block, and the provisional memory went back with it.
+    taken.release_context();
     return {committed, committed, &delete_device_ptr, c10::Device(kSupa, device)};
   }
   taken.unsafe_set_device(c10::Device(kSupa, device));

@@ -9,7 +9,7 @@ CUDA graphs and the profiler's CUDA activity map to their SUPA counterparts; "nc
 
 This is by nature one large monkeypatch of PyTorch; it is kept in this one module, which is what
 the real package does too. Each step below says what it patches and why. What the real module
-patches and this one does not is listed in the README ("Running CUDA-written code").
+patches and this one does not is listed in docs/cuda_code.md, "What is not redirected".
 
 The device strings are the one part done below Python (csrc/runtime/device_strings.cpp), because
 PyTorch parses them in C++ wherever a device is accepted.

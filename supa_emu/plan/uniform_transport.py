@@ -1,0 +1,185 @@
+"""The transport of a planned rank's bccl groups: only this rank exists; collectives follow the uniform-rank rule.
+
+The planner's rank process plays rank r of an N-rank world (world.py). Every collective answers
+as if each rank held this rank's data, so shapes, buffers and control flow are those of the real
+run: all_reduce SUM gives local x N (PREMUL_SUM: local x factor x N) (PRODUCT local ** N),
+AVG/MIN/MAX/BAND/BOR keep the local value, BXOR gives zero on an even group; gathers replicate
+the input; a reduce_scatter gives this rank's chunk reduced N times; barrier returns at once. A
+broadcast gives a non-root the root's value when it is small and the root was played first
+(world.root_value), else the local one.
+
+The group is bccl's own ProcessGroupBCCL with this transport installed (`install`), so a planned
+call is checked, counted and recorded by the code that checks, counts and records a real one.
+Like the gloo transport, this one moves data through host views of device memory and allocates
+nothing on the card. Where the answer depends on values only other ranks hold (uneven all_to_all
+splits, a scatter's or recv's data), the call is flagged for the report.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from supa_emu import distributed
+from supa_emu.distributed.c10d_backend import check_split
+from supa_emu.distributed.collective import Collective
+from supa_emu.distributed.host_memory import HostCall, host_view
+from supa_emu.distributed.transport import Transport
+from supa_emu.distributed.work import BCCLWork
+from supa_emu.plan import call_record, world
+
+_RedOp = dist.ReduceOp.RedOpType
+
+
+def install() -> None:
+    """bccl groups created from now on in this process are planned (see supa_emu.plan.install)."""
+    distributed.install_transport(UniformTransport)
+
+
+def reduce_uniform(view: torch.Tensor, kind, size: int) -> None:
+    """`view` becomes the reduction of `size` copies of itself (in place, on host memory)."""
+    if view.dtype == torch.bool or kind in (_RedOp.AVG, _RedOp.MIN, _RedOp.MAX, _RedOp.BAND, _RedOp.BOR):
+        return  # bool SUM/PRODUCT are OR/AND; an average or extremum of equal values is the value
+    if kind in (_RedOp.SUM, _RedOp.PREMUL_SUM):  # a PREMUL_SUM's view was premultiplied
+        view.mul_(size)
+    elif kind == _RedOp.PRODUCT:
+        view.pow_(size)
+    elif kind == _RedOp.BXOR:
+        if size % 2 == 0:
+            view.zero_()
+    else:
+        raise ValueError(f"bccl: reduction {kind} is not supported")
+
+
+def receive_own_chunk(chunks: List[torch.Tensor], mine: torch.Tensor, operation: str) -> None:
+    """An all_to_all's received chunks under the rule: every rank sent this rank what it sends itself."""
+    if any(chunk.numel() != mine.numel() for chunk in chunks):
+        call_record.flag(f"{operation} with uneven splits: what each rank sends depends on its own data "
+                         f"(e.g. MoE routing); chunks of another size keep their contents")
+    for chunk in chunks:
+        if chunk.numel() == mine.numel():
+            chunk.copy_(mine.reshape(chunk.shape))
+
+
+class UniformTransport(Transport):
+    """The peers of a planned group, replaced by the uniform-rank rule."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, options, label: str):
+        world.admit(rank, size)
+        self._rank, self._size, self._options = rank, size, options
+
+    def _done(self, call: Collective, host: Optional[HostCall] = None) -> BCCLWork:
+        return BCCLWork([], host.epilogue() if host is not None else None, call.results, call.tensors())
+
+    def _reduced(self, view: torch.Tensor, call: Collective) -> None:
+        reduce_uniform(call.contribution(view, in_place=True), call.kind, self._size)
+
+    # ---- reductions ------------------------------------------------------------------------------
+    def all_reduce(self, call: Collective) -> BCCLWork:
+        host = HostCall()
+        for tensor in call.inputs:
+            self._reduced(host.view(tensor), call)
+        return self._done(call, host)
+
+    all_reduce_coalesced = all_reduce
+
+    def reduce(self, call: Collective) -> BCCLWork:
+        host = HostCall()
+        for tensor in call.outputs:  # the root's; the others' stay intact
+            self._reduced(host.view(tensor), call)
+        return self._done(call, host)
+
+    def reduce_scatter(self, call: Collective) -> BCCLWork:
+        host = HostCall()
+        out_view = host.view(call.outputs[0], read=False)
+        out_view.copy_(host.view(call.inputs[self._rank], write=False).reshape(out_view.shape))
+        self._reduced(out_view, call)
+        return self._done(call, host)
+
+    def reduce_scatter_tensor(self, call: Collective) -> BCCLWork:
+        host, rank = HostCall(), self._rank
+        for output, input in zip(call.outputs, call.inputs):
+            out_view, in_view = host.pair_views(output, input, self._size, gather=False)
+            chunk = out_view.numel()
+            out_view.copy_(in_view[rank * chunk:(rank + 1) * chunk])
+            self._reduced(out_view, call)
+        return self._done(call, host)
+
+    # ---- data movement ---------------------------------------------------------------------------
+    def broadcast(self, call: Collective) -> BCCLWork:
+        tensor, host = call.outputs[0], HostCall()
+        value = world.root_value(self._options.group_name, host_view(tensor), self._rank == call.root)
+        if value is not None:
+            host.view(tensor, read=False).copy_(value.reshape(tensor.shape))
+        return self._done(call, host)
+
+    def all_gather(self, call: Collective) -> BCCLWork:
+        host = HostCall()
+        source = host.view(call.inputs[0], write=False)
+        for output in call.outputs:
+            view = host.view(output, read=False)
+            if view.numel() != source.numel():
+                call_record.flag("all_gather with unequal sizes: the other ranks' slots keep their contents")
+                continue
+            view.copy_(source.reshape(view.shape))
+        return self._done(call, host)
+
+    def all_gather_into_tensor(self, call: Collective) -> BCCLWork:
+        host = HostCall()
+        for output, input in zip(call.outputs, call.inputs):
+            out_view, in_view = host.pair_views(output, input, self._size, gather=True)
+            out_view.view(self._size, -1).copy_(in_view.view(1, -1))
+        return self._done(call, host)
+
+    def gather(self, call: Collective) -> BCCLWork:
+        host = HostCall()
+        source = host.view(call.inputs[0], write=False)
+        for output in call.outputs:  # the root's; none elsewhere
+            host.view(output, read=False).copy_(source.reshape(output.shape))
+        return self._done(call, host)
+
+    def scatter(self, call: Collective) -> BCCLWork:
+        host, output = HostCall(), call.outputs[0]
+        if self._rank == call.root:
+            out_view = host.view(output, read=False)
+            out_view.copy_(host.view(call.inputs[self._rank], write=False).reshape(out_view.shape))
+        else:
+            call_record.flag("scatter: a non-root rank's output is the root's data; it keeps its contents")
+        return self._done(call, host)
+
+    def all_to_all(self, call: Collective) -> BCCLWork:
+        host = HostCall()
+        # Rank j sends me its inputs[me]; under the rule that is this rank's inputs[me].
+        mine = host.view(call.inputs[self._rank], write=False)
+        receive_own_chunk([host.view(t, read=False) for t in call.outputs], mine, "all_to_all")
+        return self._done(call, host)
+
+    def all_to_all_single(self, call: Collective) -> BCCLWork:
+        host = HostCall()
+        send, receive = call.counts
+        in_flat = host.view(call.inputs[0], write=False).reshape(-1)
+        out_view = host.view(call.outputs[0], read=False)
+        start = sum(send[:self._rank])
+        mine = in_flat[start:start + send[self._rank]]
+        receive_own_chunk(list(out_view.view(-1).split(receive)), mine, "all_to_all_single")
+        return self._done(call, host)
+
+    # ---- synchronisation and point-to-point ------------------------------------------------------
+    def barrier(self, call: Collective) -> BCCLWork:
+        return self._done(call)
+
+    def send(self, call: Collective) -> BCCLWork:
+        return self._done(call)
+
+    def recv(self, call: Collective) -> BCCLWork:
+        call_record.flag("recv: the data another rank sends is not known; the buffer keeps its contents")
+        return self._done(call)
+
+    # ---- the group's life ------------------------------------------------------------------------
+    def agree_on_split(self, store: dist.Store, prefix: str, members: Optional[List[int]]) -> None:
+        # Every rank of a uniform world splits as this one does: its own post is all there is to check.
+        if members is not None:
+            check_split([members if r in members else None for r in range(self._size)], self._size)
+
+    def close(self, how: str, error: dist.DistBackendError) -> None:
+        pass  # no peers to release
