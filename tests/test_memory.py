@@ -516,7 +516,7 @@ def test_fallback_kernel_scratch_is_not_the_cards():
     torch.supa.reset_peak_memory_stats(dev)
     before = torch.supa.memory_allocated(dev)
     total = a + b
-    assert torch.supa.max_memory_allocated(dev) - before == (1 << 20) + 512  # the float32 result alone
+    assert torch.supa.max_memory_allocated(dev) - before == 1 << 20  # the float32 result alone
     torch.testing.assert_close(total.cpu(), a.cpu() + b.cpu(), rtol=0, atol=0)
     # CPU work outside a supa op is not device memory.
     torch.supa.reset_peak_memory_stats(dev)

@@ -35,8 +35,6 @@ CASES = (
     "full_card_releases_free_segments",
     "garbage_collection_least_recently_freed_first",
     "host_out_of_memory",
-    "provisional_block_from_the_cache",
-    "admitted_memory_becomes_a_segment",
     "reserved_address_space_backing",
 )
 
