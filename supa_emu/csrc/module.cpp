@@ -246,6 +246,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("count"), py::arg("capacities"), py::arg("dtype_demotion"), py::arg("shapes") = false);
   m.def("_shapes_mode", &supa::shapes_mode);
   m.def("_shapes_notes", &shapes_notes);
+  m.def("_card_bytes_move", &supa::card_bytes_move, py::arg("nbytes"),
+        "whether the host moves this many bytes of card data (in shapes mode, only small amounts)");
   m.def("_limit_host_tensors", &supa::limit_host_tensors, py::arg("bytes"));
   m.def("_is_flash_attention_available", [] { return true; });
   m.def("_can_use_flash_attention", &can_use_attention<&supa::can_use_flash_attention>, py::arg("params"),

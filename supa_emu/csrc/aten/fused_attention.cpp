@@ -262,13 +262,13 @@ void card_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_scaled_dot_product_flash_attention_for_cpu",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&flash_forward>>());
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_forward>>());
   m.impl("_scaled_dot_product_flash_attention_for_cpu_backward",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&flash_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_backward>>());
   m.impl("_scaled_dot_product_efficient_attention",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&efficient_forward>>());
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_forward>>());
   m.impl("_scaled_dot_product_efficient_attention_backward",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&efficient_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_backward>>());
 }
 
 }  // namespace supa::fused_attention
