@@ -225,6 +225,38 @@ def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
         assert scratch["peak_allocated"] == out["scratch_peak"] > 1 << 20
 
 
+PAYLOAD_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+
+dist.init_process_group("bccl")
+flag = torch.ones(4).to("supa")          # 16 bytes: a control value, as an overflow flag
+big = torch.ones(1 << 15).to("supa")     # 128 KiB written from the host
+gathered = torch.zeros(big.numel() * dist.get_world_size()).to("supa")
+dist.all_reduce(flag)
+dist.all_reduce(big)
+dist.all_gather_into_tensor(gathered, big)
+with open(sys.argv[1] + f".{dist.get_rank()}", "w") as f:
+    json.dump({"flag": flag.tolist(), "big": big[:2].tolist(), "gathered": gathered[-2:].tolist()}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_shapes_mode_moves_small_payloads_and_leaves_large_ones(tmp_path):
+    # Small calls, which programs branch on, answer by the uniform rule in both modes; in shapes mode a
+    # payload above 64 KiB is not moved (its outputs keep their contents), with the same calls and figures.
+    script = tmp_path / "payload.py"
+    script.write_text(textwrap.dedent(PAYLOAD_SCRIPT))
+    world, reports, outs = 4, {}, {}
+    for mode in MODES:
+        reports[mode], _ = plan([str(script), str(tmp_path / mode)], world, tmp_path / f"{mode}.json", "--mode", mode)
+        outs[mode] = json.loads((tmp_path / f"{mode}.{world - 1}").read_text())
+    assert outs["compute"] == {"flag": [4.0] * 4, "big": [4.0, 4.0], "gathered": [4.0, 4.0]}
+    assert outs["shapes"] == {"flag": [4.0] * 4, "big": [1.0, 1.0], "gathered": [0.0, 0.0]}
+    for key in ("collectives", "peak_allocated", "peak_reserved"):
+        assert reports["shapes"]["ranks"][str(world - 1)][key] == reports["compute"]["ranks"][str(world - 1)][key]
+
+
 PROFILED_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
 
