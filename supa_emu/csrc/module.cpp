@@ -182,7 +182,8 @@ py::list memory_trace() {
     entry["action"] = event.action;
     entry["addr"] = event.addr;
     entry["size"] = event.size;
-    entry["stream"] = 0;
+    entry["block_size"] = event.block_size;  // the emulator's addition: what the planner counts
+    entry["stream"] = event.stream;
     entry["time_us"] = event.time_us;
     entry["frames"] = frames[i];
     if (event.action == "oom") {

@@ -166,7 +166,8 @@ def record(failure: Optional[dict] = None) -> dict:
     t0 = _state["started"] * 1e6
     points, ooms, running = [], [], [(allocated, reserved)]
     for index, event in enumerate(events):
-        action, size = event["action"], event["size"]
+        # "size" is what was asked for, as on a card; the card's figures count whole blocks.
+        action, size = event["action"], event["block_size"]
         if action == "alloc":
             allocated += size
         elif action == "free_completed":
@@ -177,7 +178,7 @@ def record(failure: Optional[dict] = None) -> dict:
             reserved -= size
         elif action == "oom":
             oom_phase, oom_location = _phase(event["frames"])
-            ooms.append({"requested_bytes": size, "allocated": allocated, "reserved": reserved,
+            ooms.append({"requested_bytes": event["size"], "allocated": allocated, "reserved": reserved,
                          "time_s": (event["time_us"] - t0) / 1e6, "phase": oom_phase, "location": oom_location})
         if allocated > peak:
             peak, peak_event = allocated, event

@@ -6,7 +6,8 @@
 // runs with its scratch in host memory (not card memory), and the card holds what a GPU's fused
 // kernel holds, as measured on an H200 (tests/data/fidelity, docs/card_memory.md):
 // - forward: the output and the log-sum-exp (float32 per query row) it keeps for backward, plus
-//   the dropout seed and offset of memory-efficient attention; nothing of size L x S;
+//   the dropout seed and offset (int64 scalars on the card) of flash attention always and of
+//   memory-efficient attention with dropout; nothing of size L x S;
 // - backward: the gradients, and for the kernel's duration a dense copy of the output gradient
 //   when it is not dense in the output's layout, a float32 accumulator of the query gradient and
 //   the float32 row sums of dO * O; with grouped-query attention (fewer key/value heads than
@@ -85,8 +86,11 @@ std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::T
 // The dropout seed and offset of memory-efficient attention: the Philox counters of one number per
 // attention weight, reserved from the card's default generator as CUDA's kernel reserves them
 // (its offset advances by batch x heads x L x S), so dropout follows torch.supa.manual_seed.
+// Without dropout they are host scalars, as CUDA's kernel returns them (the H200 keeps nothing
+// beyond the log-sum-exp); with it they stay on the card, where graph replay reads them.
 std::pair<at::Tensor, at::Tensor> draw_philox_state(double dropout_p, uint64_t weights) {
-  const auto options = at::TensorOptions().dtype(at::kLong).device(c10::Device(kSupa, current_device()));
+  const auto options = at::TensorOptions().dtype(at::kLong).device(
+      dropout_p > 0.0 ? c10::Device(kSupa, current_device()) : c10::Device(c10::kCPU));
   at::Tensor seed = at::zeros({}, options);
   at::Tensor offset = at::zeros({}, options);
   if (dropout_p > 0.0) {
@@ -95,6 +99,29 @@ std::pair<at::Tensor, at::Tensor> draw_philox_state(double dropout_p, uint64_t w
     offset.fill_(static_cast<int64_t>(counters.offset));
   }
   return {seed, offset};
+}
+
+// A GPU's flash kernel returns its dropout seed and offset as two int64 scalars on the card, with
+// or without dropout, and autograd saves them with the log-sum-exp (H200: 2 x 512 B per call beyond
+// it). The operator supa serves for flash, PyTorch's CPU variant, has no such results: the
+// log-sum-exp's storage holds the two blocks instead, so that they live and are freed as it is.
+struct StorageWithCompanions {
+  c10::DataPtr own;
+  std::vector<at::Tensor> companions;
+};
+
+void release_with_companions(void* holder) {
+  delete static_cast<StorageWithCompanions*>(holder);
+}
+
+void hold_flash_philox_state(const at::Tensor& logsumexp) {
+  const auto options = at::TensorOptions().dtype(at::kLong).device(logsumexp.device());
+  c10::StorageImpl* storage = logsumexp.storage().unsafeGetStorageImpl();
+  void* data = storage->mutable_data();
+  const c10::Device device = storage->device();
+  auto* holder = new StorageWithCompanions{storage->set_data_ptr(c10::DataPtr()),
+                                           {at::zeros({}, options), at::zeros({}, options)}};
+  storage->set_data_ptr_noswap(c10::DataPtr(data, holder, &release_with_companions, device));
 }
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
@@ -118,6 +145,7 @@ void flash_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) 
   at::Tensor out_card = at::empty_like(q, q.options().device(c10::Device(kSupa, current_device())));
   CardTensor out{out_card, host_view(out_card)};
   CardTensor lse = on_card({q.size(0), q.size(2), q.size(1)}, {}, at::toOpMathType(q.scalar_type()));
+  hold_flash_philox_state(lse.card);
   if (!shapes_mode()) {  // shapes mode: the card's memory only
     HostScratch scratch;
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(

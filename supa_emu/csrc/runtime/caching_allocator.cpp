@@ -97,7 +97,7 @@ void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t by
 // A segment the card gives back to the host (called by the card, under g_mutex).
 void segment_released(DeviceMemory& mem, const CardSegment& segment) {
   record_memory_event("segment_free", static_cast<c10::DeviceIndex>(segment.device), segment.ptr, segment.size,
-                      nullptr);
+                      nullptr, segment.size, segment.stream);
   count_block(mem.stats.segment, segment.small, false);
   update(mem.stats.reserved_bytes, segment.small, segment.size, false);
   if (segment.oversize) {
@@ -179,11 +179,13 @@ void free_block(void* ptr) {
   if (block->oversize) {
     mem.stats.oversize_allocations.decrease(1);
   }
-  const size_t size = block->size;
+  // The history names what was asked for, as the card's does; the statistics count whole blocks.
+  const size_t size = block->size, requested = block->requested;
+  const int64_t stream = block->stream;
   const Release changed = mem.card.cache(block);  // may merge `block` away
   count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
-  record_memory_event("free_requested", device, ptr, size, stack);
-  record_memory_event("free_completed", device, ptr, size, stack);
+  record_memory_event("free_requested", device, ptr, requested, stack, size, stream);
+  record_memory_event("free_completed", device, ptr, requested, stack, size, stream);
 }
 
 void delete_device_ptr(void* ptr) {
@@ -219,7 +221,7 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes
   CardBlock* block = placed.block;
   const bool small = block->small;
   if (const CardSegment* segment = placed.segment) {
-    record_memory_event("segment_alloc", device, segment->ptr, segment->size, stack);
+    record_memory_event("segment_alloc", device, segment->ptr, segment->size, stack, segment->size, segment->stream);
     mem.stats.num_device_alloc++;
     count_block(mem.stats.segment, small, true);
     update(mem.stats.reserved_bytes, small, segment->size, true);
@@ -239,7 +241,7 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes
   if (block->oversize) {
     mem.stats.oversize_allocations.increase(1);
   }
-  record_memory_event("alloc", device, block->ptr, block->size, stack);
+  record_memory_event("alloc", device, block->ptr, nbytes, stack, block->size, block->stream);
   return block;
 }
 

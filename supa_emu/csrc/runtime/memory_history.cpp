@@ -59,7 +59,8 @@ std::shared_ptr<torch::CapturedTraceback> memory_event_stack() {
 }
 
 void record_memory_event(const char* action, c10::DeviceIndex device, const void* ptr, size_t size,
-                         const std::shared_ptr<torch::CapturedTraceback>& stack) {
+                         const std::shared_ptr<torch::CapturedTraceback>& stack, size_t block_size,
+                         int64_t stream) {
   if (!g_trace.load(std::memory_order_relaxed) && !g_stacks.load(std::memory_order_relaxed)) {
     return;
   }
@@ -74,7 +75,8 @@ void record_memory_event(const char* action, c10::DeviceIndex device, const void
     return;
   }
   g_events.push_back({name, device, static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)),
-                      static_cast<int64_t>(size), now_us(), stack});
+                      static_cast<int64_t>(size), static_cast<int64_t>(block_size == 0 ? size : block_size), stream,
+                      now_us(), stack});
   if (g_events.size() > g_max_entries) {
     g_events.pop_front();
   }

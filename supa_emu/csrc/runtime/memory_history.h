@@ -19,7 +19,9 @@ struct MemoryEvent {
   std::string action;  // alloc, free_requested, free_completed, segment_alloc, segment_free, oom
   c10::DeviceIndex device;
   int64_t addr;
-  int64_t size;
+  int64_t size;        // what was asked for (a segment's size for segment events), as the card records it
+  int64_t block_size;  // the bytes it holds on the card: the planner's figures count these
+  int64_t stream;
   int64_t time_us;
   std::shared_ptr<torch::CapturedTraceback> stack;  // null when stacks are not recorded
 };
@@ -27,7 +29,8 @@ void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_ent
 // The caller's stack when stacks are recorded, else null. Call without allocator locks held.
 std::shared_ptr<torch::CapturedTraceback> memory_event_stack();
 void record_memory_event(const char* action, c10::DeviceIndex device, const void* ptr, size_t size,
-                         const std::shared_ptr<torch::CapturedTraceback>& stack);
+                         const std::shared_ptr<torch::CapturedTraceback>& stack, size_t block_size = 0,
+                         int64_t stream = 0);
 std::vector<MemoryEvent> memory_events();
 // The stack recorded when the live block at `ptr` was allocated, or null.
 std::shared_ptr<torch::CapturedTraceback> block_stack(const void* ptr);
