@@ -35,6 +35,7 @@ CASES = (
     "full_card_releases_free_segments",
     "garbage_collection_least_recently_freed_first",
     "host_out_of_memory",
+    "taken_and_given_back",
     "reserved_address_space_backing",
 )
 

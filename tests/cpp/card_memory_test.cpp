@@ -342,6 +342,27 @@ void host_out_of_memory() {
   CHECK(t.released.size() == 1 && t.card.reserved() == 0);
 }
 
+// An operator kernel's first allocation: taken from a free block as place() would hand it out, and given
+// back exactly (the card's change count untouched); nothing is reserved for it.
+void taken_and_given_back() {
+  TestCard t(4 * MiB);
+  CardBlock* held = t.take(4 * KiB);
+  REQUIRE(held != nullptr);
+  t.card.cache(t.take(8 * KiB));
+  const uint64_t changes = t.card.changes();
+  const size_t free_blocks = t.card.cached_blocks();
+  const Placement taken = t.card.take_free(2 * KiB, kGeneral, BlockPolicy(), 0);
+  REQUIRE(taken.block != nullptr);
+  taken.block->allocated = true;
+  void* ptr = taken.block->ptr;
+  CHECK(taken.segment == nullptr && t.card.changes() == changes && t.card.reserved() == 2 * MiB);
+  CHECK(t.card.take_free(4 * MiB, kGeneral, BlockPolicy(), 0).block == nullptr);  // no free block fits: none
+  t.card.give_back(taken.block);
+  CHECK(t.card.changes() == changes && t.card.cached_blocks() == free_blocks);
+  CHECK(t.take(2 * KiB)->ptr == ptr);  // place() hands out the same block
+  CHECK(t.card.changes() == changes + 1);
+}
+
 // Shapes mode's backing: a card larger than the host, and blocks that read zeros when handed out again.
 void reserved_address_space_backing() {
   TestCard t(int64_t{1} << 40, supa::Backing::kReservedAddressSpace);
@@ -390,6 +411,7 @@ int main() {
       {"full_card_releases_free_segments", full_card_releases_free_segments},
       {"garbage_collection_least_recently_freed_first", garbage_collection_least_recently_freed_first},
       {"host_out_of_memory", host_out_of_memory},
+      {"taken_and_given_back", taken_and_given_back},
       {"reserved_address_space_backing", reserved_address_space_backing},
   };
   int failed_cases = 0;

@@ -62,6 +62,10 @@ struct ProvisionalBlock {
   size_t size;
   size_t requested;
   c10::DeviceIndex device;
+  // Or a block of the card taken as place() would hand it out now (CardMemory::take_free), while the
+  // card had made `changes` changes: uncounted until committed.
+  Placement taken;
+  uint64_t changes = 0;
 };
 std::unordered_map<void*, ProvisionalBlock> g_provisional;
 BlockPolicy g_policy;  // `_set_allocator_settings`
@@ -149,7 +153,12 @@ bool drop_provisional(void* ptr) {
   if (it == g_provisional.end()) {
     return false;
   }
-  unback(ptr, it->second.size, memory_of(it->second.device).card.backing());
+  CardMemory& card = memory_of(it->second.device).card;
+  if (CardBlock* block = it->second.taken.block) {
+    card.give_back(block);
+  } else {
+    unback(ptr, it->second.size, card.backing());
+  }
   g_provisional.erase(it);
   return true;
 }
@@ -206,18 +215,9 @@ size_t block_size(size_t nbytes, c10::DeviceIndex device) {
   return g_policy.round_size(nbytes);
 }
 
-// A block for a request of `nbytes` on the current stream, counted as allocated (under g_mutex).
-CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes, const c10::MempoolId_t& pool,
-                       c10::StreamId stream, const Stack& stack) {
-  const size_t size = g_policy.round_size(nbytes);
-  const Placement placed = mem.card.place(size, pool, g_policy, stream);
-  mem.stats.num_alloc_retries += placed.retries;
-  if (placed.block == nullptr) {
-    if (placed.host_error != 0) {
-      raise_host_oom(mem, device, size, placed.host_error);
-    }
-    raise_oom(mem, device, size, stack);
-  }
+// Counts a block the card handed out for a request of `nbytes` as allocated (under g_mutex).
+CardBlock* count_placed(DeviceMemory& mem, c10::DeviceIndex device, const Placement& placed, size_t nbytes,
+                        const Stack& stack) {
   CardBlock* block = placed.block;
   const bool small = block->small;
   if (const CardSegment* segment = placed.segment) {
@@ -245,6 +245,21 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes
   return block;
 }
 
+// A block for a request of `nbytes` on `stream`, counted as allocated (under g_mutex).
+CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes, const c10::MempoolId_t& pool,
+                       c10::StreamId stream, const Stack& stack) {
+  const size_t size = g_policy.round_size(nbytes);
+  const Placement placed = mem.card.place(size, pool, g_policy, stream);
+  mem.stats.num_alloc_retries += placed.retries;
+  if (placed.block == nullptr) {
+    if (placed.host_error != 0) {
+      raise_host_oom(mem, device, size, placed.host_error);
+    }
+    raise_oom(mem, device, size, stack);
+  }
+  return count_placed(mem, device, placed, nbytes, stack);
+}
+
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   block_size(nbytes, device);
   const auto stack = memory_event_stack();
@@ -266,10 +281,20 @@ void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
   return ptr;
 }
 
-void* allocate_provisional(size_t nbytes, c10::DeviceIndex device) {
+void* allocate_provisional(size_t nbytes, c10::DeviceIndex device, bool from_card) {
   const size_t size = block_size(nbytes, device);
+  const c10::MempoolId_t pool = from_card ? allocation_pool(device) : c10::MempoolId_t{0, 0};
+  const c10::StreamId stream = from_card ? current_stream_id(device) : 0;
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
+  if (from_card) {
+    const Placement taken = mem.card.take_free(size, pool, g_policy, stream);
+    if (CardBlock* block = taken.block) {
+      block->allocated = true;
+      g_provisional.emplace(block->ptr, ProvisionalBlock{size, nbytes, device, taken, mem.card.changes()});
+      return block->ptr;
+    }
+  }
   void* ptr = back(size, mem.card.backing());
   if (ptr == nullptr) {
     raise_host_oom(mem, device, size, errno);
@@ -296,11 +321,25 @@ void* commit_block(void* ptr) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_provisional.find(ptr);
     const ProvisionalBlock provisional = it->second;
-    DeviceMemory& mem = memory_of(device);
-    committed = place_block(mem, device, provisional.requested, pool, stream, stack)->ptr;
-    std::memcpy(committed, ptr, provisional.requested);
-    unback(ptr, provisional.size, mem.card.backing());
     g_provisional.erase(it);
+    DeviceMemory& mem = memory_of(device);
+    if (provisional.taken.block != nullptr && provisional.changes == mem.card.changes()) {
+      // The card is as it was when the block was taken: placing the request now gives this block.
+      committed = count_placed(mem, device, provisional.taken, provisional.requested, stack)->ptr;
+    } else {
+      std::vector<char> bytes;
+      const void* source = ptr;
+      if (provisional.taken.block != nullptr) {  // the card changed meanwhile: placed anew
+        bytes.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + provisional.requested);
+        source = bytes.data();
+        mem.card.give_back(provisional.taken.block);
+      }
+      committed = place_block(mem, device, provisional.requested, pool, stream, stack)->ptr;
+      std::memcpy(committed, source, provisional.requested);
+      if (provisional.taken.block == nullptr) {
+        unback(ptr, provisional.size, mem.card.backing());
+      }
+    }
   }
   report_block(committed, true);
   return committed;

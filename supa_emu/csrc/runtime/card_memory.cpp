@@ -169,6 +169,7 @@ void CardMemory::release(CardBlock* block) {
 }
 
 void CardMemory::release_cached(const PoolId* pool) {
+  ++changes_;
   for (auto& entry : free_) {
     if (pool != nullptr && std::get<0>(entry.first) != *pool) {
       continue;
@@ -286,6 +287,7 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, 
 }
 
 Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
+  ++changes_;
   Placement placed;
   CardBlock* block = find_free(size, pool, stream, policy);
   if (block == nullptr) {
@@ -295,6 +297,27 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
       return placed;
     }
   }
+  hand_out(block, size, policy, placed);
+  return placed;
+}
+
+Placement CardMemory::take_free(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
+  Placement placed;
+  if (CardBlock* block = find_free(size, pool, stream, policy)) {
+    hand_out(block, size, policy, placed);
+  }
+  return placed;
+}
+
+void CardMemory::give_back(CardBlock* block) {
+  block->allocated = false;
+  block->requested = 0;
+  merge_free(block);  // its age is the free block's it came from
+}
+
+// Splits `block` (free, out of the free lists) to `size` where the rules allow.
+void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& policy, Placement& placed) {
+  const PoolId pool = block->pool;
   const bool already_split = block->is_split();
   const size_t remaining = block->size - size;
   const bool split = block->small ? remaining >= kMinBlockSize : !policy.is_oversize(size) && remaining > kSmallSize;
@@ -324,14 +347,19 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
   block->oversize = policy.is_oversize(block->size);
   clear(*block);
   placed.block = block;
-  return placed;
 }
 
 Release CardMemory::cache(CardBlock* block) {
-  Release changed;
+  ++changes_;
   block->allocated = false;
   block->requested = 0;
   block->freed_at = ++frees_;
+  return merge_free(block);
+}
+
+// Puts a block back among the free ones, merged with its free neighbours.
+Release CardMemory::merge_free(CardBlock* block) {
+  Release changed;
   FreeBlocks& blocks = free_blocks_of(*block);
   for (CardBlock* neighbour : {block->prev, block->next}) {
     if (neighbour == nullptr || neighbour->allocated) {

@@ -173,6 +173,15 @@ class CardMemory {
   Placement place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream = 0);
   // Takes a freed block back, merged with its free neighbours (`block` may be deleted).
   Release cache(CardBlock* block);
+  // What place() would hand out now for a request of rounded `size` without reserving or
+  // releasing anything (block null when no free block fits), taken without changing changes():
+  // an operator kernel's first allocation, which is the card's only if the operator hands it back
+  // while the card is otherwise as it was (caching_allocator.cpp). give_back() undoes it exactly
+  // under the same condition.
+  Placement take_free(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream);
+  void give_back(CardBlock* block);
+  // Counts the calls that change the card (place, cache, release_cached).
+  uint64_t changes() const { return changes_; }
   // Returns the whole free segments (only `pool`'s when given) to the host.
   void release_cached(const PoolId* pool = nullptr);
 
@@ -192,6 +201,8 @@ class CardMemory {
   CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
   bool release_oversize(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   void collect_garbage(size_t incoming, const BlockPolicy& policy);
+  void hand_out(CardBlock* block, size_t size, const BlockPolicy& policy, Placement& placed);
+  Release merge_free(CardBlock* block);
   // Under kReservedAddressSpace: the pages inside a free block go back to the host, and a block
   // handed out reads as zeros.
   void drop_pages(const CardBlock& block) const;
@@ -203,6 +214,7 @@ class CardMemory {
   double fraction_ = 1.0;
   int64_t reserved_ = 0;
   uint64_t frees_ = 0;
+  uint64_t changes_ = 0;
   std::map<FreeKey, FreeBlocks> free_;
   std::map<uintptr_t, CardSegment*> segments_;          // by address
   SegmentReleased on_release_;

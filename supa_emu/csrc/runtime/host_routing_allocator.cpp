@@ -24,6 +24,7 @@ namespace supa {
 namespace {
 
 thread_local c10::DeviceIndex t_output_device = -1;
+thread_local bool t_first_from_card = false;
 c10::Allocator* g_base_cpu_allocator = nullptr;
 
 // The planner's bound on host tensors (limit_host_tensors): the live host allocations made
@@ -79,7 +80,9 @@ class HostRoutingAllocator final : public c10::Allocator {
       }
       return g_base_cpu_allocator->allocate(nbytes);
     }
-    void* ptr = allocate_provisional(nbytes, t_output_device);
+    const bool from_card = t_first_from_card;
+    t_first_from_card = false;
+    void* ptr = allocate_provisional(nbytes, t_output_device, from_card);
     return {ptr, ptr, &delete_device_ptr, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
@@ -94,12 +97,15 @@ HostRoutingAllocator g_routing_allocator;
 
 }  // namespace
 
-DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device) : previous_(t_output_device) {
+DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device, bool first_from_card)
+    : previous_(t_output_device), previous_first_(t_first_from_card) {
   t_output_device = device;
+  t_first_from_card = first_from_card && device >= 0;
 }
 
 DeviceOutputScope::~DeviceOutputScope() {
   t_output_device = previous_;
+  t_first_from_card = previous_first_;
 }
 
 c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device) {
