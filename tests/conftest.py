@@ -86,6 +86,14 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_runtest_teardown(item, nextitem):
+    # The ranks of ranks.distributed_test serve the tests of one file; the next file starts its own.
+    if nextitem is None or nextitem.path != item.path:
+        import ranks
+
+        ranks.close_rank_pools()
+
+
 _CHILD_RUNS: list[str] = []
 
 

@@ -6,18 +6,21 @@ whatever a test left running is killed when the test run ends. Output is always 
 shown when a job fails.
 
 Left to the code under test: processes that an API under test starts itself (torch.multiprocessing
-in test_multiprocessing, mp.spawn inside child scripts, PyTorch's MultiProcessTestCase in
-torch_distributed_driver.py, the os.fork of test_module_surface's fork checks).
+in test_multiprocessing, mp.spawn inside functions run in fresh interpreters, PyTorch's
+MultiProcessTestCase in torch_distributed_driver.py, the os.fork of test_module_surface's fork
+checks). Multi-rank tests whose body runs in every rank: ranks.py, on these primitives.
 """
 
 from __future__ import annotations
 
 import atexit
+import base64
 import importlib.util
 import inspect
 import json
 import os
 import pathlib
+import pickle
 import shutil
 import signal
 import socket
@@ -82,10 +85,11 @@ class Finished:
         return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
 
 
-def start(command, *, env: dict | None = None, cwd=ROOT, checkout_first: bool = False) -> subprocess.Popen:
+def start(command, *, env: dict | None = None, cwd=ROOT, checkout_first: bool = False, stdin=None,
+          stderr=subprocess.PIPE) -> subprocess.Popen:
     """Starts `command` in a session of its own with its output captured; see `wait`."""
     proc = subprocess.Popen([str(part) for part in command], cwd=cwd, env=child_env(env, checkout_first=checkout_first),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
     _LIVE_GROUPS.add(proc.pid)
     return proc
 
@@ -104,7 +108,7 @@ def wait(procs: list, timeout: float, what: str = "job") -> list[Finished]:
             finished.append(Finished(proc.args, proc.returncode, out, err))
     finally:
         for proc in procs:
-            _kill_group(proc)
+            kill(proc)
     return finished
 
 
@@ -115,7 +119,7 @@ def run(command, *, env: dict | None = None, cwd=ROOT, timeout: float = 300, che
     return result.require_success() if check else result
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen) -> None:
     """Kills what is left of the job's session (a launcher's workers outlive their launcher when it is killed)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -153,16 +157,53 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, check: 
         os.unlink(script.name)
 
 
-def run_scenario(code: str, env: dict | None = None, timeout: float = 300):
-    """Runs `code` with run_python and returns what it printed as JSON on a line 'RESULT <json>'."""
-    result = run_python(code, env=env, timeout=timeout)
-    return _last_result(result.json_lines("RESULT "), result.describe)
+_RETURNED = "FUNCTION-RETURNED "
 
 
-def _last_result(values: list, describe):
-    if not values:
-        raise AssertionError(f"no RESULT line in the output:\n{describe()}")
-    return values[-1]
+class Returned(Finished):
+    """A fresh interpreter that ran a function: its output (less the line that carried the return
+    value) and `value`, what the function returned (as JSON gives it back; None if it raised)."""
+
+    def __init__(self, finished: Finished):
+        lines = finished.stdout.splitlines(keepends=True)
+        values = [json.loads(line[len(_RETURNED):]) for line in lines if line.startswith(_RETURNED)]
+        stdout = "".join(line for line in lines if not line.startswith(_RETURNED))
+        super().__init__(finished.command, finished.returncode, stdout, finished.stderr)
+        self.value = values[-1] if values else None
+
+
+def run_function(fn, *args, env: dict | None = None, timeout: float = 300, check: bool = True,
+                 cwd=ROOT, checkout_first: bool = False) -> Returned:
+    """Runs `fn(*args)`, a module-level function of a test file, in a fresh interpreter that imports
+    that file first (so autoload and environment handling are exercised for real); a function that
+    raises makes the interpreter exit with 1 and its traceback on stderr. `args` are pickled to it;
+    what it returns must be JSON. `env`, `cwd` and `checkout_first` as for `run`.
+    """
+    [finished] = wait([start_function(fn, *args, env=env, cwd=cwd, checkout_first=checkout_first)], timeout)
+    result = Returned(finished)
+    return result.require_success() if check else result
+
+
+def start_function(fn, *args, env: dict | None = None, cwd=ROOT, checkout_first: bool = False) -> subprocess.Popen:
+    """As run_function, without waiting for it (see `start`; `Returned(...)` of what `wait` gives
+    reads its value)."""
+    command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, pickled(args)]
+    return start(command, env=env, cwd=cwd, checkout_first=checkout_first)
+
+
+def pickled(value) -> str:
+    return base64.b64encode(pickle.dumps(value)).decode()
+
+
+def unpickled(text: str):
+    return pickle.loads(base64.b64decode(text))
+
+
+def _call(source: str, name: str, args: str) -> None:
+    """The interpreter started by run_function."""
+    value = getattr(import_test_file(source), name)(*unpickled(args))
+    sys.stdout.flush()
+    os.write(sys.__stdout__.fileno(), (_RETURNED + json.dumps(value) + "\n").encode())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,42 +220,51 @@ _ONE_PER_INTERPRETER = (PRISTINE, LAST)
 
 _CASE_START, _CASE_RESULT = "SHARED-CASE-START ", "SHARED-CASE-RESULT "
 
-# Runs the snippets of a JSON file in order, each with its own stdout, and reports each one's output
-# or traceback on a line of its own (so that a crash loses only the snippet it happened in). A snippet
-# past its time limit ends the interpreter with every thread's stack on stderr.
-_SHARED_DRIVER = r'''
-import contextlib, faulthandler, io, json, linecache, os, sys, traceback
 
-def report(prefix, value):
-    sys.__stdout__.flush()
+def _report(prefix: str, value) -> None:
+    sys.stdout.flush()
     os.write(sys.__stdout__.fileno(), (prefix + json.dumps(value) + "\n").encode())
 
-with open(sys.argv[1]) as cases_file:
-    cases = json.load(cases_file)
-for name, code, limit in cases:
-    report(%(start)r, name)
-    faulthandler.dump_traceback_later(limit, exit=True)
-    filename = f"<shared case {name}>"
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # tracebacks show the code
-    out, error = io.StringIO(), None
-    try:
-        with contextlib.redirect_stdout(out):
-            exec(compile(code, filename, "exec"), {"__name__": "__shared_case__"})
-    except BaseException:  # reported as this snippet's failure; the next snippets still run
-        error = traceback.format_exc()
-    faulthandler.cancel_dump_traceback_later()
-    sys.stderr.flush()
-    report(%(result)r, {"name": name, "stdout": out.getvalue(), "error": error})
-''' % {"start": _CASE_START, "result": _CASE_RESULT}
+
+def _run_shared_cases(cases_path: str) -> None:
+    """The shared interpreter: runs the snippets of a JSON file in order, each with its own stdout,
+    and reports each one's output or traceback on a line of its own (so that a crash loses only the
+    snippet it happened in). A snippet past its time limit ends the interpreter with every thread's
+    stack on stderr."""
+    import contextlib
+    import faulthandler
+    import io
+    import linecache
+
+    with open(cases_path) as cases_file:
+        cases = json.load(cases_file)
+    for name, kind, payload, limit in cases:
+        _report(_CASE_START, name)
+        faulthandler.dump_traceback_later(limit, exit=True)
+        out, error, value = io.StringIO(), None, None
+        try:
+            with contextlib.redirect_stdout(out):
+                if kind == "call":
+                    source, function, args = payload
+                    value = getattr(import_test_file(source), function)(*unpickled(args))
+                else:
+                    filename = f"<shared case {name}>"
+                    linecache.cache[filename] = (len(payload), None, payload.splitlines(True), filename)
+                    exec(compile(payload, filename, "exec"), {"__name__": "__shared_case__"})
+        except BaseException:  # reported as this snippet's failure; the next snippets still run
+            error = traceback.format_exc()
+        faulthandler.cancel_dump_traceback_later()
+        sys.stderr.flush()
+        _report(_CASE_RESULT, {"name": name, "stdout": out.getvalue(), "error": error, "value": value})
 
 
 class CaseResult(Finished):
     """What one snippet of a shared interpreter did: its own stdout and error (its traceback, or
     None), with the whole interpreter's stderr and return code (they are not the snippet's alone)."""
 
-    def __init__(self, name: str, stdout: str, error, finished: Finished):
+    def __init__(self, name: str, stdout: str, error, finished: Finished, value=None):
         super().__init__(finished.command, finished.returncode, stdout, finished.stderr)
-        self.name, self.error, self.finished = name, error, finished
+        self.name, self.error, self.finished, self.value = name, error, finished, value
 
     def describe(self, tail: int = 6000) -> str:
         return (f"shared case {self.name!r} printed:\n{self.stdout[-tail:]}\nerror:\n{self.error}\n"
@@ -231,7 +281,7 @@ class _SharedInterpreter:
 
     def __init__(self, env: dict):
         self.env = env
-        self.cases: dict[str, tuple[str, str, float]] = {}  # name -> (stage, code, time limit), as registered
+        self.cases: dict[str, tuple[str, tuple, float]] = {}  # name -> (stage, (kind, payload), time limit)
         self.results: dict[str, CaseResult] | None = None
 
     def has_room_for(self, stage: str) -> bool:
@@ -253,7 +303,8 @@ class _SharedInterpreter:
             reported = {value["name"]: value for value in finished.json_lines(_CASE_RESULT)}
             for name in remaining:
                 if name in reported:
-                    self.results[name] = CaseResult(name, reported[name]["stdout"], reported[name]["error"], finished)
+                    self.results[name] = CaseResult(name, reported[name]["stdout"], reported[name]["error"], finished,
+                                                    reported[name]["value"])
             stopped_in = next((name for name in finished.json_lines(_CASE_START) if name not in reported), None)
             if stopped_in is None:  # ended without starting the rest (it did not come up, or exited)
                 for name in remaining:
@@ -265,20 +316,17 @@ class _SharedInterpreter:
 
     def _run_in_one_interpreter(self, names: list) -> Finished:
         timeout = sum(self.cases[name][2] for name in names) + 60
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as driver, \
-                tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cases_file:
-            driver.write(_SHARED_DRIVER)
-            json.dump([(name, code, limit) for name in names for _, code, limit in [self.cases[name]]], cases_file)
-        proc = start([sys.executable, driver.name, cases_file.name], env=self.env)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cases_file:
+            json.dump([(name, *case, limit) for name in names for _, case, limit in [self.cases[name]]], cases_file)
+        proc = start([sys.executable, __file__, "shared", cases_file.name], env=self.env)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:  # a hang the driver could not end; its output says which snippet
-            _kill_group(proc)
+            kill(proc)
             out, err = proc.communicate()
             err += f"\n(killed: still running after {timeout:.0f} s)"
         finally:
-            _kill_group(proc)
-            os.unlink(driver.name)
+            kill(proc)
             os.unlink(cases_file.name)
         return Finished(proc.args, proc.returncode, out, err)
 
@@ -297,18 +345,26 @@ class SharedCase:
         result = self._interpreter.result(self.name)
         return result.require_success() if check else result
 
-    def scenario_result(self):
-        """What the snippet printed as JSON on a line 'RESULT <json>' (the last one), as run_scenario."""
-        result = self.result()
-        return _last_result(result.json_lines("RESULT "), result.describe)
-
 
 def shared_case(name: str, code: str, env: dict | None = None, stage: str = ANY, timeout: float = 300) -> SharedCase:
     """Registers `code` to run in a fresh interpreter shared with the other snippets of the same
     environment (`env` as for run_python), at `stage` of its life; call at import time, before any
     test runs. The snippet sees its own stdout only; its globals are its own. Its interpreter starts
     when a test first asks for a result of it, and runs every snippet registered with it by then.
+    Where the code is not the point of the test, prefer a function (`shared_call`).
     """
+    return _register(name, ("code", textwrap.dedent(code)), env, stage, timeout)
+
+
+def shared_call(fn, *args, env: dict | None = None, stage: str = ANY, timeout: float = 300) -> SharedCase:
+    """As shared_case, for `fn(*args)`, a module-level function of a test file: the shared interpreter
+    imports that file (at the snippet's turn) and calls it; the CaseResult's `value` is what it
+    returned (JSON). `args` are pickled to it."""
+    name = f"{pathlib.Path(inspect.getsourcefile(fn)).stem}.{fn.__name__}{args if args else ''}"
+    return _register(name, ("call", [inspect.getsourcefile(fn), fn.__name__, pickled(args)]), env, stage, timeout)
+
+
+def _register(name: str, case: tuple, env: dict | None, stage: str, timeout: float) -> SharedCase:
     if stage not in _STAGES:
         raise ValueError(f"stage {stage!r}: expected one of {_STAGES}")
     # Overrides that change nothing (unsetting what is unset, setting what is set) do not make another environment.
@@ -322,7 +378,7 @@ def shared_case(name: str, code: str, env: dict | None = None, stage: str = ANY,
     if not room:
         room = [_SharedInterpreter(dict(key))]
         interpreters.append(room[0])
-    room[0].cases[name] = (stage, textwrap.dedent(code), timeout)
+    room[0].cases[name] = (stage, case, timeout)
     return SharedCase(name, room[0])
 
 
@@ -359,99 +415,39 @@ def launch(make_command, *, env: dict | None = None, timeout: float = 900) -> Fi
     return result
 
 
-# ------------------------------------------------------------------------------------------------
-# Rank jobs: one script, one scenario function, `world` processes
-# ------------------------------------------------------------------------------------------------
-_RANK_RESULT = "RANK-RESULT "
+def run_as_main(argv: list) -> None:
+    """Runs the script argv[0] as __main__ with `argv` as its sys.argv: for a test file that a
+    launcher starts in place of a script, to change something around it."""
+    import runpy
+
+    sys.argv = [str(arg) for arg in argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
 
 
-def run_ranks(script: str, scenario: str, world: int = 2, limit_s: float = 240, env: dict | None = None) -> list:
-    """Starts `world` ranks of a multi-process scenario; returns each rank's (returncode, outcome, stderr).
-
-    Each rank is `python script scenario rank port` with SUPA_EMULATE=1; the script's `__main__`
-    hands over to `serve_rank(globals())`, which runs its `_scenario_<scenario>(rank, port)` and
-    prints the JSON outcome that is returned here (None if the rank printed none). A job still
-    running after `limit_s` is killed and fails the test.
-    """
-    port = free_port()
-    procs = [start([sys.executable, os.path.abspath(script), scenario, rank, port],
-                   env={"SUPA_EMULATE": "1", **(env or {})}, checkout_first=True) for rank in range(world)]
-    results = []
-    for finished in wait(procs, limit_s, what=f"job {scenario!r} of {os.path.basename(script)}"):
-        outcomes = finished.json_lines(_RANK_RESULT)
-        results.append((finished.returncode, outcomes[-1] if outcomes else None, finished.stderr))
-    return results
+def print_line(text: str, stream=None) -> None:
+    """Writes `text` and its newline to `stream` (stdout) in one system call: ranks that share a pipe
+    then never interleave inside each other's lines (print() may write the text and the newline apart)."""
+    stream = stream or sys.stdout
+    stream.flush()
+    os.write(stream.fileno(), (text + "\n").encode())
 
 
-class RankChecks:
-    """A rank's named checks: `check(name, fn)` records "ok" or the error fn raised, for the parent test."""
-
-    def __init__(self):
-        self.outcomes = {}
-
-    def __call__(self, name, fn):
-        try:
-            fn()
-            self.outcomes[name] = "ok"
-        except Exception as error:  # recorded, asserted by the parent test
-            self.outcomes[name] = f"{type(error).__name__}: {error}"
-
-
-# ------------------------------------------------------------------------------------------------
-# Distributed tests: a test function's body runs in every rank
-# ------------------------------------------------------------------------------------------------
-def run_in_ranks(body, world: int = 2, backend: str = "bccl", limit_s: float = 240, env: dict | None = None) -> None:
-    """Runs `body(rank, world)`, a module-level function of a test file, in `world` fresh rank
-    processes (SUPA_EMULATE=1, rank r on supa:r, a `backend` default group initialised), as
-    DeepSpeed's DistributedTest runs a test method: each rank asserts for itself, and a rank that
-    raises (or does not finish within `limit_s`) fails the test with its traceback.
-    """
-    source = inspect.getsourcefile(body)
-    port = free_port()
-    procs = [start([sys.executable, __file__, source, body.__name__, rank, world, port, backend],
-                   env={"SUPA_EMULATE": "1", **(env or {})}, checkout_first=True) for rank in range(world)]
-    failed = [f for f in wait(procs, limit_s, what=f"{body.__name__} of {os.path.basename(source)}") if f.returncode]
-    if failed:
-        raise AssertionError("\n\n".join(f.describe() for f in failed))
-
-
-def _run_body() -> None:
-    """A rank started by run_in_ranks: imports the test file, joins the group, runs the body."""
-    source, name, rank, world, port, backend = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]), sys.argv[6]
-    spec = importlib.util.spec_from_file_location(pathlib.Path(source).stem, source)
+def import_test_file(source: str):
+    """The test file at `source`, imported (once) under the name pytest gives it (pickled values name it)."""
+    name = pathlib.Path(source).stem
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == source:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, source)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
-    import torch
-    import torch.distributed as dist
-
-    torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        getattr(module, name)(rank, world)
-        dist.barrier()  # no rank leaves while a peer may still need it
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)  # a peer may be waiting in a collective: no teardown
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def print_line(text: str) -> None:
-    """Writes `text` and its newline to stdout in one system call: ranks that share a pipe then never
-    interleave inside each other's lines (print() may write the text and the newline apart)."""
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (text + "\n").encode())
-
-
-def serve_rank(namespace: dict) -> None:
-    """Entry point of a rank started by run_ranks: runs the scenario named on the command line."""
-    scenario, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    outcome = namespace[f"_scenario_{scenario}"](rank, port)
-    print_line(_RANK_RESULT + json.dumps(outcome))
-    os._exit(0)  # skip interpreter teardown: peers may already be gone in the failure scenarios
+    return module
 
 
 if __name__ == "__main__":
-    _run_body()
+    import harness  # the module the test files import (its globals, not this __main__'s)
+
+    if sys.argv[1] == "shared":
+        harness._run_shared_cases(sys.argv[2])
+    elif sys.argv[1] == "call":
+        harness._call(*sys.argv[2:5])

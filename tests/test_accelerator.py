@@ -6,6 +6,7 @@ of their own: the `torch.backends` entry point must do it.
 """
 
 import json
+import pathlib
 import sys
 import textwrap
 import threading
@@ -612,29 +613,21 @@ def test_install_is_idempotent_and_patches_an_already_loaded_module(monkeypatch)
 # Selection in fresh processes, with no selection code in them
 
 
-def _run(code, timeout=300, args=(), **env):
-    """Run `code` (or a module with args) in a fresh interpreter with no DeepSpeed accelerator
+def _run(code=None, timeout=300, args=(), **env):
+    """Run `code` (or the interpreter with `args`) in a fresh interpreter with no DeepSpeed accelerator
     setting but those in `env` (a value of None unsets a variable). The code is passed with -c,
     so the checkout (the working directory) is importable, as for a user in their checkout."""
     command = [sys.executable, *args] if args else [sys.executable, "-c", textwrap.dedent(code)]
     return harness.run(command, env={"DS_ACCELERATOR": None, "SUPA_DS_ACCELERATOR": None, **env}, timeout=timeout)
 
 
-REPORT_CHOICE = """
-    import json, torch
-    from deepspeed.accelerator import get_accelerator
-    import deepspeed.accelerator.real_accelerator as real_accelerator
-    acc = get_accelerator()
-    device = acc.device(0)
-    x = torch.randn(3, device=device)
-    y = (torch.arange(6., device=device) * 2 + 1).sum().item()
-    print(json.dumps({
-        "class": type(acc).__module__ + "." + type(acc).__qualname__,
-        "same_everywhere": real_accelerator.get_accelerator() is acc,
-        "device_name": acc.device_name(), "device": str(device), "x_device": str(x.device), "y": y,
-        "allocated": acc.memory_allocated(0) if acc.device_name() == "supa" else None,
-    }))
-"""
+# A user's script: it selects nothing itself.
+REPORT_CHOICE = pathlib.Path(__file__).resolve().parent / "data" / "accelerator" / "report_choice.py"
+
+
+def _report_choice(*args, **env):
+    return _run(args=(REPORT_CHOICE, *args), **env)
+
 
 OURS = "supa_deepspeed.accelerator.supa_accelerator.SUPA_Accelerator"
 BUILTIN = "deepspeed.accelerator.supa_accelerator.SUPA_Accelerator"
@@ -648,7 +641,7 @@ def _choice(result):
 @requires_supa
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_ds_accelerator_supa_selects_the_project_accelerator():
-    report = _choice(_run(REPORT_CHOICE, DS_ACCELERATOR="supa"))
+    report = _choice(_report_choice(DS_ACCELERATOR="supa"))
     assert report["class"] == OURS and report["same_everywhere"]
     # The usage of DeepSpeed's SUPA pull request, unchanged.
     assert report["device_name"] == "supa"
@@ -658,7 +651,7 @@ def test_ds_accelerator_supa_selects_the_project_accelerator():
 
 @requires_supa
 def test_builtin_setting_selects_deepspeeds_own_accelerator_which_works_too():
-    report = _choice(_run(REPORT_CHOICE, DS_ACCELERATOR="supa", SUPA_DS_ACCELERATOR="builtin"))
+    report = _choice(_report_choice(DS_ACCELERATOR="supa", SUPA_DS_ACCELERATOR="builtin"))
     assert report["class"] == BUILTIN
     assert report["device_name"] == "supa" and report["x_device"] == "supa:0"
     assert report["y"] == 36.0 and report["allocated"] > 0
@@ -667,7 +660,7 @@ def test_builtin_setting_selects_deepspeeds_own_accelerator_which_works_too():
 @requires_supa
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_other_accelerators_are_untouched_and_named():
-    result = _run(REPORT_CHOICE.replace("acc.device(0)", "'cpu'"), DS_ACCELERATOR="cpu")
+    result = _report_choice("cpu", DS_ACCELERATOR="cpu")
     assert _choice(result)["class"] == "deepspeed.accelerator.cpu_accelerator.CPU_Accelerator"
     # SUPA is registered in this process, so DeepSpeed taking another accelerator is said, once.
     said = [line for line in result.stderr.splitlines() if "not SUPA_DS_ACCELERATOR" in line]
@@ -677,7 +670,7 @@ def test_other_accelerators_are_untouched_and_named():
 
 @requires_supa
 def test_bad_setting_is_a_clear_error():
-    result = _run(REPORT_CHOICE, DS_ACCELERATOR="supa", SUPA_DS_ACCELERATOR="deepspeed")
+    result = _report_choice(DS_ACCELERATOR="supa", SUPA_DS_ACCELERATOR="deepspeed")
     assert result.returncode != 0
     assert "SUPA_DS_ACCELERATOR='deepspeed'" in result.stderr
     assert "project, builtin" in result.stderr
@@ -685,11 +678,9 @@ def test_bad_setting_is_a_clear_error():
 
 @requires_supa
 @pytest.mark.slow  # a torchrun launch
-def test_torchrun_rank_auto_detects_the_project_accelerator(tmp_path):
+def test_torchrun_rank_auto_detects_the_project_accelerator():
     # No DS_ACCELERATOR: DeepSpeed's auto-detection, in a rank the launcher started.
-    script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent(REPORT_CHOICE))
-    result = _run(None, args=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script)))
+    result = _run(args=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", REPORT_CHOICE))
     assert _choice(result)["class"] == OURS
 
 

@@ -2,11 +2,12 @@
 torch_supa is installed), and what `import torch_supa` / `import torch_supa_ext` give. Each case
 runs in a fresh interpreter, because activation happens once, at `import torch`; cases that need
 no more than the environment at activation share theirs with the other cases of that environment
-(harness.shared_case)."""
+(harness.shared_case). Where the imports a user types are the point, the case is that code;
+where what the activated process does is, it is a function of this file (harness.shared_call)."""
 
 import pytest
 
-from harness import run_python, shared_case
+from harness import run_function, run_python, shared_call, shared_case
 
 pytestmark = pytest.mark.emulation_only
 
@@ -123,20 +124,22 @@ def test_bad_values_fail_at_activation_naming_the_variable(variable, value):
     assert first.startswith(f"supa_emu: configuration error: {variable}={value!r}") and "accepted" in first
 
 
-_NO_VISIBLE_CARDS = {value: shared_case(f"test_activation: no visible cards with SUPA_VISIBLE_DEVICES={value!r}", """
+def _no_cards() -> None:
     import torch
-    print(torch.supa.is_available(), torch.supa.device_count())
-    try:
+
+    assert not torch.supa.is_available()
+    assert torch.supa.device_count() == 0
+    with pytest.raises(RuntimeError):
         torch.ones(1, device='supa')
-    except RuntimeError as error:
-        print(type(error).__name__)
-""", env={"SUPA_EMULATE": "1", "SUPA_VISIBLE_DEVICES": value}) for value in ["-1", ""]}
+
+
+_NO_VISIBLE_CARDS = {value: shared_call(_no_cards, env={"SUPA_EMULATE": "1", "SUPA_VISIBLE_DEVICES": value})
+                     for value in ["-1", ""]}
 
 
 @pytest.mark.parametrize("value", list(_NO_VISIBLE_CARDS))
 def test_no_visible_cards_as_with_cuda_visible_devices(value):
-    out = _NO_VISIBLE_CARDS[value].result().stdout.split()
-    assert out == ["False", "0", "RuntimeError"]
+    _NO_VISIBLE_CARDS[value].result()
 
 
 _MEMORY_BEYOND_THE_HOST = shared_case("test_activation: SUPA_EMU_MEMORY beyond the host", "import torch",
@@ -148,51 +151,59 @@ def test_memory_beyond_the_host_warns_at_activation():
     assert "RuntimeWarning: SUPA_EMU_MEMORY='99999TiB'" in result.stderr and "host" in result.stderr
 
 
+def _uses_its_card(rank: int) -> None:
+    import torch
+
+    assert torch.supa.is_available()
+    assert torch.ones(1, device=f'supa:{rank}').device.index == rank
+
+
+def _spawns_two_children() -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_uses_its_card, nprocs=2)
+
+
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_multiprocessing_children_are_emulated_too():
-    out = run_python("""
-        import torch, torch.multiprocessing as mp
+    run_function(_spawns_two_children, env={"SUPA_EMULATE": "1"})
 
-        def child(rank):
-            assert torch.supa.is_available()
-            assert torch.ones(1, device=f'supa:{rank}').device.index == rank
 
-        if __name__ == '__main__':
-            mp.spawn(child, nprocs=2)
-            print('ok')
-    """, env={"SUPA_EMULATE": "1"}).stdout
-    assert out.strip() == "ok"
+def _card_uuids() -> list:
+    import torch
+
+    return [str(torch.supa.get_device_properties(i).uuid) for i in range(torch.supa.device_count())]
 
 
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_visible_devices_filter_and_reorder():
-    print_uuids = """
-        import torch
-        print(torch.supa.device_count())
-        for i in range(torch.supa.device_count()):
-            print(torch.supa.get_device_properties(i).uuid)
-    """
-    physical = run_python(print_uuids, env={"SUPA_EMULATE": "1", "SUPA_EMU_DEVICE_COUNT": "4"}).stdout.split()
-    visible = run_python(print_uuids, env={"SUPA_EMULATE": "1", "SUPA_EMU_DEVICE_COUNT": "4",
-                                           "SUPA_VISIBLE_DEVICES": "3,1"}).stdout.split()
-    assert physical[0] == "4" and len(set(physical[1:])) == 4
+    physical = run_function(_card_uuids, env={"SUPA_EMULATE": "1", "SUPA_EMU_DEVICE_COUNT": "4"}).value
+    visible = run_function(_card_uuids, env={"SUPA_EMULATE": "1", "SUPA_EMU_DEVICE_COUNT": "4",
+                                             "SUPA_VISIBLE_DEVICES": "3,1"}).value
+    assert len(set(physical)) == 4
     # Visible device 0 is physical card 3, visible device 1 is physical card 1: in that order.
-    assert visible == ["2", physical[1 + 3], physical[1 + 1]]
+    assert visible == [physical[3], physical[1]]
 
 
-_BACKWARD_THREADS = {setting: shared_case(f"test_activation: backward, SUPA_EMU_AUTOGRAD_DEVICE_THREADS={setting}", """
-    import threading, torch
+def _where_backward_runs() -> list:
+    import threading
+
+    import torch
+
     x = torch.ones(2, device="supa", requires_grad=True)
     threads = []
     x.register_hook(lambda grad: threads.append(threading.get_ident()))
     (x * 2).sum().backward()
-    where = "calling-thread" if threads == [threading.get_ident()] else "device-thread"
-    print(where, torch.autograd.is_multithreading_enabled())
-""", env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": setting}) for setting in [None, "0", "1"]}
+    return ["calling-thread" if threads == [threading.get_ident()] else "device-thread",
+            torch.autograd.is_multithreading_enabled()]
 
 
-@pytest.mark.parametrize("setting, expected", [(None, "calling-thread False"), ("0", "calling-thread False"),
-                                              ("1", "device-thread True")])
+_BACKWARD_THREADS = {setting: shared_call(_where_backward_runs,
+                                          env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": setting})
+                     for setting in [None, "0", "1"]}
+
+
+@pytest.mark.parametrize("setting, expected", [(None, ["calling-thread", False]), ("0", ["calling-thread", False]),
+                                              ("1", ["device-thread", True])])
 def test_backward_runs_on_the_calling_thread_unless_device_threads_are_asked_for(setting, expected):
-    out = _BACKWARD_THREADS[setting].result().stdout.split()
-    assert " ".join(out[-2:]) == expected
+    assert _BACKWARD_THREADS[setting].result().value == expected

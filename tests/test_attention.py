@@ -283,8 +283,10 @@ def card_memory(dtype, backends=None):
 def test_fused_attention_holds_what_the_h200_holds(dtype):
     card = H200[({torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype], "default")]
     emulated = card_memory(dtype)
-    # Kept for backward: the log-sum-exp (and the dropout seed and offset), nothing of size s x s.
-    assert abs(emulated["kept"] - card["kept"]) <= 2048
+    # Kept for backward: the log-sum-exp and the dropout seed and offset, nothing of size s x s. Flash
+    # (bf16) keeps what the card keeps; memory-efficient attention (fp32) keeps its seed and offset on
+    # the card, where CUDA's kernel returns host scalars without dropout: two 512-byte blocks more.
+    assert emulated["kept"] == card["kept"] + {torch.bfloat16: 0, torch.float32: 1024}[dtype]
     for figure in ("forward_peak", "backward_peak"):
         assert abs(emulated[figure] / card[figure] - 1) < 0.01, (figure, emulated[figure], card[figure])
 

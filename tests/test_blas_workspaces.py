@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from harness import shared_case
+from harness import shared_call
 import torch
 import torch.nn.functional as F
 
@@ -130,31 +130,35 @@ def test_backward_uses_autograd_s_handle_so_a_training_step_holds_two(dev):
     assert held_by(forward_and_backward, dev) == workspaces(0)
 
 
-_DEVICE_THREADS = shared_case("test_blas_workspaces: backward on autograd's device threads", """
-    import torch
+def _held_by_a_backward() -> int:
+    """Bytes a backward leaves allocated beyond the gradient (its BLAS workspaces)."""
     x = torch.randn(256, 256, device="supa")
     w = torch.randn(256, 256, device="supa", requires_grad=True)
     before = torch.supa.memory_allocated()
     (x @ w).sum().backward()
-    print(torch.supa.memory_allocated() - before - w.grad.untyped_storage().nbytes())
-""", env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": "1"})
+    return torch.supa.memory_allocated() - before - w.grad.untyped_storage().nbytes()
+
+
+_DEVICE_THREADS = shared_call(_held_by_a_backward, env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": "1"})
 
 
 def test_backward_on_autograd_s_device_threads_holds_the_same():
-    assert int(_DEVICE_THREADS.result().stdout.split()[-1]) == workspaces(2)
+    assert _DEVICE_THREADS.result().value == workspaces(2)
 
 
-_CONFIGURED = shared_case("test_blas_workspaces: SUPA_EMU_SUBLAS_WORKSPACE_CONFIG", """
-    import torch
+def _held_by_a_product() -> int:
+    """Bytes a matrix product leaves allocated beyond its result (its BLAS workspace)."""
     x = torch.randn(64, 64, device="supa")
     before = torch.supa.memory_allocated()
     y = x @ x
-    print(torch.supa.memory_allocated() - before - y.untyped_storage().nbytes())
-""", env={"SUPA_EMULATE": "1", "SUPA_EMU_SUBLAS_WORKSPACE_CONFIG": ":16:8"})
+    return torch.supa.memory_allocated() - before - y.untyped_storage().nbytes()
+
+
+_CONFIGURED = shared_call(_held_by_a_product, env={"SUPA_EMULATE": "1", "SUPA_EMU_SUBLAS_WORKSPACE_CONFIG": ":16:8"})
 
 
 def test_the_workspace_size_is_configurable_as_cublas_s():
-    assert int(_CONFIGURED.result().stdout.split()[-1]) == pytest.approx(128 << 10, abs=SLACK)
+    assert _CONFIGURED.result().value == pytest.approx(128 << 10, abs=SLACK)
 
 
 def test_clearing_frees_every_workspace_and_the_next_product_takes_one_again(dev):

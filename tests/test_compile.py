@@ -9,14 +9,13 @@ nn.Sequential) run eagerly on the CPU.
 
 import copy
 import gc
-import json
 import os
 import re
 import sys
 
 import pytest
 
-from harness import run_python
+from harness import run_function, run_python
 import torch
 import torch.nn as nn
 
@@ -250,8 +249,8 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
     a = torch.randn(1664, 1664, device=device)
     compiled = torch.compile(two_matmuls)
     compiled(a)
-    # Tensors of earlier tests that only the cycle collector frees would otherwise be freed in the
-    # middle of the compiled call, and their blocks serve the products.
+    # Tensors of earlier tests that only the cycle collector frees could be freed in the middle of
+    # the compiled call, and their blocks serve the products.
     gc.collect()
     torch.supa.empty_cache()
     # Free blocks left in split segments by earlier tests could serve the products without reserving:
@@ -259,20 +258,20 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
     with torch.supa.device(device):
         stream = torch.supa.current_stream().supa_stream
     held = [torch.empty(block["size"], dtype=torch.uint8, device=device)
-            for segment in torch.supa.memory_snapshot() if segment["device"] == device
+            for segment in torch.supa.memory_snapshot() if segment["device"] == device.index
             and segment["stream"] == stream and segment["segment_type"] == "large"
             for block in segment["blocks"] if block["state"] == "inactive"]
     total = torch.supa.get_device_properties(device).total_memory
-    # Room for one more 12 MiB segment, not for the two the compiled code needs.
-    torch.supa.set_per_process_memory_fraction((torch.supa.memory_reserved(device) + 16 * MiB) / total, device)
     reserved = torch.supa.memory_reserved(device)
+    # Room for one more 12 MiB segment, not for the two the compiled code needs.
+    torch.supa.set_per_process_memory_fraction((reserved + 16 * MiB) / total, device)
     try:
         with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
             compiled(a)
             # Not raised: say what served the products, so that a state this test did not foresee
             # can be named.
             segments = [(s["stream"], s["total_size"], [(b["size"], b["state"]) for b in s["blocks"]])
-                        for s in torch.supa.memory_snapshot() if s["device"] == device]
+                        for s in torch.supa.memory_snapshot() if s["device"] == device.index]
             pytest.fail(f"no out-of-memory error: reserved {reserved} -> "
                         f"{torch.supa.memory_reserved(device)} bytes, segments {segments}")
     finally:
@@ -407,23 +406,22 @@ def test_cpp_wrapper_fails_with_an_error_that_says_it_is_unsupported():
 # ------------------------------------------------------------------------------------------------
 # The on-disk compile cache
 # ------------------------------------------------------------------------------------------------
-CACHE_PROBE = """
-    import json, torch
+def _compile_a_model() -> dict:
+    """In a fresh interpreter: compiles a small model; Inductor's FX graph cache hits and misses."""
     from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to("supa")
     with torch.no_grad():
         out = torch.compile(model)(torch.randn(8, 16, device="supa"))
-    print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
-                      "miss": counters["inductor"]["fxgraph_cache_miss"], "sum": out.sum().item()}))
-"""
+    return {"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+            "sum": out.sum().item()}
 
 
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_second_process_reuses_the_on_disk_compile_cache(tmp_path):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
-    first, second = (json.loads(run_python(CACHE_PROBE, env=env).stdout.splitlines()[-1])
-                     for _ in range(2))
+    first, second = (run_function(_compile_a_model, env=env).value for _ in range(2))
     assert (first["hit"], first["miss"]) == (0, 1), first
     assert (second["hit"], second["miss"]) == (1, 0), second
     assert second["sum"] == first["sum"]

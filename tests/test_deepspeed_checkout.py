@@ -8,7 +8,6 @@ DeepSpeed still gets this project's SUPA accelerator and op builders, and DeepSp
 DeepSpeed sdist (same layout as a clone), downloaded once into the test cache.
 """
 
-import json
 import os
 import pathlib
 import sys
@@ -16,7 +15,7 @@ import tarfile
 
 import pytest
 
-from harness import run, run_python
+from harness import run, run_function
 
 pytestmark = [pytest.mark.emulation_only, pytest.mark.slow]  # a download once, then a fresh interpreter
 
@@ -49,15 +48,16 @@ def deepspeed_tree(tmp_path_factory):
     return tree
 
 
-WHAT_EACH_NAME_GIVES = """
-    import json
+def _what_each_name_gives() -> dict:
+    """In a fresh interpreter whose sys.path starts with the checkout: where each import leads."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    import accelerator.cuda_accelerator
+    import accelerator.cuda_accelerator  # the checkout's, after DeepSpeed's own imports (as its tests do)
     import op_builder
+
     acc = get_accelerator()
     adam = acc.create_op_builder("FusedAdamBuilder")
-    print(json.dumps({
+    return {
         "deepspeed": deepspeed.__file__,
         "accelerator_class": type(acc).__module__ + "." + type(acc).__qualname__,
         "cuda_accelerator": accelerator.cuda_accelerator.__file__,
@@ -65,14 +65,13 @@ WHAT_EACH_NAME_GIVES = """
         "op_builder_is_deepspeeds": hasattr(op_builder, "__deepspeed__"),
         "fused_adam_builder": type(adam).__module__,
         "fused_adam_compatible": adam.is_compatible(),
-    }))
-"""
+    }
 
 
 def test_checkout_root_on_sys_path_keeps_both_projects_packages(deepspeed_tree):
     # DeepSpeed's tests put the checkout's root on sys.path; PYTHONPATH does the same here.
-    result = run_python(WHAT_EACH_NAME_GIVES, env={"PYTHONPATH": str(deepspeed_tree), "DS_ACCELERATOR": None})
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    result = run_function(_what_each_name_gives, env={"PYTHONPATH": str(deepspeed_tree), "DS_ACCELERATOR": None})
+    seen = result.value
     assert pathlib.Path(seen["deepspeed"]).is_relative_to(deepspeed_tree)  # really the checkout's DeepSpeed
     assert seen["accelerator_class"] == "supa_deepspeed.accelerator.supa_accelerator.SUPA_Accelerator"
     assert seen["cuda_accelerator"] == str(deepspeed_tree / "accelerator" / "cuda_accelerator.py")

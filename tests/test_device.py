@@ -1,12 +1,11 @@
 """torch.supa device management: enumeration, selection, properties, lazy init, module surface."""
 
-import json
 import re
 import threading
 
 import pytest
 
-from harness import PRISTINE, run_python, shared_case
+from harness import PRISTINE, run_function, shared_call
 import torch
 
 supa = pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -45,8 +44,8 @@ def test_initialised_state_and_generators():
         assert gen.device == torch.device("supa", i)
 
 
-_QUEUED_SEEDS = shared_case("test_device: lazy init runs queued seeds last", """
-    import torch
+def _seeds_queued_before_init() -> list:
+    """In a fresh interpreter: seeds set before initialisation, then init; the generators' seeds."""
     assert torch.supa.is_initialized() is False
     assert torch.supa.default_generators == ()
     torch.supa.manual_seed_all(1)   # replaced by the later manual_seed_all
@@ -56,34 +55,33 @@ _QUEUED_SEEDS = shared_case("test_device: lazy init runs queued seeds last", """
     torch.supa.seed()               # random seed, queued in order
     assert torch.supa.is_initialized() is False
     torch.supa.init()
-    print([g.initial_seed() for g in torch.supa.default_generators])
-""", stage=PRISTINE)
+    return [g.initial_seed() for g in torch.supa.default_generators]
+
+
+_QUEUED_SEEDS = shared_call(_seeds_queued_before_init, stage=PRISTINE)
 
 
 def test_lazy_init_in_fresh_process_runs_queued_seeds_last():
     """Before initialisation only the latest manual_seed / manual_seed_all call is kept, and
     those run after every other queued call, in the order they were last made (as torch.cuda)."""
-    out = _QUEUED_SEEDS.result()
     # seed_all() and seed() run first; then manual_seed_all(3) and manual_seed(5), in the
     # order they were last called: 3 everywhere, then 5 on the current device (0).
-    assert out.stdout.strip() == str([5] + [3] * (torch.supa.device_count() - 1))
+    assert _QUEUED_SEEDS.result().value == [5] + [3] * (torch.supa.device_count() - 1)
 
 
-_INIT_WITHOUT_DEVICES = shared_case("test_device: init without devices", """
-    import torch
+def _init_without_devices() -> None:
     assert torch.supa.device_count() == 0
     assert torch.supa.is_available() is False
-    try:
+    with pytest.raises(RuntimeError, match="^No BIREN GPUs are available$"):
         torch.supa.init()
-    except RuntimeError as exc:
-        print(exc)
-""", env={"SUPA_VISIBLE_DEVICES": ""})
+
+
+_INIT_WITHOUT_DEVICES = shared_call(_init_without_devices, env={"SUPA_VISIBLE_DEVICES": ""})
 
 
 @pytest.mark.emulation_only
 def test_init_without_devices_raises():
-    out = _INIT_WITHOUT_DEVICES.result()
-    assert out.stdout.strip() == "No BIREN GPUs are available"
+    _INIT_WITHOUT_DEVICES.result()
 
 
 def test_set_device_and_current_device():
@@ -291,26 +289,30 @@ def test_gpu_trace_registries_have_reference_names():
     assert calls
 
 
+def _gpu_trace_of_a_tensor_and_an_event() -> dict:
+    """In a fresh interpreter: what the GPU trace's callbacks saw of a tensor and an event."""
+    import gc
+
+    from torch.supa import _gpu_trace
+
+    seen = {name: [] for name in ("created", "deleted", "allocated", "freed")}
+    _gpu_trace.register_callback_for_event_creation(seen["created"].append)
+    _gpu_trace.register_callback_for_event_deletion(seen["deleted"].append)
+    _gpu_trace.register_callback_for_memory_allocation(seen["allocated"].append)
+    _gpu_trace.register_callback_for_memory_deallocation(seen["freed"].append)
+    x = torch.empty(1000, device="supa")
+    address = x.data_ptr()
+    del x
+    event = torch.supa.Event()
+    event.record()
+    del event
+    gc.collect()
+    return {"address": address, **seen}
+
+
 @pytest.mark.slow  # a fresh interpreter: PyTorch's GPU trace, once on, stays on for the process
 def test_gpu_trace_reports_event_lifetimes_and_memory_blocks():
     """The callbacks that only the native runtime can fire (as CUDA's allocator and guard fire them)."""
-    result = run_python("""
-        import gc, json, torch
-        from torch.supa import _gpu_trace
-        seen = {name: [] for name in ("created", "deleted", "allocated", "freed")}
-        _gpu_trace.register_callback_for_event_creation(seen["created"].append)
-        _gpu_trace.register_callback_for_event_deletion(seen["deleted"].append)
-        _gpu_trace.register_callback_for_memory_allocation(seen["allocated"].append)
-        _gpu_trace.register_callback_for_memory_deallocation(seen["freed"].append)
-        x = torch.empty(1000, device="supa")
-        address = x.data_ptr()
-        del x
-        event = torch.supa.Event()
-        event.record()
-        del event
-        gc.collect()
-        print(json.dumps({"address": address, **seen}))
-    """)
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = run_function(_gpu_trace_of_a_tensor_and_an_event).value
     assert seen["address"] in seen["allocated"] and seen["address"] in seen["freed"]
     assert len(seen["created"]) == 1 and seen["deleted"] == seen["created"]

@@ -308,33 +308,35 @@ def test_parameters_requiring_grad_are_updated_in_place(adam_ops, adam_path, dev
     assert not torch.equal(p[0].detach(), before)
 
 
+def _fused_adam_against_adamw() -> None:
+    """In a fresh interpreter: DeepSpeed's FusedAdam on the accelerator DeepSpeed chose, against
+    torch's AdamW on the CPU."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import FusedAdam
+
+    acc = get_accelerator()
+    assert type(acc).__module__ == "deepspeed.accelerator.supa_accelerator"
+    torch.manual_seed(0)
+    ref = [torch.randn(64, 32), torch.randn(32)]
+    params = [torch.nn.Parameter(p.clone().to(acc.device_name())) for p in ref]
+    ref = [torch.nn.Parameter(p) for p in ref]
+    fused = FusedAdam(params, lr=1e-2, weight_decay=0.1, adam_w_mode=True)
+    plain = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    for step in range(20):
+        grads = [torch.randn_like(p) for p in ref]
+        for p, q, g in zip(params, ref, grads):
+            p.grad, q.grad = g.to(p.device), g
+        fused.step()
+        plain.step()
+    assert max(((p.detach().cpu() - q.detach()).abs().max() / q.detach().abs().max()).item()
+               for p, q in zip(params, ref)) < 1e-5
+
+
 @pytest.mark.emulation_only
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_deepspeed_builtin_supa_accelerator_runs_fused_adam_on_the_emulator():
     """DeepSpeed's own SUPA accelerator (SUPA_DS_ACCELERATOR=builtin) trains on the emulator too."""
-    from harness import run_python
+    from harness import run_function
 
-    out = run_python("""
-        import torch
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.ops.adam import FusedAdam
-        acc = get_accelerator()
-        print("RESULT", type(acc).__module__)
-        torch.manual_seed(0)
-        ref = [torch.randn(64, 32), torch.randn(32)]
-        params = [torch.nn.Parameter(p.clone().to(acc.device_name())) for p in ref]
-        ref = [torch.nn.Parameter(p) for p in ref]
-        fused = FusedAdam(params, lr=1e-2, weight_decay=0.1, adam_w_mode=True)
-        plain = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
-        for step in range(20):
-            grads = [torch.randn_like(p) for p in ref]
-            for p, q, g in zip(params, ref, grads):
-                p.grad, q.grad = g.to(p.device), g
-            fused.step()
-            plain.step()
-        print("RESULT", max(((p.detach().cpu() - q.detach()).abs().max() / q.detach().abs().max()).item()
-                            for p, q in zip(params, ref)))
-    """, env={"SUPA_EMULATE": "1", "SUPA_DS_ACCELERATOR": "builtin", "DS_ACCELERATOR": "supa"}).stdout
-    results = [line.split()[1] for line in out.splitlines() if line.startswith("RESULT ")]
-    assert results[0] == "deepspeed.accelerator.supa_accelerator"
-    assert float(results[1]) < 1e-5
+    run_function(_fused_adam_against_adamw,
+                 env={"SUPA_EMULATE": "1", "SUPA_DS_ACCELERATOR": "builtin", "DS_ACCELERATOR": "supa"})

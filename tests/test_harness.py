@@ -61,14 +61,14 @@ def test_output_and_return_code_are_captured():
         harness.run_python("import sys; sys.exit(3)")
 
 
+def _the_test_variables() -> dict:
+    return {name: os.environ.get(name) for name in ("HARNESS_TEST_DROPPED", "HARNESS_TEST_KEPT", "HARNESS_TEST_SET")}
+
+
 def test_environment_values_are_set_and_none_unsets(monkeypatch):
     monkeypatch.setenv("HARNESS_TEST_DROPPED", "inherited")
     monkeypatch.setenv("HARNESS_TEST_KEPT", "inherited")
-    report = harness.run_scenario("""
-        import json, os
-        print("RESULT " + json.dumps({name: os.environ.get(name) for name in
-                                      ("HARNESS_TEST_DROPPED", "HARNESS_TEST_KEPT", "HARNESS_TEST_SET")}))
-    """, env={"HARNESS_TEST_DROPPED": None, "HARNESS_TEST_SET": 7})
+    report = harness.run_function(_the_test_variables, env={"HARNESS_TEST_DROPPED": None, "HARNESS_TEST_SET": 7}).value
     assert report == {"HARNESS_TEST_DROPPED": None, "HARNESS_TEST_KEPT": "inherited", "HARNESS_TEST_SET": "7"}
 
 
@@ -107,12 +107,48 @@ def test_a_launch_is_retried_once_only_when_its_port_was_taken():
     assert result.returncode == 1 and len(ports) == 1
 
 
+def _start_a_job_and_leave() -> int:
+    return harness.start(["sleep", "600"]).pid
+
+
 def test_jobs_a_test_run_left_behind_are_killed_when_it_exits():
     # A run that starts a job and exits without waiting for it.
-    result = harness.run_python(f"""
-        import sys
-        sys.path.insert(0, {str(pathlib.Path(harness.__file__).parent)!r})
-        import harness
-        print(harness.start(["sleep", "600"]).pid)
-    """)
-    assert _gone_soon(int(result.stdout)), "a job outlived the run that started it"
+    assert _gone_soon(harness.run_function(_start_a_job_and_leave).value), "a job outlived the run that started it"
+
+
+# ------------------------------------------------------------------------------------------------
+# Functions in fresh interpreters
+# ------------------------------------------------------------------------------------------------
+def _where_and_what(offset):
+    return {"pid": os.getpid(), "variable": os.environ.get("HARNESS_TEST_SET"), "sum": offset + 1}
+
+
+def _raises():
+    raise ValueError("the function disagrees")
+
+
+def test_a_function_runs_in_a_fresh_interpreter_and_returns_its_value():
+    result = harness.run_function(_where_and_what, 41, env={"HARNESS_TEST_SET": "yes"})
+    assert result.value["pid"] != os.getpid()
+    assert (result.value["variable"], result.value["sum"]) == ("yes", 42)
+    assert "FUNCTION-RETURNED" not in result.stdout
+
+
+def test_a_function_that_raises_fails_with_its_traceback():
+    result = harness.run_function(_raises, check=False)
+    assert result.returncode == 1 and result.value is None
+    with pytest.raises(AssertionError, match=r"(?s)in _raises.*ValueError: the function disagrees"):
+        result.require_success()
+
+
+_FIRST = harness.shared_call(_where_and_what, 1, env={"HARNESS_TEST_SET": "shared"})
+_RAISES = harness.shared_call(_raises, env={"HARNESS_TEST_SET": "shared"})
+_SECOND = harness.shared_call(_where_and_what, 2, env={"HARNESS_TEST_SET": "shared"})
+
+
+def test_shared_functions_of_one_environment_run_in_one_interpreter_and_fail_alone():
+    first, second = _FIRST.result().value, _SECOND.result().value
+    assert first["pid"] == second["pid"] != os.getpid()
+    assert (first["sum"], second["sum"], second["variable"]) == (2, 3, "shared")
+    with pytest.raises(AssertionError, match="ValueError: the function disagrees"):
+        _RAISES.result()

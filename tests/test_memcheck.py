@@ -12,7 +12,8 @@ import warnings
 import pytest
 
 import harness
-from harness import free_port, run_python, torchrun_command
+from harness import run_function, run_python, torchrun_command
+from ranks import distributed_test
 import torch
 
 from supa_emu import config
@@ -81,18 +82,16 @@ def test_a_storage_freed_under_a_view_raises_on_next_use(checker):
     assert v.sum().item() == 6.0
 
 
+def _use_after_free() -> None:
+    t = torch.ones(1 << 20, device="supa")
+    v = t[10:]
+    t.untyped_storage().resize_(0)
+    with pytest.raises(_memcheck.IllegalAddressError, match="^SUPA memory checker: illegal address: aten::sum"):
+        v.sum()
+
+
 def test_a_use_after_free_is_an_error_not_a_crash():
-    result = run_python("""
-        import torch
-        t = torch.ones(1 << 20, device="supa")
-        v = t[10:]
-        t.untyped_storage().resize_(0)
-        try:
-            print(v.sum())
-        except torch.supa._memcheck.IllegalAddressError as error:
-            print("raised", str(error).splitlines()[0][:60])
-    """, env={"SUPA_EMU_SANITIZE": "memory"})
-    assert result.stdout.startswith("raised SUPA memory checker: illegal address: aten::sum"), result
+    run_function(_use_after_free, env={"SUPA_EMU_SANITIZE": "memory"})
 
 
 def test_operands_of_every_kind_are_checked(checker):
@@ -191,18 +190,13 @@ def test_a_graph_capture_reads_nothing_yet(strict):
             view * 2
 
 
-def test_collective_outputs_count_as_written():
-    result = run_python(f"""
-        import os, torch, torch.distributed as dist
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
-        dist.init_process_group("bccl", rank=0, world_size=1)
-        x = torch.arange(4.0, device="supa")
-        out = torch.empty(4, device="supa")
-        dist.all_gather_into_tensor(out, x)
-        print(out.sum().item())
-        dist.destroy_process_group()
-    """, env={"SUPA_EMU_SANITIZE": "memory-strict"})
-    assert result.stdout.strip() == "6.0", result
+@distributed_test(world=1, env={"SUPA_EMU_SANITIZE": "memory-strict"})
+def test_collective_outputs_count_as_written(rank, world):
+    import torch.distributed as dist
+
+    out = torch.empty(4, device="supa")
+    dist.all_gather_into_tensor(out, torch.arange(4.0, device="supa"))
+    assert out.sum().item() == 6.0  # strict: a read of unwritten memory would raise
 
 
 @pytest.mark.skipif(torch.supa.device_count() < 2, reason="needs two SUPA devices")
@@ -260,26 +254,14 @@ def test_opinfo_under_the_checker_is_silent():
     assert passed and int(passed.group(1)) >= 40, result.stdout[-2000:]
 
 
-_COUNT_CHECKED = """
-import runpy, sys, torch
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:
-    # One write per rank: print() writes its parts separately, and the ranks share the stderr pipe.
-    import os
-    os.write(2, f"memory checker: operators checked: {torch.supa._memcheck.memory_checker.checked}\\n".encode())
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("config_name", ["zero3.json", "zero3_offload_param.json", "zero2_offload_optimizer.json",
                                          "bf16.json"])
 def test_deepspeed_jobs_are_silent(tmp_path, config_name):
     config_json = json.loads((ROOT / "examples" / "configs" / config_name).read_text())
     (tmp_path / "config.json").write_text(json.dumps(config_json))
-    (tmp_path / "count_checked.py").write_text(_COUNT_CHECKED)
-    script = [tmp_path / "count_checked.py", ROOT / "examples" / "train_gpt.py", "--config", tmp_path / "config.json",
+    # Each rank is this file: it runs the script, then says how many operators it checked (below).
+    script = [__file__, ROOT / "examples" / "train_gpt.py", "--config", tmp_path / "config.json",
               "--steps", 2, "--log-format", "json", "--vocab", 256, "--seq-len", 16, "--dim", 128, "--layers", 2,
               "--heads", 4]
     result = harness.launch(lambda port: torchrun_command(*script, nproc=2, port=port),
@@ -308,30 +290,28 @@ def test_bad_sanitize_values_name_the_accepted_ones(monkeypatch, value):
         config.load()
 
 
+def _both_checkers_report() -> None:
+    from supa_emu.supa import _sanitizer_switch
+
+    t = torch.ones(4, device="supa")
+    v = t[2:]
+    t.untyped_storage().resize_(4)
+    with pytest.raises(_memcheck.IllegalAddressError):
+        v.sum()
+    side = torch.supa.Stream()
+    with torch.supa.stream(side):  # written on the side stream, read on the default one unordered
+        y = torch.zeros(8, device="supa")
+    with pytest.raises(torch.supa._sanitizer.StreamRaceError):
+        y.mul(2)
+    assert len(_sanitizer_switch.active().tools) == 2
+
+
 def test_streams_and_memory_run_together():
-    result = run_python("""
-        import torch
-        from supa_emu.supa import _sanitizer_switch
-        t = torch.ones(4, device="supa")
-        v = t[2:]
-        t.untyped_storage().resize_(4)
-        try:
-            v.sum()
-        except torch.supa._memcheck.IllegalAddressError:
-            print("memory")
-        side = torch.supa.Stream()
-        with torch.supa.stream(side):  # written on the side stream, read on the default one unordered
-            y = torch.zeros(8, device="supa")
-        try:
-            y.mul(2)
-        except torch.supa._sanitizer.StreamRaceError:
-            print("streams")
-        print(len(_sanitizer_switch.active().tools))
-    """, env={"SUPA_EMU_SANITIZE": "streams,memory"})
-    assert result.stdout.split() == ["memory", "streams", "2"], result
+    run_function(_both_checkers_report, env={"SUPA_EMU_SANITIZE": "streams,memory"})
 
 
 def test_off_by_default_nothing_is_imported_or_changed():
+    # Code, not a function of this file: importing this file imports the checker.
     result = run_python("""
         import sys, torch
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -344,3 +324,11 @@ def test_off_by_default_nothing_is_imported_or_changed():
               torch.supa._native()._memcheck_tracked_blocks())
     """, env={"SUPA_EMU_SANITIZE": None})
     assert result.stdout.split("\n")[:2] == ["2.0", "[] [] 0"], result
+
+
+if __name__ == "__main__":  # a torchrun rank of test_deepspeed_jobs_are_silent: the script, then its count
+    try:
+        harness.run_as_main(sys.argv[1:])
+    finally:
+        # One write per rank: print() writes its parts separately, and the ranks share the stderr pipe.
+        harness.print_line(f"memory checker: operators checked: {_memcheck.memory_checker.checked}", sys.stderr)

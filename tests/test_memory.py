@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from harness import PRISTINE, UNTOUCHED, run_python, shared_case
+from harness import PRISTINE, UNTOUCHED, run_function, shared_call
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -58,16 +58,16 @@ def test_stats_agree_with_generic_accelerator_api():
     assert torch.supa.memory_reserved(0) == torch.accelerator.memory_reserved(0)
 
 
-_STATS_BEFORE_INIT = shared_case("test_memory: stats before init", """
-    import torch
-    print(torch.supa.memory_stats_as_nested_dict(), dict(torch.supa.memory_stats()),
-          torch.supa.memory_allocated(), torch.supa.is_initialized())
-""", stage=UNTOUCHED)
+def _stats_before_init() -> list:
+    return [torch.supa.memory_stats_as_nested_dict(), dict(torch.supa.memory_stats()),
+            torch.supa.memory_allocated(), torch.supa.is_initialized()]
+
+
+_STATS_BEFORE_INIT = shared_call(_stats_before_init, stage=UNTOUCHED)
 
 
 def test_stats_empty_before_init():
-    out = _STATS_BEFORE_INIT.result()
-    assert out.stdout.split() == ["{}", "{}", "0", "False"]
+    assert _STATS_BEFORE_INIT.result().value == [{}, {}, 0, False]
 
 
 def test_one_mib_tensor_moves_allocated_by_its_size():
@@ -159,22 +159,21 @@ def test_out_of_memory_error_and_recovery():
     assert torch.equal((keep + 1).cpu(), torch.arange(1, 17, dtype=torch.float32))
 
 
-_HOST_ALLOCATION_FAILURE = shared_case("test_memory: host allocation failure", """
-    import warnings, torch
-    warnings.simplefilter("ignore")  # the activation warning about SUPA_EMU_MEMORY is tested elsewhere
-    try:
+def _allocation_beyond_the_host() -> None:
+    with pytest.raises(torch.OutOfMemoryError) as caught:
         torch.empty(1 << 40, dtype=torch.uint8, device='supa')
-    except torch.OutOfMemoryError as error:
-        print(error)
-    print(torch.supa.memory_reserved())
-""", env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"}, stage=PRISTINE)  # nothing reserved before it
+    assert "the host could not provide 1024.00 GiB" in str(caught.value) and "SUPA_EMU_MEMORY" in str(caught.value)
+    assert "total capacity" not in str(caught.value)
+    assert torch.supa.memory_reserved() == 0
+
+
+# PRISTINE: nothing reserved before it
+_HOST_ALLOCATION_FAILURE = shared_call(_allocation_beyond_the_host, env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"},
+                                       stage=PRISTINE)
 
 
 def test_host_allocation_failure_is_reported_as_the_hosts():
-    out = _HOST_ALLOCATION_FAILURE.result().stdout.splitlines()
-    assert "the host could not provide 1024.00 GiB" in out[0] and "SUPA_EMU_MEMORY" in out[0]
-    assert "total capacity" not in out[0]
-    assert out[1] == "0"
+    _HOST_ALLOCATION_FAILURE.result()
 
 
 def test_memory_fraction_argument_checks():
@@ -477,16 +476,20 @@ def test_garbage_collection_threshold_releases_the_oldest_cached_blocks(allocato
     del fresh
 
 
+def _allocated_and_max_split_size() -> list:
+    x = torch.empty(3 * 2**20 + 100, dtype=torch.uint8, device="supa")
+    seen = [torch.supa.memory_allocated(), torch.supa.memory_stats()["max_split_size"]]
+    del x
+    return seen
+
+
 @pytest.mark.emulation_only
 def test_allocator_conf_variable_applies_at_start_and_is_validated():
-    code = """
-        import torch
-        x = torch.empty(3 * 2**20 + 100, dtype=torch.uint8, device="supa")
-        print(torch.supa.memory_allocated(), torch.supa.memory_stats()["max_split_size"])
-    """
-    result = run_python(code, env={"PYTORCH_SUPA_ALLOC_CONF": "roundup_power2_divisions:4,max_split_size_mb:64"})
-    assert result.stdout.split() == [str(3 * MiB + MiB // 2), str(64 * MiB)]
-    bad = run_python(code, env={"PYTORCH_SUPA_ALLOC_CONF": "max_split_size_mb:lots"}, check=False)
+    result = run_function(_allocated_and_max_split_size,
+                          env={"PYTORCH_SUPA_ALLOC_CONF": "roundup_power2_divisions:4,max_split_size_mb:64"})
+    assert result.value == [3 * MiB + MiB // 2, 64 * MiB]
+    bad = run_function(_allocated_and_max_split_size, env={"PYTORCH_SUPA_ALLOC_CONF": "max_split_size_mb:lots"},
+                       check=False)
     assert bad.returncode != 0
     assert "PYTORCH_SUPA_ALLOC_CONF='max_split_size_mb:lots': invalid value 'lots' for max_split_size_mb" in bad.stderr
 

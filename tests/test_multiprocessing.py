@@ -14,20 +14,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from harness import run_python
+from harness import run_function
 
 pytestmark = pytest.mark.skipif(not torch.supa.is_available() or torch.supa.device_count() < 2,
                                 reason="needs two supa devices")
 
-# Runs in a fresh interpreter; the child is started with the start method METHOD.
-# Every blocking call has a timeout, so a lost message fails the test instead of hanging it.
-_EXCHANGE = """
-import torch
-import torch.multiprocessing as mp
-
+# The parents below run in fresh interpreters (harness.run_function), their children in processes of
+# their own. Every blocking call has a timeout, so a lost message fails the test instead of hanging it.
 T = 60
 
-def child(q, back, conn):
+
+def _exchange_child(q, back, conn):
     t = q.get(timeout=T)                                 # queue: a whole tensor
     back.put(("got", str(t.device), t.dtype, t.tolist()))
     t[0] = 100.0                                         # write visible in the parent?
@@ -45,93 +42,71 @@ def child(q, back, conn):
     conn.send(t[2:4])                                    # back to the parent: it knows this memory
     assert q.get(timeout=T) == "done"
 
-if __name__ == "__main__":
-    ctx = mp.get_context("METHOD")
+
+def _exchange_with_a_child(method: str) -> None:
+    ctx = mp.get_context(method)
     q, back = ctx.Queue(), ctx.Queue()
     parent_end, child_end = ctx.Pipe()
-    p = ctx.Process(target=child, args=(q, back, child_end), daemon=True)
+    p = ctx.Process(target=_exchange_child, args=(q, back, child_end), daemon=True)
     p.start()
     x = torch.arange(12, dtype=torch.float32, device="supa:1")
-    allocated = torch.supa.memory_allocated(1)
     q.put(x)
-    print(back.get(timeout=T))
+    assert back.get(timeout=T) == ("got", "supa:1", torch.float32, [float(i) for i in range(12)])
     assert back.get(timeout=T) == "written"
-    print("parent sees", x[0].item())
+    assert x[0].item() == 100.0                          # the child's write
     x[1] = -7.0
     q.put("parent wrote")
-    print(back.get(timeout=T))
+    assert back.get(timeout=T) == ("sees parent", -7.0)  # the parent's write
+    # x.view(3, 4)[1:, 1::2]: rows 1..2, columns 1 and 3, over the same storage.
     parent_end.send(x.view(3, 4)[1:, 1::2])
-    print(back.get(timeout=T))
+    assert back.get(timeout=T) == ("view", [[5.0, 7.0], [9.0, 11.0]], 5, (4, 2), True)
     ints = torch.tensor([5, -6, 7], device="supa:1")
     bf16 = torch.tensor([0.5, 1.5], dtype=torch.bfloat16, device="supa:0")
     param = torch.nn.Parameter(torch.ones(2, device="supa:1"))
     parent_end.send((ints, bf16, param, torch.tensor([1, 2])))
-    print(back.get(timeout=T))
+    assert back.get(timeout=T) == ("more", [5, -6, 7], torch.int64, [0.5, 1.5], torch.bfloat16,
+                                   "Parameter", True, 1, "cpu", [1, 2])
     event = torch.supa.Event(interprocess=True)
     event.record()
     parent_end.send(event)
-    print(back.get(timeout=T))
+    assert back.get(timeout=T) == ("event", "Event", True)
     assert parent_end.poll(T)
     back_view = parent_end.recv()
-    print("returned", back_view.tolist(),
-          back_view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr())
-    print("accounting", torch.supa.memory_allocated(1) - allocated >= 0, torch.supa.memory_allocated(1))
+    # The view the child sends back is the parent's own memory again.
+    assert back_view.tolist() == [2.0, 3.0]
+    assert back_view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     q.put("done")
     p.join(T)
-    print("exit", p.exitcode)
-"""
+    assert p.exitcode == 0
 
 
 @pytest.mark.emulation_only
 @pytest.mark.parametrize("method", ["spawn", "fork"])
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_tensors_cross_processes_on_the_same_device_and_share_memory(method):
-    result = run_python(_EXCHANGE.replace("METHOD", method), timeout=400)
-    lines = result.stdout.splitlines()
-    assert lines[0] == "('got', 'supa:1', torch.float32, " + str([float(i) for i in range(12)]) + ")"
-    assert lines[1] == "parent sees 100.0"                  # the child's write
-    assert lines[2] == "('sees parent', -7.0)"              # the parent's write
-    # x.view(3, 4)[1:, 1::2]: rows 1..2, columns 1 and 3, over the same storage.
-    assert lines[3] == "('view', [[5.0, 7.0], [9.0, 11.0]], 5, (4, 2), True)"
-    assert lines[4] == ("('more', [5, -6, 7], torch.int64, [0.5, 1.5], torch.bfloat16, "
-                        "'Parameter', True, 1, 'cpu', [1, 2])")
-    assert lines[5] == "('event', 'Event', True)"
-    # The view the child sends back is the parent's own memory again.
-    assert lines[6] == "returned [2.0, 3.0] True"
-    assert lines[-1] == "exit 0"
+    run_function(_exchange_with_a_child, method, timeout=400)
 
 
-_TORCH_SPAWN = """
-import torch
-import torch.multiprocessing as mp
-
-def worker(rank, t):
+def _spawned_worker(rank, t):
     assert t.device == torch.device("supa", 1), t.device
     t[rank] = rank + 10
 
-if __name__ == "__main__":
+
+def _spawn_two_workers_on_one_tensor() -> None:
     x = torch.zeros(2, device="supa:1")
-    mp.spawn(worker, args=(x,), nprocs=2, join=True)
-    print(x.tolist())
-"""
+    mp.spawn(_spawned_worker, args=(x,), nprocs=2, join=True)
+    assert x.tolist() == [10.0, 11.0]
 
 
 @pytest.mark.emulation_only
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_torch_multiprocessing_spawn_args_share_memory():
-    result = run_python(_TORCH_SPAWN, timeout=400)
-    assert result.stdout.strip() == "[10.0, 11.0]"
+    run_function(_spawn_two_workers_on_one_tensor, timeout=400)
 
 
 # Memory accounting across processes: the sender keeps counting a block it sent until the
 # receiver has let go of it (CUDA's IPC limbo), then ipc_collect frees it.
-_ACCOUNTING = """
-import torch
-import torch.multiprocessing as mp
-
-T = 60
-
-def child(conn):
+def _holding_child(conn):
     t = conn.recv()
     conn.send("holding")
     assert conn.recv() == "release"
@@ -139,35 +114,33 @@ def child(conn):
     conn.send("released")
     conn.recv()
 
-if __name__ == "__main__":
+
+def _send_and_count() -> None:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    p = ctx.Process(target=child, args=(b,), daemon=True)
+    p = ctx.Process(target=_holding_child, args=(b,), daemon=True)
     p.start()
     base = torch.supa.memory_allocated(0)
     x = torch.ones(1 << 18, device="supa:0")        # 1 MiB
     size = torch.supa.memory_allocated(0) - base
     a.send(x)
     assert a.poll(T) and a.recv() == "holding"
-    print("shared", torch.supa.memory_allocated(0) - base == size)
+    assert torch.supa.memory_allocated(0) - base == size, "shared"
     del x
     torch.supa.ipc_collect()
-    print("sender freed, receiver holds", torch.supa.memory_allocated(0) - base == size)
+    assert torch.supa.memory_allocated(0) - base == size, "sender freed, receiver holds"
     a.send("release")
     assert a.poll(T) and a.recv() == "released"
     torch.supa.ipc_collect()
-    print("all released", torch.supa.memory_allocated(0) - base)
+    assert torch.supa.memory_allocated(0) - base == 0, "all released"
     a.send("bye")
     p.join(T)
-"""
 
 
 @pytest.mark.emulation_only
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_sender_counts_shared_memory_until_the_receiver_releases_it():
-    result = run_python(_ACCOUNTING, timeout=400)
-    assert result.stdout.splitlines() == [
-        "shared True", "sender freed, receiver holds True", "all released 0"]
+    run_function(_send_and_count, timeout=400)
 
 
 # ---------------------------------------------------------------------------------------------

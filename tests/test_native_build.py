@@ -192,15 +192,26 @@ def test_concurrent_ranks_build_once(tmp_path, seeded_cache):
 
 # ---------------------------------------------------------------- progress and waiting
 
+def _hold_the_build_lock(root: pathlib.Path) -> None:
+    """Another process building in `root`: holds its lock for 1.5 s, its pid and progress written."""
+    import fcntl
+    import time
+
+    with open(root / "build.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        lock.truncate()
+        lock.write("4242\n")
+        lock.flush()
+        (root / "build.status").write_text("[1/3] compiled runtime\n")
+        print("locked", flush=True)
+        time.sleep(1.5)
+
+
 def test_a_waiting_process_names_the_builder(tmp_path, caplog):
     root = tmp_path / "native"
     root.mkdir()
-    holder = harness.start([sys.executable, "-c", (
-        "import fcntl, sys, time\n"
-        f"f = open({str(root / 'build.lock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
-        "f.seek(0); f.truncate(); f.write('4242\\n'); f.flush()\n"
-        f"open({str(root / 'build.status')!r}, 'w').write('[1/3] compiled runtime\\n')\n"
-        "print('locked', flush=True); time.sleep(1.5)\n")])
+    holder = harness.start_function(_hold_the_build_lock, root)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with caplog.at_level("WARNING", logger="supa_emu"), native._BuildLock(root):

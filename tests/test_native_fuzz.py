@@ -13,16 +13,14 @@ refuse.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import sys
 import warnings
 
 import pytest
 import torch
 
-from harness import LAST, run_python, shared_case
+from harness import LAST, run_function, shared_call
 
 pytestmark = pytest.mark.emulation_only
 
@@ -285,41 +283,29 @@ CASES = [case_allocation, case_strided_view, case_set, case_storage_resize, case
          case_pinned, case_graph, case_stream_event]
 
 
-def run_cases(seed: int, count: int) -> None:
-    """Runs `count` cases from `seed` in this process; prints what each ended in; exits 1 on a wrong
-    result or an exception that is not a refusal."""
+def run_cases(seed: int, count: int) -> dict:
+    """Runs `count` cases from `seed` in this process (a fresh interpreter); returns how many ended in
+    each outcome, or fails on a wrong result or an exception that is not a refusal, naming the case."""
+    warnings.simplefilter("ignore")
     checked = "memory" in os.environ.get("SUPA_EMU_SANITIZE", "")
     rng = random.Random(seed)
     outcomes: dict[str, int] = {}
     for index in range(count):
         case = rng.choice(CASES)
         case_rng = random.Random(rng.randrange(1 << 62))
+        where = f"seed {seed} case {index} ({case.__name__})"
         try:
             case(case_rng, checked)
             outcome = "ok"
         except WrongResult as error:
-            print(f"FAIL seed {seed} case {index} ({case.__name__}): {error}")
-            sys.exit(1)
+            raise AssertionError(f"{where}: {error}") from error
         except REFUSALS as error:
             outcome = type(error).__name__
-            if not str(error).strip():
-                print(f"FAIL seed {seed} case {index} ({case.__name__}): {outcome} without a message")
-                sys.exit(1)
+            assert str(error).strip(), f"{where}: {outcome} without a message"
         except BaseException as error:
-            print(f"FAIL seed {seed} case {index} ({case.__name__}): unexpected {type(error).__name__}: {error}")
-            sys.exit(1)
+            raise AssertionError(f"{where}: unexpected {type(error).__name__}: {error}") from error
         outcomes[f"{case.__name__}: {outcome}"] = outcomes.get(f"{case.__name__}: {outcome}", 0) + 1
-    print("OUTCOMES", json.dumps(outcomes, sort_keys=True))
-
-
-_CHILD = """
-import sys, warnings
-sys.path.insert(0, {tests!r})
-warnings.simplefilter("ignore")
-import torch
-import test_native_fuzz
-test_native_fuzz.run_cases({seed}, {count})
-"""
+    return outcomes
 
 
 def _fuzz_env(sanitize: str | None) -> dict:
@@ -327,24 +313,20 @@ def _fuzz_env(sanitize: str | None) -> dict:
 
 
 def _fuzz(seed: int, count: int, sanitize: str | None) -> None:
-    code = _CHILD.format(tests=os.path.dirname(__file__), seed=seed, count=count)
-    result = run_python(code, env=_fuzz_env(sanitize), timeout=60 + count, check=False)
+    result = run_function(run_cases, seed, count, env=_fuzz_env(sanitize), timeout=60 + count, check=False)
     assert result.returncode == 0, (f"fuzz seed {seed} ({count} cases, SUPA_EMU_SANITIZE={sanitize}) ended with "
                                     f"{result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    _check_outcomes(result.stdout, count)
+    _check_outcomes(result.value, count)
 
 
-def _check_outcomes(stdout: str, count: int) -> None:
-    outcomes = json.loads(stdout.split("OUTCOMES", 1)[1])
+def _check_outcomes(outcomes: dict, count: int) -> None:
     # Every entry point was reached, and most cases got past the argument checks.
     assert {case.__name__ for case in CASES} == {key.split(":")[0] for key in outcomes}, outcomes
     assert sum(n for key, n in outcomes.items() if key.endswith(": ok")) > count // 3, outcomes
 
 
 # Last in an interpreter shared with other tests: a case that crashes it ends it.
-_SHORT_FUZZ = {sanitize: shared_case(f"test_native_fuzz: seed 1, SUPA_EMU_SANITIZE={sanitize}",
-                                     _CHILD.format(tests=os.path.dirname(__file__), seed=1, count=150),
-                                     env=_fuzz_env(sanitize), stage=LAST, timeout=60 + 150)
+_SHORT_FUZZ = {sanitize: shared_call(run_cases, 1, 150, env=_fuzz_env(sanitize), stage=LAST, timeout=60 + 150)
                for sanitize in [None, "memory"]}
 
 
@@ -352,7 +334,7 @@ _SHORT_FUZZ = {sanitize: shared_case(f"test_native_fuzz: seed 1, SUPA_EMU_SANITI
 def test_fuzz_native_entry_points(sanitize):
     result = _SHORT_FUZZ[sanitize].result(check=False)
     assert result.error is None, f"fuzz seed 1 (150 cases, SUPA_EMU_SANITIZE={sanitize}): {result.describe(3000)}"
-    _check_outcomes(result.stdout, 150)
+    _check_outcomes(result.value, 150)
 
 
 @pytest.mark.slow

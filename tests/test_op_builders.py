@@ -13,7 +13,7 @@ import pkgutil
 
 import pytest
 
-from harness import run_python
+from harness import run_function
 import torch
 
 import supa_deepspeed.op_builder.supa as supa_builders
@@ -289,13 +289,13 @@ def test_host_builders_build_exactly_like_deepspeeds_builtin_ones(cls_name):
         assert getattr(ours, method)() == getattr(builtin, method)(), method
 
 
-_LOAD_CPU_ADAM = """
-import torch
-from deepspeed.accelerator import get_accelerator
-builder = get_accelerator().create_op_builder('CPUAdamBuilder')
-builder.load()
-print(type(builder).__module__)
-"""
+def _load_cpu_adam() -> str:
+    """In a fresh interpreter: loads cpu_adam through DeepSpeed's accelerator; the builder's module."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder('CPUAdamBuilder')
+    builder.load()
+    return type(builder).__module__
 
 
 @pytest.mark.slow
@@ -311,15 +311,15 @@ def test_switching_accelerators_does_not_rebuild_host_ops(cpu_adam_module, tmp_p
     env = {'TORCH_EXTENSIONS_DIR': str(ext_dir), 'DS_ACCELERATOR': 'supa', 'SUPA_EMULATE': '1'}
 
     def run(accelerator):
-        result = run_python(_LOAD_CPU_ADAM, env={**env, 'SUPA_DS_ACCELERATOR': accelerator}, timeout=1200)
+        result = run_function(_load_cpu_adam, env={**env, 'SUPA_DS_ACCELERATOR': accelerator}, timeout=1200)
         library = next(ext_dir.rglob('cpu_adam.so'))
         return result, library.stat().st_mtime_ns, (library.parent / '.ninja_log').read_text()
 
     first, built_at, log = run('project')
-    assert first.stdout.split()[-1] == 'supa_deepspeed.op_builder.supa.cpu_adam', first.stdout
+    assert first.value == 'supa_deepspeed.op_builder.supa.cpu_adam'
     assert "building DeepSpeed's cpu_adam op" in first.stderr and "built DeepSpeed's cpu_adam op" in first.stderr
     builtin, mtime, builtin_log = run('builtin')
-    assert builtin.stdout.split()[-1] == 'deepspeed.ops.op_builder.supa.cpu_adam', builtin.stdout
+    assert builtin.value == 'deepspeed.ops.op_builder.supa.cpu_adam'
     assert (mtime, builtin_log) == (built_at, log), "DeepSpeed's built-in accelerator rebuilt cpu_adam"
     again, mtime, again_log = run('project')
     assert (mtime, again_log) == (built_at, log), "switching back rebuilt cpu_adam"

@@ -11,7 +11,6 @@ import json
 import pathlib
 import re
 import sys
-import textwrap
 
 import pytest
 from harness import launch, run, torchrun_command
@@ -21,13 +20,14 @@ from supa_emu.plan.__main__ import main as plan_main
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "train_gpt.py"
 CONFIGS = ROOT / "examples" / "configs"
+SCRIPTS = pathlib.Path(__file__).resolve().parent / "data" / "plan"  # the scripts planned here, beside the examples
 # A model whose parameters and optimizer states show what each ZeRO stage partitions.
 GPT_ARGS = ["--vocab", "256", "--seq-len", "16", "--dim", "64", "--layers", "2", "--heads", "4", "--steps", "3",
             "--log-format", "json"]
 
 pytestmark = pytest.mark.emulation_only
 
-# In the order the exactness jobs run them (see SETUPS_SCRIPT): the DDP example last, because
+# In the order the exactness jobs run them (data/plan/setups.py): the DDP example last, because
 # after its destroy_process_group a real bccl job still holds DDP's gradient bucket on the card
 # (no Python object refers to it) and would carry it into the next setup, where a plan does not.
 CASES = {
@@ -40,29 +40,6 @@ CASES = {
     "hf_trainer_zero2": [str(ROOT / "examples" / "train_hf_trainer.py"), "--deepspeed-stage", "2", "--steps", "2"],
     "ddp": [str(ROOT / "examples" / "train_cuda_ddp.py"), "--steps", "3"],
 }
-
-# Every setup in one job: the fixed cost of a rank process (importing torch, DeepSpeed,
-# transformers) is paid once per job rather than once per setup, and the planner plans this same
-# script, so each setup's section is compared like for like.
-SETUPS_SCRIPT = """
-    import gc, json, runpy, sys
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-    from supa_emu.plan import section
-
-    for index, (name, script, *args) in enumerate(json.loads(sys.argv[1])):
-        # destroy_process_group restarts group names at 0, and a rendezvous under a used name would
-        # read the previous script's peers from the job's store: each script's groups get new names.
-        distributed_c10d._world.group_count = 1000 * index
-        sys.argv = [script, *args]
-        with section(name):
-            runpy.run_path(script, run_name="__main__")
-        if dist.is_initialized():  # the next script starts, as in a fresh process, with no group
-            dist.destroy_process_group()
-        gc.collect()
-        torch.supa.empty_cache()
-"""
 
 
 def real_run(command, world_size, record_dir):
@@ -94,13 +71,13 @@ def jobs(tmp_path_factory):
     def of(world_size, mode="compute"):
         if world_size not in real_jobs:
             directory = tmp_path_factory.mktemp(f"world{world_size}")
-            script = directory / "setups.py"
-            script.write_text(textwrap.dedent(SETUPS_SCRIPT))
-            command = [str(script), json.dumps([[name, *args] for name, args in CASES.items()])]
-            real_jobs[world_size] = directory, command, real_run(command, world_size, directory / "real")
-        directory, command, real = real_jobs[world_size]
+            # Every setup in one job, each in a section of its own (see the script).
+            command = [str(SCRIPTS / "setups.py"), json.dumps([[name, *args] for name, args in CASES.items()])]
+            real_jobs[world_size] = command, real_run(command, world_size, directory / "real")
+        command, real = real_jobs[world_size]
         if (world_size, mode) not in plans:
-            plans[world_size, mode] = plan(command, world_size, directory / f"plan-{mode}.json", "--mode", mode)[0]
+            out = tmp_path_factory.mktemp(f"plan{world_size}-{mode}") / "plan.json"
+            plans[world_size, mode] = plan(command, world_size, out, "--mode", mode)[0]
         return real, plans[world_size, mode]
     return of
 
@@ -156,47 +133,10 @@ def test_planned_rank_matches_the_real_four_rank_job(case, mode, jobs):
 # ------------------------------------------------------------------------------------------------
 # The uniform-rank rule
 # ------------------------------------------------------------------------------------------------
-COLLECTIVES_SCRIPT = """
-    import json, os, sys
-    import torch
-    import torch.distributed as dist
-    from supa_emu.plan import section
-
-    dist.init_process_group("bccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.supa.set_device(int(os.environ["LOCAL_RANK"]))
-    local = torch.arange(4, dtype=torch.float32, device="supa") + rank
-    out = {"rank": rank, "world": world, "backend": dist.get_backend()}
-    for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX)):
-        t = local.clone(); dist.all_reduce(t, op=op); out[name] = t.tolist()
-    t = local.clone(); dist.all_reduce(t, op=dist.ReduceOp.PREMUL_SUM(0.5)); out["premul_sum"] = t.tolist()
-    gathered = torch.empty(4 * world, device="supa"); dist.all_gather_into_tensor(gathered, local)
-    out["all_gather_into_tensor"] = gathered.tolist()
-    chunk = torch.empty(1, device="supa"); dist.reduce_scatter_tensor(chunk, torch.arange(world, dtype=torch.float32, device="supa"))
-    out["reduce_scatter_tensor"] = chunk.tolist()
-    parts = [torch.empty(4, device="supa") for _ in range(world)]; dist.all_gather(parts, local)
-    out["all_gather"] = [p.tolist() for p in parts]
-    b = local.clone(); dist.broadcast(b, src=0); out["broadcast"] = b.tolist()
-    dist.barrier()
-    sub = dist.new_group([0, world - 1])
-    with section("subgroup"):
-        t = local.clone(); dist.all_reduce(t, group=sub); out["subgroup_sum"] = t.tolist()
-    torch.supa.reset_peak_memory_stats()
-    with section("scratch"):
-        scratch = torch.empty(1 << 20, dtype=torch.uint8, device="supa"); del scratch
-    out["scratch_peak"] = torch.supa.max_memory_allocated()  # the allocator's own figure
-    with open(sys.argv[1] + f".{rank}", "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
 def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
-    script = tmp_path / "collectives.py"
-    script.write_text(textwrap.dedent(COLLECTIVES_SCRIPT))
     world = 4
-    report, _ = plan([str(script), str(tmp_path / "out")], world, tmp_path / "plan.json")
+    report, _ = plan([str(SCRIPTS / "collectives.py"), str(tmp_path / "out")], world, tmp_path / "plan.json")
     for rank in (0, world - 1):
         out = json.loads((tmp_path / f"out.{rank}").read_text())
         local = [float(i + rank) for i in range(4)]
@@ -225,31 +165,14 @@ def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
         assert scratch["peak_allocated"] == out["scratch_peak"] > 1 << 20
 
 
-PAYLOAD_SCRIPT = """
-import json, sys, torch, torch.distributed as dist
-
-dist.init_process_group("bccl")
-flag = torch.ones(4).to("supa")          # 16 bytes: a control value, as an overflow flag
-big = torch.ones(1 << 15).to("supa")     # 128 KiB written from the host
-gathered = torch.zeros(big.numel() * dist.get_world_size()).to("supa")
-dist.all_reduce(flag)
-dist.all_reduce(big)
-dist.all_gather_into_tensor(gathered, big)
-with open(sys.argv[1] + f".{dist.get_rank()}", "w") as f:
-    json.dump({"flag": flag.tolist(), "big": big[:2].tolist(), "gathered": gathered[-2:].tolist()}, f)
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
 def test_shapes_mode_moves_small_payloads_and_leaves_large_ones(tmp_path):
     # Small calls, which programs branch on, answer by the uniform rule in both modes; in shapes mode a
     # payload above 64 KiB is not moved (its outputs keep their contents), with the same calls and figures.
-    script = tmp_path / "payload.py"
-    script.write_text(textwrap.dedent(PAYLOAD_SCRIPT))
     world, reports, outs = 4, {}, {}
     for mode in MODES:
-        reports[mode], _ = plan([str(script), str(tmp_path / mode)], world, tmp_path / f"{mode}.json", "--mode", mode)
+        reports[mode], _ = plan([str(SCRIPTS / "payload.py"), str(tmp_path / mode)], world,
+                                tmp_path / f"{mode}.json", "--mode", mode)
         outs[mode] = json.loads((tmp_path / f"{mode}.{world - 1}").read_text())
     assert outs["compute"] == {"flag": [4.0] * 4, "big": [4.0, 4.0], "gathered": [4.0, 4.0]}
     assert outs["shapes"] == {"flag": [4.0] * 4, "big": [1.0, 1.0], "gathered": [0.0, 0.0]}
@@ -257,60 +180,19 @@ def test_shapes_mode_moves_small_payloads_and_leaves_large_ones(tmp_path):
         assert reports["shapes"]["ranks"][str(world - 1)][key] == reports["compute"]["ranks"][str(world - 1)][key]
 
 
-PROFILED_SCRIPT = """
-import json, sys, torch, torch.distributed as dist
-
-dist.init_process_group("bccl")
-t = torch.ones(8, device="supa")
-out = torch.empty(8 * dist.get_world_size(), device="supa")
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-    dist.all_reduce(t)
-    dist.broadcast(t, 0)
-    dist.all_gather_into_tensor(out, t)
-    dist.reduce_scatter_tensor(t, out)
-    dist.barrier()
-names = sorted(e.name for e in prof.events() if e.name.startswith("bccl:"))
-with open(sys.argv[1] + f".{dist.get_rank()}", "w") as f:
-    json.dump(names, f)
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
 def test_a_profiled_planned_rank_names_each_collective_by_its_op(tmp_path):
     # The trace of a planned rank names its collectives as a real rank's does (c10d's names).
-    script = tmp_path / "profiled.py"
-    script.write_text(PROFILED_SCRIPT)
-    plan([str(script), str(tmp_path / "names")], 2, tmp_path / "plan.json", "--rank", "0")
+    plan([str(SCRIPTS / "profiled.py"), str(tmp_path / "names")], 2, tmp_path / "plan.json", "--rank", "0")
     assert json.loads((tmp_path / "names.0").read_text()) == sorted([
         "bccl:all_reduce", "bccl:broadcast", "bccl:_allgather_base", "bccl:_reduce_scatter_base", "bccl:barrier"])
-
-
-BOUND_MESH_SCRIPT = """
-import json, os, sys
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-
-rank = int(os.environ["RANK"])
-dist.init_process_group("bccl", device_id=torch.device("supa", int(os.environ["LOCAL_RANK"])))
-mesh = init_device_mesh("supa", (2, 2), mesh_dim_names=("dp", "tp"))  # subgroups by split_group
-tp = mesh.get_group("tp")
-x = torch.full((3,), float(rank + 1), device="supa")
-dist.all_reduce(x, group=tp)
-with open(sys.argv[1] + f".{rank}", "w") as f:
-    json.dump({"tp_size": tp.size(), "tp_sum": x.tolist(), "splits": dist.group.WORLD.comm_split_count()}, f)
-dist.destroy_process_group()
-"""
 
 
 @pytest.mark.slow
 def test_a_device_bound_world_splits_into_uniform_subgroups(tmp_path):
     # init_process_group(device_id=...) binds the world, and DeviceMesh then splits it: in a planned
     # world the split needs no other rank's post (a real bccl split waits for all of them).
-    script = tmp_path / "mesh.py"
-    script.write_text(textwrap.dedent(BOUND_MESH_SCRIPT))
-    report, _ = plan([str(script), str(tmp_path / "out")], 4, tmp_path / "plan.json")
+    report, _ = plan([str(SCRIPTS / "bound_mesh.py"), str(tmp_path / "out")], 4, tmp_path / "plan.json")
     for rank in (0, 3):
         out = json.loads((tmp_path / f"out.{rank}").read_text())
         assert out["tp_size"] == 2 and out["tp_sum"] == [2.0 * (rank + 1)] * 3
@@ -322,13 +204,7 @@ def test_a_device_bound_world_splits_into_uniform_subgroups(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_an_out_of_memory_rank_is_a_result_with_the_failed_allocation(tmp_path, mode):
-    script = tmp_path / "oom.py"
-    script.write_text(textwrap.dedent("""\
-        import torch, torch.distributed as dist
-        dist.init_process_group("bccl")
-        keep = torch.empty(40 << 20, dtype=torch.uint8, device="supa")
-        more = torch.ones(40 << 20, dtype=torch.uint8, device="supa")
-    """))
+    script = SCRIPTS / "out_of_memory.py"
     report, result = plan([str(script)], 2, tmp_path / "plan.json", "--mode", mode, check=False,
                           env={"SUPA_EMU_MEMORY": "64MiB"})
     assert result.returncode == 1
@@ -339,23 +215,15 @@ def test_an_out_of_memory_rank_is_a_result_with_the_failed_allocation(tmp_path, 
         # Sizes as the allocator counts them: 40 MiB is a whole number of its 512-byte blocks, and its
         # segment is the request rounded to 2 MiB, so nothing is added.
         assert event["requested_bytes"] == event["allocated"] == 40 << 20
-        assert event["phase"] == "unknown" and event["location"] == f"{script}:4 (<module>)"
+        assert event["phase"] == "unknown" and event["location"] == f"{script}:8 (<module>)"
         assert "OutOfMemoryError" in entry["failure"]["error"]
-    assert (f"rank 1: out of memory asking for 40 MiB in unknown at {script}:4 (<module>), with 40 MiB allocated, "
+    assert (f"rank 1: out of memory asking for 40 MiB in unknown at {script}:8 (<module>), with 40 MiB allocated, "
             f"40 MiB reserved of 64 MiB") in result.stdout
 
 
 @pytest.mark.slow
 def test_a_failing_rank_is_reported_and_the_others_still_run(tmp_path):
-    script = tmp_path / "fails_last.py"
-    script.write_text(textwrap.dedent("""
-        import os, torch, torch.distributed as dist
-        dist.init_process_group("bccl")
-        if dist.get_rank() == dist.get_world_size() - 1:
-            raise ValueError("the last rank has no data")
-        dist.barrier()
-    """))
-    report, result = plan([str(script)], 3, tmp_path / "plan.json", check=False)
+    report, result = plan([str(SCRIPTS / "fails_last.py")], 3, tmp_path / "plan.json", check=False)
     assert result.returncode == 1
     assert report["ranks"]["0"]["failure"] is None
     failure = report["ranks"]["2"]["failure"]
@@ -365,30 +233,21 @@ def test_a_failing_rank_is_reported_and_the_others_still_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("body, message", [
-    ("import torch\nx = torch.ones(2, device='supa')\n", "never initialises a process group"),
-    ("import torch.multiprocessing as mp, torch.distributed as dist\n"
-     "def run(i):\n    dist.init_process_group('bccl', rank=i, world_size=2)\n"
-     "if __name__ == '__main__':\n    mp.spawn(run, nprocs=2)\n", "spawns its own ranks"),
+@pytest.mark.parametrize("script, message", [
+    ("no_process_group.py", "never initialises a process group"),
+    ("spawns_ranks.py", "spawns its own ranks"),
 ])
-def test_scripts_a_planned_world_cannot_run_fail_with_one_line(tmp_path, body, message):
-    script = tmp_path / "script.py"
-    script.write_text(body)
+def test_scripts_a_planned_world_cannot_run_fail_with_one_line(tmp_path, script, message):
     # A limit far below the default: a script the planner cannot run must fail at once, not hang.
-    report, result = plan([str(script)], 2, tmp_path / "plan.json", "--rank", "0", check=False, timeout=180)
+    report, result = plan([str(SCRIPTS / script)], 2, tmp_path / "plan.json", "--rank", "0", check=False,
+                          timeout=180)
     assert result.returncode == 1
     assert message in report["ranks"]["0"]["failure"]["error"]
 
 
 @pytest.mark.slow
 def test_a_model_built_on_host_tensors_beyond_the_host_fails_with_how_to_avoid_it(tmp_path):
-    script = tmp_path / "host_model.py"
-    script.write_text(textwrap.dedent("""\
-        import torch, torch.distributed as dist
-        dist.init_process_group("bccl")
-        layers = [torch.nn.Linear(8192, 8192, bias=False) for _ in range(4)]  # 1 GiB of float32 on the host
-    """))
-    report, result = plan([str(script)], 2, tmp_path / "plan.json", "--rank", "0", "--mode", "shapes", check=False,
+    report, result = plan([str(SCRIPTS / "host_model.py")], 2, tmp_path / "plan.json", "--rank", "0", "--mode", "shapes", check=False,
                           env={"SUPA_PLAN_HOST_MEMORY": "600MiB"}, timeout=180)
     assert result.returncode == 1
     error = report["ranks"]["0"]["failure"]["error"]
@@ -465,67 +324,25 @@ def test_plot_draws_each_rank_and_the_capacity(tmp_path):
     assert "above the chart" in plot.svg(far)
 
 
-
-MODULE_MAIN = """
-import sys, torch, torch.distributed as dist
-
-def fill_the_card():
-    return torch.empty(1 << 22, device="supa")  # the peak: 16 MiB
-
-dist.init_process_group("bccl")
-keep = fill_the_card()
-with open(sys.argv[1] + f".{dist.get_rank()}", "w") as f:
-    f.write(repr((sys.argv, __name__)))
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
 def test_a_module_runs_as_python_m_runs_it_and_the_peak_names_its_frame(tmp_path):
-    package = tmp_path / "planned_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "train.py").write_text(MODULE_MAIN)
+    package = SCRIPTS / "planned_pkg"
     out = tmp_path / "argv"
     result = run([sys.executable, "-m", "supa_emu.plan", "--world-size", "2", "--json", tmp_path / "plan.json",
-                  "--", "-m", "planned_pkg.train", str(out)], cwd=tmp_path, timeout=900, check=True)
+                  "--", "-m", "planned_pkg.train", str(out)], cwd=SCRIPTS, timeout=900, check=True)
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["script"] == "-m planned_pkg.train" and "plan of -m planned_pkg.train" in result.stdout
     for rank in ("0", "1"):
         argv, name = eval((tmp_path / f"argv.{rank}").read_text())
         assert argv == [str(package / "train.py"), str(out)] and name == "__main__"
         entry = report["ranks"][rank]
-        assert entry["peak_location"] == f"{package / 'train.py'}:5 (fill_the_card)"
+        assert entry["peak_location"] == f"{package / 'train.py'}:9 (fill_the_card)"
         assert entry["peak_phase"] == "unknown"  # the main thread, outside any training step
-
-
-FSDP_TP_SCRIPT = """
-import os, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-torch.supa.set_device(int(os.environ["LOCAL_RANK"]))
-dist.init_process_group("bccl")
-mesh = init_device_mesh("supa", (2, 2), mesh_dim_names=("dp", "tp"))
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).to("supa")
-parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-fully_shard(model, mesh=mesh["dp"])
-model.set_gradient_divide_factor(8.0)  # reduce-scatters with PREMUL_SUM(1/8)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for _ in range(2):
-    model(torch.randn(8, 64, device="supa")).square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-dist.destroy_process_group()
-"""
 
 
 @pytest.mark.slow
 def test_a_planned_fsdp2_tp_rank_matches_the_real_four_rank_job(tmp_path):
-    script = tmp_path / "fsdp_tp.py"
-    script.write_text(FSDP_TP_SCRIPT)
+    script = SCRIPTS / "fsdp_tp.py"
     real = real_run([str(script)], 4, tmp_path / "real")
     compute, _ = plan([str(script)], 4, tmp_path / "plan.json")
     shapes, _ = plan([str(script)], 4, tmp_path / "plan-shapes.json", "--mode", "shapes")
@@ -538,37 +355,12 @@ def test_a_planned_fsdp2_tp_rank_matches_the_real_four_rank_job(tmp_path):
         assert {c["op"] for c in planned["collectives"]} >= {"reduce_scatter_tensor", "all_gather_into_tensor"}
 
 
-GLOO_SCRIPT = """
-import json, sys, torch, torch.distributed as dist
-
-dist.init_process_group(sys.argv[2])
-rank, world = dist.get_rank(), dist.get_world_size()
-cpu = dist.new_group(backend="gloo")  # as Megatron keeps one beside each device group
-out = {"world_backend": dist.get_backend(), "cpu_backend": dist.get_backend(cpu)}
-t = torch.arange(4.0) + rank
-dist.all_reduce(t, group=cpu); out["sum"] = t.tolist()
-t = torch.arange(4.0) + rank
-dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu); out["max"] = t.tolist()
-parts = [torch.empty(2) for _ in range(world)]
-dist.all_gather(parts, torch.full((2,), float(rank)), group=cpu); out["all_gather"] = [p.tolist() for p in parts]
-objects = [None] * world
-dist.all_gather_object(objects, {"rank": rank}, group=cpu); out["objects"] = objects
-chosen = [f"from rank {rank}"]
-dist.broadcast_object_list(chosen, src=0, group=cpu); out["broadcast_object"] = chosen[0]
-dist.barrier(group=cpu)
-with open(sys.argv[1] + f".{rank}", "w") as f:
-    json.dump(out, f)
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world_backend", ["bccl", "gloo"])
 def test_gloo_groups_follow_the_uniform_rule(tmp_path, world_backend):
-    script = tmp_path / "gloo_groups.py"
-    script.write_text(GLOO_SCRIPT)
     world = 4
-    report, _ = plan([str(script), str(tmp_path / "out"), world_backend], world, tmp_path / "plan.json")
+    report, _ = plan([str(SCRIPTS / "gloo_groups.py"), str(tmp_path / "out"), world_backend], world,
+                     tmp_path / "plan.json")
     for rank in (0, world - 1):
         out = json.loads((tmp_path / f"out.{rank}").read_text())
         local = [float(i + rank) for i in range(4)]

@@ -3,14 +3,14 @@ computes it (the product rounded to the tensor's dtype; a half input takes a hal
 input a float one), for all_reduce, reduce, reduce_scatter and reduce_scatter_tensor, with number
 and device-tensor factors; and FSDP2 with a gradient divide factor, which reduce-scatters with it.
 
-Each test body runs in every rank (harness.run_in_ranks); expected values are computed on the CPU
+Each test body runs in every rank (ranks.distributed_test); expected values are computed on the CPU
 from every rank's inputs, which each rank can rebuild.
 """
 
 import copy
 
 import pytest
-from harness import run_in_ranks
+from ranks import distributed_test
 import torch
 import torch.distributed as dist
 
@@ -41,7 +41,8 @@ def _expected_sum(world: int, dtype: torch.dtype, numel: int = 12) -> torch.Tens
     return total
 
 
-def _premul_collectives(rank: int, world: int) -> None:
+@distributed_test(world=2)
+def test_premul_sum_collectives(rank: int, world: int) -> None:
     device = torch.device("supa", rank)
     for dtype in DTYPES:
         op = dist.ReduceOp.PREMUL_SUM(FACTORS[rank])
@@ -77,11 +78,9 @@ def _premul_collectives(rank: int, world: int) -> None:
         assert torch.equal(output.cpu(), mine), (dtype, "reduce_scatter")
 
 
-def test_premul_sum_collectives():
-    run_in_ranks(_premul_collectives)
-
-
-def _premul_refusals(rank: int, world: int) -> None:
+@pytest.mark.emulation_only
+@distributed_test(world=2)
+def test_premul_sum_refusals(rank: int, world: int) -> None:
     device = torch.device("supa", rank)
     # As NCCL: only half, float, bfloat16 and double are premultiplied.
     with pytest.raises(TypeError, match="PreMulSum Data type must be half, float, bfloat16 or double"):
@@ -100,12 +99,9 @@ def _premul_refusals(rank: int, world: int) -> None:
     assert torch.equal(tensor.cpu(), torch.full((4,), 0.5 * world))
 
 
-@pytest.mark.emulation_only
-def test_premul_sum_refusals():
-    run_in_ranks(_premul_refusals)
-
-
-def _fsdp_tp_divide_factor(rank: int, world: int) -> None:
+@pytest.mark.slow
+@distributed_test(world=4)
+def test_fsdp2_tp_gradient_divide_factor_matches_one_device(rank: int, world: int) -> None:
     """A 2-layer MLP, tensor-parallel over 2 ranks and FSDP2-sharded over 2, with a gradient
     divide factor of 8: the gradients are the single-device ones of (sum of the data-parallel
     losses) / 8, which FSDP2 reduce-scatters with PREMUL_SUM(1/8)."""
@@ -131,8 +127,3 @@ def _fsdp_tp_divide_factor(rank: int, world: int) -> None:
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
         got = param.grad.full_tensor().cpu()
         torch.testing.assert_close(got, expected.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-
-
-@pytest.mark.slow
-def test_fsdp2_tp_gradient_divide_factor_matches_one_device():
-    run_in_ranks(_fsdp_tp_divide_factor, world=4)

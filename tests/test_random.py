@@ -13,7 +13,8 @@ import os
 
 import pytest
 
-from harness import ANY, PRISTINE, RankChecks, run_ranks, serve_rank, shared_case
+from harness import PRISTINE, shared_call
+from ranks import distributed_test
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -118,20 +119,21 @@ def test_fork_rng_restores_supa_state():
     assert torch.equal(torch.rand(4, device="supa").cpu(), expected.cpu())
 
 
-_SEEDED_BEFORE_INIT = shared_case("test_random: seeding before init", """
-    import torch
+def _seeded_before_init() -> None:
     torch.manual_seed(77)
     assert not torch.supa.is_initialized()
     a = torch.rand(3, device="supa")
     torch.supa.manual_seed(77)
     b = torch.rand(3, device="supa")
-    print(torch.equal(a.cpu(), b.cpu()), torch.supa.initial_seed())
-""", stage=PRISTINE)
+    assert torch.equal(a.cpu(), b.cpu())
+    assert torch.supa.initial_seed() == 77
+
+
+_SEEDED_BEFORE_INIT = shared_call(_seeded_before_init, stage=PRISTINE)
 
 
 def test_seeding_before_init_is_deferred():
-    out = _SEEDED_BEFORE_INIT.result()
-    assert out.stdout.split() == ["True", "77"]
+    _SEEDED_BEFORE_INIT.result()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,35 +250,40 @@ def test_rng_state_survives_a_checkpoint():
     assert torch.equal(torch.randn(6, device="supa").cpu(), expected)
 
 
-_FORK_AND_SPAWN = shared_case("test_random: generator state across fork and spawn", """
+def _draw(queue, state) -> None:
+    """A child process's draw, from `state` (if any) or the state it inherited."""
+    if state is not None:
+        torch.supa.set_rng_state(state)
+    queue.put(torch.rand(8, device="supa").cpu().tolist())
+
+
+def _draw_in_child(method: str, state=None) -> list:
     import multiprocessing
-    import torch
 
-    # The child's code as a string run by exec: a builtin is what a spawned child can unpickle here.
-    DRAW = ("import torch; state is None or torch.supa.set_rng_state(state); "
-            "queue.put(torch.rand(8, device='supa').cpu().tolist())")
+    context = multiprocessing.get_context(method)
+    queue = context.Queue()
+    child = context.Process(target=_draw, args=(queue, state))
+    child.start()
+    values = queue.get(timeout=120)
+    child.join()
+    return values
 
-    def in_child(method, state=None):
-        context = multiprocessing.get_context(method)
-        queue = context.Queue()
-        child = context.Process(target=exec, args=(DRAW, {"queue": queue, "state": state}))
-        child.start()
-        values = queue.get(timeout=120)
-        child.join()
-        return values
 
+def _generator_state_across_fork_and_spawn() -> None:
     torch.supa.manual_seed(31)
     torch.rand(3, device="supa")
     state = torch.supa.get_rng_state()
-    forked = in_child("fork")
-    spawned = in_child("spawn", state)
-    print(forked == spawned == torch.rand(8, device="supa").cpu().tolist())
-""", stage=ANY)
+    forked = _draw_in_child("fork")
+    spawned = _draw_in_child("spawn", state)
+    assert forked == spawned == torch.rand(8, device="supa").cpu().tolist()
+
+
+_FORK_AND_SPAWN = shared_call(_generator_state_across_fork_and_spawn)
 
 
 @pytest.mark.slow  # the spawned child is a fresh interpreter
 def test_generator_state_carries_across_fork_and_spawn():
-    assert _FORK_AND_SPAWN.result().stdout.split() == ["True"]
+    _FORK_AND_SPAWN.result()
 
 
 def test_clone_state_copies_and_graphsafe_state_shares():
@@ -598,62 +605,43 @@ def test_random_ops_without_a_card_kernel_follow_seed_and_offset(op):
 # ------------------------------------------------------------------------------------------------
 # DTensor: a sharded random init equals the unsharded one (real ranks)
 # ------------------------------------------------------------------------------------------------
-_MESHES = {"dtensor_1d": (2,), "dtensor_2d": (2, 2)}
-
-
-def _scenario_dtensor(rank, port, mesh_shape):
-    import datetime
-
-    import torch.distributed as dist
+def _sharded_init_equals_unsharded(mesh_shape: tuple, placements: list, shape: tuple) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
-    world = math.prod(mesh_shape)
-    torch.supa.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("bccl", store=store, rank=rank, world_size=world)
     mesh = init_device_mesh("supa", mesh_shape)
-    layouts = [[Shard(0)]] if len(mesh_shape) == 1 else [[Shard(0), Replicate()], [Replicate(), Shard(0)]]
-    check = RankChecks()
-    for placements in layouts:
-        for shape in ((8, 8), (5, 8)):  # (5, 8): shards of 3 and 2 rows
-            def sharded_equals_unsharded(placements=placements, shape=shape):
-                torch.manual_seed(1234)
-                normal = torch.empty(shape, device="supa").normal_()
-                uniform = torch.empty(shape, device="supa").uniform_()
-                state = torch.supa.get_rng_state()
-                torch.manual_seed(1234)
-                sharded_normal = distribute_tensor(torch.empty(shape, device="supa"), mesh, placements).normal_()
-                sharded_uniform = distribute_tensor(torch.empty(shape, device="supa"), mesh, placements).uniform_()
-                assert torch.equal(sharded_normal.full_tensor().cpu(), normal.cpu()), "normal_"
-                assert torch.equal(sharded_uniform.full_tensor().cpu(), uniform.cpu()), "the next call"
-                assert torch.equal(torch.supa.get_rng_state(), state), "the generator's state after"
-
-            check(f"{placements}/{shape}", sharded_equals_unsharded)
-    dist.destroy_process_group()
-    return check.outcomes
+    torch.manual_seed(1234)
+    normal = torch.empty(shape, device="supa").normal_()
+    uniform = torch.empty(shape, device="supa").uniform_()
+    state = torch.supa.get_rng_state()
+    torch.manual_seed(1234)
+    sharded_normal = distribute_tensor(torch.empty(shape, device="supa"), mesh, placements).normal_()
+    sharded_uniform = distribute_tensor(torch.empty(shape, device="supa"), mesh, placements).uniform_()
+    assert torch.equal(sharded_normal.full_tensor().cpu(), normal.cpu()), "normal_"
+    assert torch.equal(sharded_uniform.full_tensor().cpu(), uniform.cpu()), "the next call"
+    assert torch.equal(torch.supa.get_rng_state(), state), "the generator's state after"
 
 
-def _scenario_dtensor_1d(rank, port):
-    return _scenario_dtensor(rank, port, _MESHES["dtensor_1d"])
-
-
-def _scenario_dtensor_2d(rank, port):
-    return _scenario_dtensor(rank, port, _MESHES["dtensor_2d"])
+_SHAPES = [(8, 8), (5, 8)]  # (5, 8): shards of 3 and 2 rows
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", sorted(_MESHES))
-def test_sharded_dtensor_init_equals_the_unsharded_init(scenario):
-    world = math.prod(_MESHES[scenario])
-    if torch.supa.device_count() < world:
-        pytest.skip(f"needs {world} SUPA devices")
-    results = run_ranks(__file__, scenario, world=world, limit_s=300)
-    for rank, (code, outcome, err) in enumerate(results):
-        assert code == 0 and outcome is not None, f"rank {rank} failed ({code}):\n{err[-4000:]}"
-        assert len(outcome) == (2 if world == 2 else 4), outcome
-        assert all(value == "ok" for value in outcome.values()), f"rank {rank}: {outcome}"
+@pytest.mark.parametrize("shape", _SHAPES)
+@distributed_test(world=2)
+def test_sharded_dtensor_init_equals_the_unsharded_init_on_a_1d_mesh(rank, world, shape):
+    from torch.distributed.tensor import Shard
+
+    _sharded_init_equals_unsharded((2,), [Shard(0)], shape)
 
 
-if __name__ == "__main__":
-    serve_rank(globals())
+@pytest.mark.slow
+@pytest.mark.skipif(torch.supa.device_count() < 4, reason="needs 4 SUPA devices")
+@pytest.mark.parametrize("shape", _SHAPES)
+@pytest.mark.parametrize("sharded_dim", [0, 1], ids=["dp_sharded", "tp_sharded"])
+@distributed_test(world=4)
+def test_sharded_dtensor_init_equals_the_unsharded_init_on_a_2d_mesh(rank, world, sharded_dim, shape):
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = [Replicate(), Replicate()]
+    placements[sharded_dim] = Shard(0)
+    _sharded_init_equals_unsharded((2, 2), placements, shape)

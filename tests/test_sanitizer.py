@@ -9,7 +9,8 @@ import pathlib
 
 import pytest
 
-from harness import launch, run_python, torchrun_command
+import harness
+from harness import launch, run_function, run_python, torchrun_command
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -397,23 +398,23 @@ def test_bad_sanitize_value_is_a_config_error_naming_accepted_values(monkeypatch
         config.load()
 
 
+def _a_race() -> None:
+    s = torch.supa.Stream()
+    x = torch.ones(8, device="supa")
+    s.wait_stream(torch.supa.current_stream())
+    with torch.supa.stream(s):
+        x.add_(1)
+    with pytest.raises(StreamRaceError) as caught:
+        x.sum()
+    assert caught.value.streams[0] == 0, caught.value.streams
+
+
 def test_environment_switch_enables_it_at_activation():
-    result = run_python("""
-        import torch
-        s = torch.supa.Stream()
-        x = torch.ones(8, device="supa")
-        s.wait_stream(torch.supa.current_stream())
-        with torch.supa.stream(s):
-            x.add_(1)
-        try:
-            x.sum()
-        except torch.supa._sanitizer.StreamRaceError as error:
-            print("reported:", error.streams)
-    """, env={"SUPA_EMU_SANITIZE": "streams"})
-    assert "reported: (0," in result.stdout
+    run_function(_a_race, env={"SUPA_EMU_SANITIZE": "streams"})
 
 
 def test_off_by_default_nothing_is_imported():
+    # Code, not a function of this file: importing this file imports the sanitizer.
     result = run_python("""
         import sys, torch
         x = torch.ones(8, device="supa")
@@ -447,14 +448,6 @@ def test_history_forgets_freed_storages_that_can_no_longer_race(sanitizer, side)
 
 # ---- DeepSpeed on two emulated cards: ZeRO-2 with overlap_comm, ZeRO-3 with prefetch ---------------
 
-_FORGET_WAIT_STREAM = """
-import runpy, sys, torch
-torch.supa.Stream.wait_stream = lambda self, other: None  # the bug under test: every wait forgotten
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def _sanitized_job(tmp_path, config_name: str, zero_overrides: dict, forget_waits: bool = False):
     """Runs examples/train_gpt.py on two ranks with SUPA_EMU_SANITIZE=streams-report; returns the
     per-rank summary lines and the whole stderr."""
@@ -464,8 +457,7 @@ def _sanitized_job(tmp_path, config_name: str, zero_overrides: dict, forget_wait
     (tmp_path / "config.json").write_text(json.dumps(config))
     script = [root / "examples" / "train_gpt.py"]
     if forget_waits:
-        (tmp_path / "forget_waits.py").write_text(_FORGET_WAIT_STREAM)
-        script.insert(0, tmp_path / "forget_waits.py")
+        script.insert(0, __file__)  # each rank forgets every wait, then runs the script (below)
     script += ["--config", tmp_path / "config.json", "--steps", 2, "--log-format", "json", "--vocab", 256,
                "--seq-len", 16, "--dim", 256, "--layers", 4, "--heads", 4]
     result = launch(lambda port: torchrun_command(*script, nproc=2, port=port),
@@ -496,3 +488,10 @@ def test_deepspeed_zero2_overlap_comm_without_its_waits_is_reported(tmp_path):
     assert all(not line.endswith("; 0 races reported") for line in summaries), summaries
     assert "data race between streams" in stderr
     assert "deepspeed/runtime/zero/stage_1_and_2.py" in stderr and "in reduce_ipg_grads" in stderr
+
+
+if __name__ == "__main__":  # a torchrun rank of _sanitized_job(forget_waits=True)
+    import sys
+
+    torch.supa.Stream.wait_stream = lambda self, other: None  # the bug under test: every wait forgotten
+    harness.run_as_main(sys.argv[1:])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import shared_case
+from harness import shared_call
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -52,11 +52,12 @@ def test_constructors_build_supa_tensors():
 
 
 # Printed once per process: another snippet of its interpreter printing it first would leave none here.
-_LEGACY_CONSTRUCTORS = shared_case("test_tensor_types: legacy constructors", """
-    import torch
+def _two_legacy_constructors() -> None:
     torch.supa.FloatTensor(2)
     torch.supa.IntTensor(3)
-""")
+
+
+_LEGACY_CONSTRUCTORS = shared_call(_two_legacy_constructors)
 
 
 def test_constructor_warning_printed_once():

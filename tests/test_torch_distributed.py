@@ -17,20 +17,16 @@ The fast tier runs REPRESENTATIVE; the whole base is `slow` (CI).
 """
 
 import json
-import os
-import pathlib
 import re
-import sys
 
 import pytest
-from harness import run_python
+from harness import run_function
 
 import torch_distributed_expectations as expectations
+import torch_distributed_driver
 from torch_distributed_driver import GLOO_TABLE
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
-
-DRIVER = pathlib.Path(__file__).resolve().parent / "torch_distributed_driver.py"
 
 
 def _run_base(tmp_path, names=()) -> dict:
@@ -38,14 +34,8 @@ def _run_base(tmp_path, names=()) -> dict:
     argv = ["--backend", "nccl", "--out", str(out), *names]
     # The driver's own process (not pytest's): torch's base reads BACKEND & co. at import, and the
     # ranks are forked from a process that has not touched a card.
-    code = f"""
-        import sys
-        sys.path.insert(0, {str(DRIVER.parent)!r})
-        import torch_distributed_driver
-        if __name__ == "__main__":
-            sys.exit(torch_distributed_driver.main({argv!r}))
-    """
-    result = run_python(code, env={"SUPA_EMULATE": "1", "SUPA_EMU_TRANSFER": "1"}, timeout=3600, check=False)
+    result = run_function(torch_distributed_driver.main, argv, env={"SUPA_EMULATE": "1", "SUPA_EMU_TRANSFER": "1"},
+                          timeout=3600, check=False)
     if not out.exists():
         raise AssertionError(f"the driver wrote no outcomes ({result.returncode}):\n{result.stdout}\n{result.stderr[-20000:]}")
     outcomes = json.loads(out.read_text())
@@ -130,13 +120,11 @@ def test_whole_base(base_outcomes):
     assert not problems, "\n\n".join(problems)
 
 
+def _base_test_names() -> list:
+    """In a fresh interpreter: the names of the base's tests, as configured for NCCL."""
+    torch_distributed_driver.configure("nccl")
+    return torch_distributed_driver.test_names()
+
+
 def _all_test_names(tmp_path) -> list:
-    code = f"""
-        import json, sys
-        sys.path.insert(0, {str(DRIVER.parent)!r})
-        import torch_distributed_driver as driver
-        driver.configure("nccl")
-        print(json.dumps(driver.test_names()))
-    """
-    result = run_python(code, env={"SUPA_EMULATE": "1"})
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_function(_base_test_names, env={"SUPA_EMULATE": "1"}).value

@@ -12,7 +12,6 @@ Numerical references are written here in plain PyTorch (or are torch.optim), nev
 under test.
 """
 
-import json
 import os
 import sys
 
@@ -148,19 +147,19 @@ def _name(schema):
     return schema[:schema.index("(")]
 
 
+def _child_env(ext: bool) -> dict:
+    """A child on the emulated card, with or without the emulated torch_supa_ext."""
+    return {"SUPA_EMULATE": "1", "DS_ACCELERATOR": "supa", "SUPA_EMU_EXT": "1" if ext else None}
+
+
 def _run_child(command, ext, timeout=600):
-    """Runs `command` with the checkout first on the path, on the emulated card, with or without
-    the emulated torch_supa_ext."""
-    env = {"SUPA_EMULATE": "1", "DS_ACCELERATOR": "supa", "SUPA_EMU_EXT": "1" if ext else None}
-    return harness.run(command, env=env, timeout=timeout, checkout_first=True)
+    """Runs `command` with the checkout first on the path (see _child_env)."""
+    return harness.run(command, env=_child_env(ext), timeout=timeout, checkout_first=True)
 
 
-def _run_python(code, ext, timeout=600):
-    return _run_child([sys.executable, "-c", code], ext, timeout)
-
-
-def _last_json(result):
-    return json.loads(result.require_success().stdout.strip().splitlines()[-1])
+def _in_child(fn, ext, timeout=600):
+    """What `fn`, a function of this file, returns in a child (see _run_child)."""
+    return harness.run_function(fn, env=_child_env(ext), timeout=timeout, checkout_first=True).value
 
 
 # ---------------------------------------------------------------- switching (main process)
@@ -170,21 +169,21 @@ def test_reference_tables_have_the_published_sizes():
     assert len(KERNEL_OPS) + len(STUB_OPS) == 89
 
 
+def _what_there_is_of_the_ext() -> dict:
+    import importlib.util
+
+    try:
+        import torch_supa_ext  # noqa: F401
+        imported = True
+    except ModuleNotFoundError:
+        imported = False
+    return {"imported": imported, "spec": importlib.util.find_spec("torch_supa_ext") is not None,
+            "adam_op": hasattr(torch.ops.deepspeed, "multi_tensor_adam"), "dc_op": hasattr(torch.ops.dc, "end_backward")}
+
+
 @outer_only
 def test_absent_without_supa_emu_ext():
-    code = """
-import importlib.util, json, torch
-try:
-    import torch_supa_ext
-    imported = True
-except ModuleNotFoundError:
-    imported = False
-print(json.dumps({"imported": imported,
-                  "spec": importlib.util.find_spec("torch_supa_ext") is not None,
-                  "adam_op": hasattr(torch.ops.deepspeed, "multi_tensor_adam"),
-                  "dc_op": hasattr(torch.ops.dc, "end_backward")}))
-"""
-    assert _last_json(_run_python(code, ext=False)) == {
+    assert _in_child(_what_there_is_of_the_ext, ext=False) == {
         "imported": False, "spec": False, "adam_op": False, "dc_op": False}
 
 
@@ -202,43 +201,42 @@ def test_ext_suite_in_subprocess(report_child_run):
     report_child_run(f"emulated torch_supa_ext op tests (child run with SUPA_EMU_EXT=1): {summary}")
 
 
-_FUSED_ADAM_RUN = """
-import json, torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from deepspeed.ops.adam import FusedAdam
+def _fused_adam_steps() -> dict:
+    """In a child: 30 FusedAdam steps in each mode; the parameters, and whether the kernel ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from deepspeed.ops.adam import FusedAdam
 
-class OpNames(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func))
-        return func(*args, **(kwargs or {}))
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
 
-shapes = [(64, 33), (7,), (3, 5, 11), (1000,)]
-results, seen = {}, set()
-for adam_w_mode, dtype in ((True, torch.float32), (False, torch.float32), (True, torch.bfloat16)):
-    gen = torch.Generator().manual_seed(1234)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to("supa", dtype)) for s in shapes]
-    opt = FusedAdam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, adam_w_mode=adam_w_mode)
-    recorder = OpNames()
-    for _ in range(30):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to("supa", dtype)
-        with recorder:
-            opt.step()
-    seen |= recorder.names
-    results[f"{adam_w_mode}-{dtype}"] = [p.detach().float().cpu().tolist() for p in params]
-print(json.dumps({"kernel_used": "deepspeed.multi_tensor_adam.default" in seen,
-                  "results": results}))
-"""
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    shapes = [(64, 33), (7,), (3, 5, 11), (1000,)]
+    results, seen = {}, set()
+    for adam_w_mode, dtype in ((True, torch.float32), (False, torch.float32), (True, torch.bfloat16)):
+        gen = torch.Generator().manual_seed(1234)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to("supa", dtype)) for s in shapes]
+        opt = FusedAdam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, adam_w_mode=adam_w_mode)
+        recorder = OpNames()
+        for _ in range(30):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to("supa", dtype)
+            with recorder:
+                opt.step()
+        seen |= recorder.names
+        results[f"{adam_w_mode}-{dtype}"] = [p.detach().float().cpu().tolist() for p in params]
+    return {"kernel_used": "deepspeed.multi_tensor_adam.default" in seen, "results": results}
 
 
 @outer_only
 @pytest.mark.slow  # two DeepSpeed processes, 90 optimizer steps each
 def test_fused_adam_emulated_kernel_matches_fallback():
-    with_kernel = _last_json(_run_python(_FUSED_ADAM_RUN, ext=True))
-    fallback = _last_json(_run_python(_FUSED_ADAM_RUN, ext=False))
+    with_kernel = _in_child(_fused_adam_steps, ext=True)
+    fallback = _in_child(_fused_adam_steps, ext=False)
     assert with_kernel["kernel_used"], "FusedAdam did not call torch.ops.deepspeed.multi_tensor_adam"
     assert not fallback["kernel_used"]
     for case, params in with_kernel["results"].items():

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import free_port, launch, run_python, torchrun_command
+from harness import free_port, launch, print_line, run_as_main, run_python, torchrun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -383,23 +383,13 @@ def test_emulator_off_means_no_torch_supa_and_no_transfer():
 
 # ---- an unchanged CUDA-written DDP script on two cards ---------------------------------------
 
-_DDP_WRAPPER = """
-import json, runpy, sys, torch
-sys.argv = [{script!r}, "--steps", "4"]
-runpy.run_path({script!r}, run_name="__main__")
-sys.stdout.write(json.dumps({{"event": "supa", "max_memory_allocated": torch.supa.max_memory_allocated(),
-                             "memory_allocated": torch.supa.memory_allocated()}}) + "\\n")
-sys.stdout.flush()
-"""
-
-
 @pytest.mark.slow
-def test_cuda_written_ddp_script_under_torchrun(tmp_path):
+def test_cuda_written_ddp_script_under_torchrun():
     if torch.supa.device_count() < 2:
         pytest.skip("needs 2 SUPA cards")
-    wrapper = tmp_path / "run_ddp.py"
-    wrapper.write_text(_DDP_WRAPPER.format(script=str(ROOT / "examples" / "train_cuda_ddp.py")))
-    result = launch(lambda port: torchrun_command(wrapper, nproc=2, port=port), timeout=600,
+    # Each rank is this file: it runs the script, then says what torch.supa counted (below).
+    script = [__file__, ROOT / "examples" / "train_cuda_ddp.py", "--steps", "4"]
+    result = launch(lambda port: torchrun_command(*script, nproc=2, port=port), timeout=600,
                     env={"BRTB_TRANSFER_SILENCE": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event"')]
@@ -411,3 +401,11 @@ def test_cuda_written_ddp_script_under_torchrun(tmp_path):
     assert all(len(r["step_ms"]) == 4 and all(ms > 0 for ms in r["step_ms"]) for r in results)
     assert sorted(r["max_memory_allocated"] for r in results) == sorted(s["max_memory_allocated"] for s in supa_figures)
     assert all(r["max_memory_allocated"] > 0 and r["memory_allocated"] > 0 for r in results)
+
+
+if __name__ == "__main__":  # a torchrun rank of test_cuda_written_ddp_script_under_torchrun
+    import sys
+
+    run_as_main(sys.argv[1:])
+    print_line(json.dumps({"event": "supa", "max_memory_allocated": torch.supa.max_memory_allocated(),
+                           "memory_allocated": torch.supa.memory_allocated()}))

@@ -8,8 +8,8 @@ launcher: torchrun with --nnodes 2, or DeepSpeed's launcher with a two-entry hos
 --no_ssh (DeepSpeed's multi-node path without ssh; docs/collectives.md, "Several hosts on one
 machine", says why the --launcher choices cannot run here).
 
-Checked: bccl collectives across the hosts and on per-host subgroups (values against plain
-arithmetic), and a ZeRO-3 job whose losses equal those of the same job on 1 host x 4 cards.
+Checked: bccl collectives across the hosts and on per-host subgroups (each rank asserts the values
+against plain arithmetic), and a ZeRO-3 job whose losses equal those of the same job on 1 host x 4 cards.
 Skipped with the reason where namespaces cannot be created (no unshare, or not permitted).
 """
 
@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from harness import RankChecks, free_port, print_line, run, start, torchrun_command, wait
+from harness import free_port, print_line, run, start, torchrun_command, wait
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
@@ -32,7 +32,7 @@ HOSTS = ("supa-host0", "supa-host1")
 CARDS_PER_HOST = 2
 JOB_TIMEOUT_S = 900
 TRAIN_ARGS = ["--config", str(ZERO3), "--steps", "4", "--seed", "1234", "--log-format", "json"]
-_RESULT = "TWO-HOSTS-RESULT "
+_PASSED = "TWO-HOSTS-RANK-PASSED "
 
 
 def _namespaces_unavailable():
@@ -57,73 +57,88 @@ pytestmark = [
 
 
 # ------------------------------------------------------------------------------------------------
-# Worker side: one rank of the collectives job (started by torchrun)
+# Worker side: one rank of the collectives job (started by torchrun), asserting for itself
 # ------------------------------------------------------------------------------------------------
-def _collectives_worker() -> dict:
+def _each_host_has_its_name_and_its_shared_memory(rank, world):
     import socket
 
     import torch.distributed as dist
 
+    seen = [None] * world
+    dist.all_gather_object(seen, [socket.gethostname(), os.stat("/dev/shm").st_dev])
+    assert [host for host, _ in seen] == [HOSTS[0]] * 2 + [HOSTS[1]] * 2, seen
+    devices = [device for _, device in seen]
+    assert devices[0] == devices[1] != devices[2] == devices[3], seen
+
+
+def _all_reduce(rank, world):
+    import torch.distributed as dist
+
+    t = torch.full((1000,), rank + 1.0, device="supa")
+    dist.all_reduce(t)
+    assert torch.equal(t.cpu(), torch.full((1000,), world * (world + 1) / 2)), t[:3]
+
+
+def _all_gather_into_tensor(rank, world):
+    import torch.distributed as dist
+
+    out = torch.empty(world * 6, device="supa")
+    dist.all_gather_into_tensor(out, torch.arange(6.0, device="supa") + 100 * rank)
+    assert torch.equal(out.cpu(), torch.cat([torch.arange(6.0) + 100 * r for r in range(world)])), out
+
+
+def _reduce_scatter_tensor(rank, world):
+    import torch.distributed as dist
+
+    out = torch.empty(3, device="supa")
+    dist.reduce_scatter_tensor(out, torch.arange(world * 3.0, device="supa") * (rank + 1))
+    expected = torch.arange(rank * 3.0, rank * 3.0 + 3) * sum(r + 1 for r in range(world))
+    assert torch.equal(out.cpu(), expected), out
+
+
+def _broadcast(rank, world):
+    import torch.distributed as dist
+
+    t = torch.full((5,), float(rank), device="supa")
+    dist.broadcast(t, src=world - 1)
+    assert t.cpu().tolist() == [world - 1.0] * 5, t
+
+
+def _all_to_all_single(rank, world):
+    import torch.distributed as dist
+
+    out = torch.empty(world, device="supa")
+    dist.all_to_all_single(out, torch.arange(world, dtype=torch.float32, device="supa") + 10 * rank)
+    assert out.cpu().tolist() == [10.0 * r + rank for r in range(world)], out
+
+
+def _per_host_subgroups(rank, world):
+    import torch.distributed as dist
+
+    host_ranks = [list(range(h * CARDS_PER_HOST, (h + 1) * CARDS_PER_HOST)) for h in range(world // CARDS_PER_HOST)]
+    group = dist.split_group(split_ranks=host_ranks)
+    t = torch.full((4,), float(rank), device="supa")
+    dist.all_reduce(t, group=group)
+    assert group.size() == CARDS_PER_HOST and t.cpu().tolist() == [float(sum(host_ranks[rank // CARDS_PER_HOST]))] * 4, t
+
+
+_CHECKS = (_each_host_has_its_name_and_its_shared_memory, _all_reduce, _all_gather_into_tensor, _reduce_scatter_tensor,
+           _broadcast, _all_to_all_single, _per_host_subgroups)
+
+
+def _collectives_worker() -> None:
+    """Runs every check in this rank (a failed one ends the job with its traceback), then says so."""
+    import torch.distributed as dist
+
     local = int(os.environ["LOCAL_RANK"])
-    dev = torch.device("supa", local)
     torch.accelerator.set_device_index(local)
-    dist.init_process_group("bccl", device_id=dev)
+    dist.init_process_group("bccl", device_id=torch.device("supa", local))
     rank, world = dist.get_rank(), dist.get_world_size()
-    check = RankChecks()
-    outcome = check.outcomes
-
-    def where():
-        seen = [None] * world
-        dist.all_gather_object(seen, [socket.gethostname(), os.stat("/dev/shm").st_dev])
-        outcome["hosts"] = [host for host, _ in seen]
-        outcome["shm_devices"] = [device for _, device in seen]
-
-    def expect(condition, detail):
-        if not condition:
-            raise AssertionError(str(detail))
-
-    def all_reduce():
-        t = torch.full((1000,), rank + 1.0, device=dev)
-        dist.all_reduce(t)
-        expect(torch.equal(t.cpu(), torch.full((1000,), world * (world + 1) / 2)), t[:3])
-
-    def all_gather_into_tensor():
-        out = torch.empty(world * 6, device=dev)
-        dist.all_gather_into_tensor(out, torch.arange(6.0, device=dev) + 100 * rank)
-        expected = torch.cat([torch.arange(6.0) + 100 * r for r in range(world)])
-        expect(torch.equal(out.cpu(), expected), out)
-
-    def reduce_scatter_tensor():
-        out = torch.empty(3, device=dev)
-        dist.reduce_scatter_tensor(out, torch.arange(world * 3.0, device=dev) * (rank + 1))
-        expected = torch.arange(rank * 3.0, rank * 3.0 + 3) * sum(r + 1 for r in range(world))
-        expect(torch.equal(out.cpu(), expected), out)
-
-    def broadcast():
-        t = torch.full((5,), float(rank), device=dev)
-        dist.broadcast(t, src=world - 1)
-        expect(t.cpu().tolist() == [world - 1.0] * 5, t)
-
-    def all_to_all_single():
-        out = torch.empty(world, device=dev)
-        dist.all_to_all_single(out, torch.arange(world, dtype=torch.float32, device=dev) + 10 * rank)
-        expect(out.cpu().tolist() == [10.0 * r + rank for r in range(world)], out)
-
-    def per_host_subgroups():
-        host_ranks = [list(range(h * CARDS_PER_HOST, (h + 1) * CARDS_PER_HOST)) for h in range(world // CARDS_PER_HOST)]
-        group = dist.split_group(split_ranks=host_ranks)
-        mine = host_ranks[rank // CARDS_PER_HOST]
-        t = torch.full((4,), float(rank), device=dev)
-        dist.all_reduce(t, group=group)
-        expect(group.size() == CARDS_PER_HOST and t.cpu().tolist() == [float(sum(mine))] * 4, t)
-
-    check("where", where)
-    for fn in (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single,
-               per_host_subgroups):
-        check(fn.__name__, fn)
-    check("barrier", dist.barrier)
+    for check in _CHECKS:
+        check(rank, world)
+    dist.barrier()
     dist.destroy_process_group()
-    return outcome
+    print_line(_PASSED + json.dumps([check.__name__ for check in _CHECKS]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,17 +177,9 @@ def test_collectives_across_two_hosts():
     outputs = _run_jobs([_on_host(h, torchrun_command(__file__, "collectives", nnodes=2, node_rank=h,
                                                       nproc=CARDS_PER_HOST, port=port))
                          for h in range(2)])
-    outcomes = [json.loads(line[len(_RESULT):]) for out in outputs for line in out.splitlines()
-                if line.startswith(_RESULT)]
-    assert len(outcomes) == 4
-    for outcome in outcomes:
-        assert outcome["hosts"] == [HOSTS[0]] * 2 + [HOSTS[1]] * 2
-        devices = outcome["shm_devices"]
-        assert devices[0] == devices[1] != devices[2] == devices[3]  # each host has its own /dev/shm
-        failed = {name: result for name, result in outcome.items()
-                  if name not in ("hosts", "shm_devices") and result != "ok"}
-        assert not failed, failed
-        assert len(outcome) == 2 + 8, outcome
+    passed = [json.loads(line[len(_PASSED):]) for out in outputs for line in out.splitlines()
+              if line.startswith(_PASSED)]
+    assert passed == [[check.__name__ for check in _CHECKS]] * 4  # every rank ran every check
 
 
 def test_zero3_on_two_hosts_matches_one_host(one_host_losses):
@@ -201,5 +208,5 @@ def test_deepspeed_launcher_with_a_hostfile_and_no_ssh(one_host_losses, tmp_path
 
 
 if __name__ == "__main__":
-    print_line(_RESULT + json.dumps(_collectives_worker()))
+    _collectives_worker()
     os._exit(0)

@@ -6,8 +6,8 @@
 // runs with its scratch in host memory (not card memory), and the card holds what a GPU's fused
 // kernel holds, as measured on an H200 (tests/data/fidelity, docs/card_memory.md):
 // - forward: the output and the log-sum-exp (float32 per query row) it keeps for backward, plus
-//   the dropout seed and offset (int64 scalars on the card) of flash attention always and of
-//   memory-efficient attention with dropout; nothing of size L x S;
+//   the dropout seed and offset (int64 scalars on the card) of flash and memory-efficient
+//   attention; nothing of size L x S;
 // - backward: the gradients, and for the kernel's duration a dense copy of the output gradient
 //   when it is not dense in the output's layout, a float32 accumulator of the query gradient and
 //   the float32 row sums of dO * O; with grouped-query attention (fewer key/value heads than
@@ -86,19 +86,16 @@ std::vector<at::Tensor> backward_scratch(const at::Tensor& grad_out, const at::T
 // The dropout seed and offset of memory-efficient attention: the Philox counters of one number per
 // attention weight, reserved from the card's default generator as CUDA's kernel reserves them
 // (its offset advances by batch x heads x L x S), so dropout follows torch.supa.manual_seed.
-// Without dropout they are host scalars, as CUDA's kernel returns them (the H200 keeps nothing
-// beyond the log-sum-exp); with it they stay on the card, where graph replay reads them.
+// Without dropout CUDA's kernel returns them as host scalars (the H200 keeps nothing beyond the
+// log-sum-exp); here every result of a card operator is on the card, so they hold 2 x 512 B more.
 std::pair<at::Tensor, at::Tensor> draw_philox_state(double dropout_p, uint64_t weights) {
-  const auto options = at::TensorOptions().dtype(at::kLong).device(
-      dropout_p > 0.0 ? c10::Device(kSupa, current_device()) : c10::Device(c10::kCPU));
-  at::Tensor seed = at::zeros({}, options);
-  at::Tensor offset = at::zeros({}, options);
-  if (dropout_p > 0.0) {
-    const PhiloxRange counters = reserve_counters(std::nullopt, current_device(), weights);
-    seed.fill_(static_cast<int64_t>(counters.seed));
-    offset.fill_(static_cast<int64_t>(counters.offset));
+  const auto options = at::TensorOptions().dtype(at::kLong).device(c10::Device(kSupa, current_device()));
+  if (dropout_p == 0.0) {
+    return {at::zeros({}, options), at::zeros({}, options)};
   }
-  return {seed, offset};
+  const PhiloxRange counters = reserve_counters(std::nullopt, current_device(), weights);
+  return {at::full({}, static_cast<int64_t>(counters.seed), options),
+          at::full({}, static_cast<int64_t>(counters.offset), options)};
 }
 
 // A GPU's flash kernel returns its dropout seed and offset as two int64 scalars on the card, with
