@@ -12,11 +12,11 @@
 // merging are the card's (card_memory.h); the statistics count them as PyTorch's allocator does
 // (inactive_split for the free blocks of split segments, whole blocks in allocated_bytes).
 //
-// An operator kernel's allocations are provisional: host memory the card does not count, until
-// the operator hands a result back (commit_block), which the card then places as a request made
-// at that moment. The kernel's own scratch never reaches the card (see caching_allocator.h).
+// The state both halves share is in allocator_state.h; an operator kernel's provisional
+// allocations, which the card counts only once handed back as results, are provisional_blocks.cpp.
 #include "caching_allocator.h"
 
+#include "allocator_state.h"
 #include "card_memory.h"
 #include "device_guard.h"
 #include "devices.h"
@@ -46,29 +46,20 @@ using c10::CachingDeviceAllocator::DeviceStats;
 
 static_assert(std::is_same_v<PoolId, c10::MempoolId_t>, "card_memory.h's PoolId must be c10's pool id");
 
-// A card and the statistics PyTorch keeps for it.
-struct DeviceMemory {
-  DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing);
-  CardMemory card;
-  DeviceStats stats;
-};
+}  // namespace
+
+namespace allocator_state {
 
 std::mutex g_mutex;
 std::vector<std::unique_ptr<DeviceMemory>> g_devices;
-std::unordered_map<void*, CardBlock*> g_blocks;  // the allocated blocks, by address
+std::unordered_map<void*, CardBlock*> g_blocks;
+BlockPolicy g_policy;
 
-// An operator kernel's allocation not yet handed back as a result: host memory of its rounded size.
-struct ProvisionalBlock {
-  size_t size;
-  size_t requested;
-  c10::DeviceIndex device;
-  // Or a block of the card taken as place() would hand it out now (CardMemory::take_free), while the
-  // card had made `changes` changes: uncounted until committed.
-  Placement taken;
-  uint64_t changes = 0;
-};
-std::unordered_map<void*, ProvisionalBlock> g_provisional;
-BlockPolicy g_policy;  // `_set_allocator_settings`
+}  // namespace allocator_state
+
+namespace {
+
+using namespace allocator_state;
 
 // A statistic moves in "all" and in the pool (small or large) of the block or segment.
 void update(StatArray& stat, bool small, int64_t amount) {
@@ -80,11 +71,6 @@ void update(StatArray& stat, bool small, int64_t amount) {
 
 void update(StatArray& stat, bool small, size_t size, bool increase) {
   update(stat, small, increase ? static_cast<int64_t>(size) : -static_cast<int64_t>(size));
-}
-
-DeviceMemory& memory_of(c10::DeviceIndex device) {
-  check_device_index(device);
-  return *g_devices.at(device);
 }
 
 // Count statistics (allocation, segment, active) move by one per block.
@@ -110,11 +96,6 @@ void segment_released(DeviceMemory& mem, const CardSegment& segment) {
   mem.stats.num_device_free++;
 }
 
-DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing)
-    : card(device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }, backing) {}
-
-using Stack = std::shared_ptr<torch::CapturedTraceback>;
-
 // `stack`: the request's, kept with the history's "oom" event (the planner reports where it failed).
 [[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, const Stack& stack) {
   mem.stats.num_ooms++;
@@ -122,14 +103,26 @@ using Stack = std::shared_ptr<torch::CapturedTraceback>;
   throw_card_oom(mem.card, device, size, mem.stats.allocated_bytes[0].current);
 }
 
+// Block hand-outs and returns, for the GPU trace (see gpu_trace.h), once a callback listens for them:
+// with the trace on for a sanitizer alone, allocations do not call into Python.
+std::atomic<bool> g_report_blocks{false};
+
+}  // namespace
+
+namespace allocator_state {
+
+DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing)
+    : card(device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }, backing) {}
+
+DeviceMemory& memory_of(c10::DeviceIndex device) {
+  check_device_index(device);
+  return *g_devices.at(device);
+}
+
 [[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error) {
   mem.stats.num_ooms++;
   throw_host_oom(mem.card, device, size, error);
 }
-
-// Block hand-outs and returns, for the GPU trace (see gpu_trace.h), once a callback listens for them:
-// with the trace on for a sanitizer alone, allocations do not call into Python.
-std::atomic<bool> g_report_blocks{false};
 
 void report_block(void* ptr, bool allocated) {
   if (!g_report_blocks.load(std::memory_order_relaxed)) {
@@ -144,66 +137,6 @@ void report_block(void* ptr, bool allocated) {
     }
   });
 }
-
-// A provisional block freed before its operator handed it back (the kernel's scratch): back to the
-// host; the card never saw it. False for other blocks.
-bool drop_provisional(void* ptr) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_provisional.find(ptr);
-  if (it == g_provisional.end()) {
-    return false;
-  }
-  CardMemory& card = memory_of(it->second.device).card;
-  if (CardBlock* block = it->second.taken.block) {
-    card.give_back(block);
-  } else {
-    unback(ptr, it->second.size, card.backing());
-  }
-  g_provisional.erase(it);
-  return true;
-}
-
-}  // namespace
-
-void free_block(void* ptr) {
-  if (drop_provisional(ptr)) {
-    return;
-  }
-  report_block(ptr, false);
-  memcheck_block_freed(ptr);
-  const auto stack = memory_event_stack();
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_blocks.find(ptr);
-  TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: freeing unknown device pointer");
-  CardBlock* block = it->second;
-  g_blocks.erase(it);
-  DeviceMemory& mem = *g_devices.at(block->device);
-  const auto device = static_cast<c10::DeviceIndex>(block->device);
-  const bool small = block->small;
-  count_block(mem.stats.allocation, small, false);
-  count_block(mem.stats.active, small, false);
-  update(mem.stats.allocated_bytes, small, block->size, false);
-  update(mem.stats.active_bytes, small, block->size, false);
-  update(mem.stats.requested_bytes, small, block->requested, false);
-  if (block->oversize) {
-    mem.stats.oversize_allocations.decrease(1);
-  }
-  // The history names what was asked for, as the card's does; the statistics count whole blocks.
-  const size_t size = block->size, requested = block->requested;
-  const int64_t stream = block->stream;
-  const Release changed = mem.card.cache(block);  // may merge `block` away
-  count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
-  record_memory_event("free_requested", device, ptr, requested, stack, size, stream);
-  record_memory_event("free_completed", device, ptr, requested, stack, size, stream);
-}
-
-void delete_device_ptr(void* ptr) {
-  if (ptr != nullptr) {
-    free_block(ptr);
-  }
-}
-
-namespace {
 
 // The block size that serves a request; raises for a request no card could hold.
 size_t block_size(size_t nbytes, c10::DeviceIndex device) {
@@ -260,6 +193,48 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes
   return count_placed(mem, device, placed, nbytes, stack);
 }
 
+}  // namespace allocator_state
+
+void free_block(void* ptr) {
+  if (drop_provisional(ptr)) {
+    return;
+  }
+  report_block(ptr, false);
+  memcheck_block_freed(ptr);
+  const auto stack = memory_event_stack();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_blocks.find(ptr);
+  TORCH_INTERNAL_ASSERT(it != g_blocks.end(), "supa_emu: freeing unknown device pointer");
+  CardBlock* block = it->second;
+  g_blocks.erase(it);
+  DeviceMemory& mem = *g_devices.at(block->device);
+  const auto device = static_cast<c10::DeviceIndex>(block->device);
+  const bool small = block->small;
+  count_block(mem.stats.allocation, small, false);
+  count_block(mem.stats.active, small, false);
+  update(mem.stats.allocated_bytes, small, block->size, false);
+  update(mem.stats.active_bytes, small, block->size, false);
+  update(mem.stats.requested_bytes, small, block->requested, false);
+  if (block->oversize) {
+    mem.stats.oversize_allocations.decrease(1);
+  }
+  // The history names what was asked for, as the card's does; the statistics count whole blocks.
+  const size_t size = block->size, requested = block->requested;
+  const int64_t stream = block->stream;
+  const Release changed = mem.card.cache(block);  // may merge `block` away
+  count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
+  record_memory_event("free_requested", device, ptr, requested, stack, size, stream);
+  record_memory_event("free_completed", device, ptr, requested, stack, size, stream);
+}
+
+void delete_device_ptr(void* ptr) {
+  if (ptr != nullptr) {
+    free_block(ptr);
+  }
+}
+
+namespace {
+
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   block_size(nbytes, device);
   const auto stack = memory_event_stack();
@@ -279,70 +254,6 @@ void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
   void* ptr = hand_out_block(nbytes, device);
   report_block(ptr, true);
   return ptr;
-}
-
-void* allocate_provisional(size_t nbytes, c10::DeviceIndex device, bool from_card) {
-  const size_t size = block_size(nbytes, device);
-  const c10::MempoolId_t pool = from_card ? allocation_pool(device) : c10::MempoolId_t{0, 0};
-  const c10::StreamId stream = from_card ? current_stream_id(device) : 0;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceMemory& mem = memory_of(device);
-  if (from_card) {
-    const Placement taken = mem.card.take_free(size, pool, g_policy, stream);
-    if (CardBlock* block = taken.block) {
-      block->allocated = true;
-      g_provisional.emplace(block->ptr, ProvisionalBlock{size, nbytes, device, taken, mem.card.changes()});
-      return block->ptr;
-    }
-  }
-  void* ptr = back(size, mem.card.backing());
-  if (ptr == nullptr) {
-    raise_host_oom(mem, device, size, errno);
-  }
-  g_provisional.emplace(ptr, ProvisionalBlock{size, nbytes, device});
-  return ptr;
-}
-
-void* commit_block(void* ptr) {
-  c10::DeviceIndex device = -1;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_provisional.find(ptr);
-    if (it == g_provisional.end()) {
-      return ptr;
-    }
-    device = it->second.device;
-  }
-  const auto stack = memory_event_stack();
-  const c10::MempoolId_t pool = allocation_pool(device);
-  const c10::StreamId stream = current_stream_id(device);
-  void* committed = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_provisional.find(ptr);
-    const ProvisionalBlock provisional = it->second;
-    g_provisional.erase(it);
-    DeviceMemory& mem = memory_of(device);
-    if (provisional.taken.block != nullptr && provisional.changes == mem.card.changes()) {
-      // The card is as it was when the block was taken: placing the request now gives this block.
-      committed = count_placed(mem, device, provisional.taken, provisional.requested, stack)->ptr;
-    } else {
-      std::vector<char> bytes;
-      const void* source = ptr;
-      if (provisional.taken.block != nullptr) {  // the card changed meanwhile: placed anew
-        bytes.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + provisional.requested);
-        source = bytes.data();
-        mem.card.give_back(provisional.taken.block);
-      }
-      committed = place_block(mem, device, provisional.requested, pool, stream, stack)->ptr;
-      std::memcpy(committed, source, provisional.requested);
-      if (provisional.taken.block == nullptr) {
-        unback(ptr, provisional.size, mem.card.backing());
-      }
-    }
-  }
-  report_block(committed, true);
-  return committed;
 }
 
 namespace {
@@ -452,8 +363,8 @@ c10::DeviceIndex device_of_ptr(const void* ptr) {
   if (auto it = g_blocks.find(const_cast<void*>(ptr)); it != g_blocks.end()) {
     return static_cast<c10::DeviceIndex>(it->second->device);
   }
-  if (auto it = g_provisional.find(const_cast<void*>(ptr)); it != g_provisional.end()) {
-    return it->second.device;
+  if (const c10::DeviceIndex device = provisional_device(ptr); device >= 0) {
+    return device;
   }
   const CardSegment* segment = segment_of(ptr);
   return segment == nullptr ? -1 : static_cast<c10::DeviceIndex>(segment->device);

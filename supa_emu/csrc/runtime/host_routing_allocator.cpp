@@ -2,8 +2,10 @@
 // (DeviceOutputScope): the process's CPU allocator is replaced by one that passes every request
 // through to the allocator it replaced, except on a thread inside a fallback kernel, where the
 // kernel's allocations (its outputs, and its scratch) come from the device's pool, provisionally
-// (allocate_provisional). The outputs then become supa tensors by moving their bytes onto the card,
-// and only then count as the card's (take_device_block); the scratch never does.
+// (allocate_provisional, provisional_blocks.cpp). The outputs become supa tensors when the fallback
+// hands them back (take_device_block), and only then count as the card's: in place when the block
+// was taken from the card and the card has not changed since (a kernel's one result), otherwise
+// with their bytes moved into a block placed then. The scratch never counts.
 #include "host_routing_allocator.h"
 
 #include "caching_allocator.h"
