@@ -48,9 +48,4 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes
 // A block handed out or returned, for the GPU trace (without g_mutex).
 void report_block(void* ptr, bool allocated);
 
-// provisional_blocks.cpp: a provisional block freed before its operator handed it back goes back
-// where it came from (takes g_mutex; false for other blocks); the device of one, or -1.
-bool drop_provisional(void* ptr);
-c10::DeviceIndex provisional_device(const void* ptr);
-
 }  // namespace supa::allocator_state

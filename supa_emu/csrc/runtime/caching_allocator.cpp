@@ -25,6 +25,7 @@
 #include "memcheck.h"
 #include "memory_history.h"
 #include "out_of_memory.h"
+#include "provisional_blocks.h"
 
 #include <c10/util/Exception.h>
 

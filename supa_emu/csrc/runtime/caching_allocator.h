@@ -20,18 +20,6 @@ c10::DeviceAllocator* device_allocator();
 // A block of `device`'s pool (counted as allocated) and the deleter that gives it back.
 void* allocate_block(size_t nbytes, c10::DeviceIndex device);
 void free_block(void* ptr);
-// An operator kernel's allocation on `device`: host memory that the card does not count until
-// commit_block() (a result the operator hands back); freed before that (the kernel's own
-// scratch) it leaves the card's statistics, history and cache as they were. Only the results of
-// an operator thus reach the card's figures, placed in the order they are committed.
-// `from_card`: the block the card would hand out now, if a free one fits (no copy when it is
-// committed before the card changes: an operator's one result); otherwise host memory.
-void* allocate_provisional(size_t nbytes, c10::DeviceIndex device, bool from_card = false);
-// Places a provisional block on the card as a request made now and returns the card's block: the
-// block itself when it was taken from the card and the card has not changed since; otherwise a
-// block its bytes move to, and the provisional memory goes back (the caller drops `ptr` without
-// freeing it). A pointer that is not provisional comes back unchanged.
-void* commit_block(void* ptr);
 void delete_device_ptr(void* ptr);  // free_block, accepting nullptr
 // From now on block hand-outs and returns reach the GPU trace (when it is on).
 void report_blocks_to_gpu_trace();

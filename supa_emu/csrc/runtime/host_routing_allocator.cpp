@@ -11,6 +11,7 @@
 #include "caching_allocator.h"
 #include "devices.h"
 #include "out_of_memory.h"
+#include "provisional_blocks.h"
 
 #include <c10/core/CPUAllocator.h>
 

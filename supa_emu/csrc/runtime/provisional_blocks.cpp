@@ -4,9 +4,10 @@
 // (CardMemory::take_free) and left uncounted. A block freed before it is committed (the kernel's
 // own scratch) goes back where it came from, and the card's statistics, history and cache are as
 // they were. The results thus reach the card's figures in the order they are committed.
+#include "provisional_blocks.h"
+
 #include "allocator_state.h"
 #include "caching_allocator.h"
-
 #include "device_guard.h"
 #include "devices.h"
 #include "mem_pool.h"
