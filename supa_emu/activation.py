@@ -64,12 +64,13 @@ def _register() -> None:
 
     cfg = config.load()
     process_state.record_config(cfg)
-    beyond_host = config.memory_beyond_host(cfg)
+    shapes = cfg.plan_mode == "shapes"
+    beyond_host = None if shapes else config.memory_beyond_host(cfg)  # shapes mode: untouched memory is free
     if beyond_host is not None:
         warnings.warn(beyond_host, RuntimeWarning, stacklevel=2)
     core = native.load(cfg.cache_dir, cfg.cache_dir_from_env)
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
-    core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion)
+    core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion, shapes)
     core._set_blas_workspace_sizes(cfg.blas_workspace_bytes, cfg.profile.blaslt_workspace_size)
     process_state.record_core(core)
 

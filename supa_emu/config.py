@@ -44,6 +44,8 @@ class EmulatorConfig:
     autograd_device_threads: bool  # backward on autograd's per-device threads (as on a card), not the caller's
     plan_record: pathlib.Path | None  # SUPA_PLAN_RECORD: write this rank's memory and collectives to DIR/rank-R.json
     plan_simulate: bool  # SUPA_PLAN_SIMULATE: bccl groups are a planned world (set by `python -m supa_emu.plan`)
+    plan_mode: str  # SUPA_PLAN_MODE: 'compute' (kernels run) | 'shapes' (shape rules, no kernels; set by the planner)
+    plan_host_memory: int | None  # SUPA_PLAN_HOST_MEMORY: host tensors a planned rank may hold (None: what the host has free)
     blas_workspace_bytes: int  # one BLAS workspace per (handle, stream); SUPA_EMU_SUBLAS_WORKSPACE_CONFIG or the profile's
 
 
@@ -141,6 +143,10 @@ def memory_beyond_host(cfg: EmulatorConfig) -> str | None:
     return (f"SUPA_EMU_MEMORY={cfg.memory_setting!r} gives each emulated card {cfg.memory_bytes / 2**30:.1f} GiB, more than this "
             f"host's {host / 2**30:.1f} GiB of memory; allocations the host cannot back fail with a host "
             f"out-of-memory error before the card's capacity is reached")
+
+
+# How the planner's rank runs operators (supa_emu/csrc/aten/shape_only.h).
+PLAN_MODES = ("compute", "shapes")
 
 
 def _choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
@@ -255,5 +261,8 @@ def load() -> EmulatorConfig:
         autograd_device_threads=_flag("SUPA_EMU_AUTOGRAD_DEVICE_THREADS"),
         plan_record=_plan_record(),
         plan_simulate=_flag("SUPA_PLAN_SIMULATE"),
+        plan_mode=_choice("SUPA_PLAN_MODE", "compute", PLAN_MODES),
+        plan_host_memory=(parse_size("SUPA_PLAN_HOST_MEMORY", os.environ["SUPA_PLAN_HOST_MEMORY"])
+                          if os.environ.get("SUPA_PLAN_HOST_MEMORY") else None),
         blas_workspace_bytes=blas_workspace_bytes(profile),
     )

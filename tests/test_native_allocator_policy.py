@@ -3,7 +3,8 @@
 The card model has no PyTorch dependency, so tests/cpp/card_memory_test.cpp compiles against it
 alone with the compiler the native core uses, in about a second, and checks the policy directly:
 request rounding, blocks never split or coalesced, which cached block serves a request, garbage
-collection, and the capacity and host-memory decisions. test_memory.py checks the same policy
+collection, the capacity and host-memory decisions, operator kernels' provisional blocks, and the
+backing of shapes mode (reserved address space, blocks that read zeros). test_memory.py checks the same policy
 through torch.supa's statistics.
 """
 
@@ -34,6 +35,8 @@ CASES = (
     "full_card_releases_free_segments",
     "garbage_collection_least_recently_freed_first",
     "host_out_of_memory",
+    "taken_and_given_back",
+    "reserved_address_space_backing",
 )
 
 

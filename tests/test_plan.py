@@ -2,12 +2,14 @@
 
 The reference for memory and collectives is the real job: the same script run as N processes by
 torchrun, recorded by the same recorder (SUPA_PLAN_RECORD). A planned rank must match the real
-rank's peak allocated and peak reserved bytes to the byte and issue the same collectives. The uniform-rank rule
-itself is checked against plain PyTorch arithmetic.
+rank's peak allocated and peak reserved bytes to the byte and issue the same collectives, in both of
+the planner's modes (compute: every kernel runs; shapes: results from PyTorch's shape rules). The
+uniform-rank rule itself is checked against plain PyTorch arithmetic.
 """
 
 import json
 import pathlib
+import re
 import sys
 
 import pytest
@@ -47,30 +49,36 @@ def real_run(command, world_size, record_dir):
     return {rank: json.loads((record_dir / f"rank-{rank}.json").read_text()) for rank in range(world_size)}
 
 
-def plan(command, world_size, out, *options, check=True, env=None):
+def plan(command, world_size, out, *options, check=True, env=None, timeout=900):
     """The planner's report of `command` (ranks 0 and N-1 unless `options` say otherwise)."""
     result = run([sys.executable, "-m", "supa_emu.plan", "--world-size", world_size, "--json", out, *options,
-                  "--", *command], env=env, timeout=900, check=check)
+                  "--", *command], env=env, timeout=timeout, check=check)
     return json.loads(out.read_text()) if out.exists() else None, result
 
 
 # ------------------------------------------------------------------------------------------------
 # Exactness against the real job
 # ------------------------------------------------------------------------------------------------
+MODES = ("compute", "shapes")
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """world size -> (real job's records by rank, plan report), of every setup in one job each."""
-    done = {}
+    """(world size, mode) -> (real job's records by rank, plan report in that mode), of every setup
+    in one job each."""
+    real_jobs, plans = {}, {}
 
-    def of(world_size):
-        if world_size not in done:
+    def of(world_size, mode="compute"):
+        if world_size not in real_jobs:
             directory = tmp_path_factory.mktemp(f"world{world_size}")
             # Every setup in one job, each in a section of its own (see the script).
             command = [str(SCRIPTS / "setups.py"), json.dumps([[name, *args] for name, args in CASES.items()])]
-            real = real_run(command, world_size, directory / "real")
-            report, _ = plan(command, world_size, directory / "plan.json")
-            done[world_size] = real, report
-        return done[world_size]
+            real_jobs[world_size] = command, real_run(command, world_size, directory / "real")
+        command, real = real_jobs[world_size]
+        if (world_size, mode) not in plans:
+            out = tmp_path_factory.mktemp(f"plan{world_size}-{mode}") / "plan.json"
+            plans[world_size, mode] = plan(command, world_size, out, "--mode", mode)[0]
+        return real, plans[world_size, mode]
     return of
 
 
@@ -79,9 +87,9 @@ def _section(record, name):
     return figures
 
 
-def _assert_same_as_real(case, world_size, jobs):
-    real, report = jobs(world_size)
-    assert report["world_size"] == world_size
+def _assert_same_as_real(case, world_size, mode, jobs):
+    real, report = jobs(world_size, mode)
+    assert report["world_size"] == world_size and report["mode"] == mode
     assert sorted(report["ranks"]) == sorted({"0", str(world_size - 1)})
     for rank, planned in report["ranks"].items():
         actual = real[int(rank)]
@@ -96,25 +104,30 @@ def _assert_same_as_real(case, world_size, jobs):
         assert planned["peak_allocated"] == actual["peak_allocated"], f"rank {rank}"
         assert planned["peak_reserved"] == actual["peak_reserved"], f"rank {rank}"
         assert planned["collectives"] == actual["collectives"], f"rank {rank}"
+        if mode == "shapes":  # and where the peak was, as compute mode says
+            assert planned["peak_phase"] == jobs(world_size)[1]["ranks"][rank]["peak_phase"], f"rank {rank}"
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", ["zero2", "zero3", "ddp"])
-def test_planned_rank_matches_the_real_two_rank_job(case, jobs):
-    _assert_same_as_real(case, 2, jobs)
+def test_planned_rank_matches_the_real_two_rank_job(case, mode, jobs):
+    _assert_same_as_real(case, 2, mode, jobs)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", ["zero0", "zero1", "zero3_offload_param", "zero2_offload_optimizer",
                                   "hf_trainer_zero2"])
-def test_planned_rank_matches_the_real_two_rank_job_more_setups(case, jobs):
-    _assert_same_as_real(case, 2, jobs)
+def test_planned_rank_matches_the_real_two_rank_job_more_setups(case, mode, jobs):
+    _assert_same_as_real(case, 2, mode, jobs)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_planned_rank_matches_the_real_four_rank_job(case, jobs):
-    _assert_same_as_real(case, 4, jobs)
+def test_planned_rank_matches_the_real_four_rank_job(case, mode, jobs):
+    _assert_same_as_real(case, 4, mode, jobs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,6 +166,21 @@ def test_collectives_answer_as_if_every_rank_held_this_ranks_data(tmp_path):
 
 
 @pytest.mark.slow
+def test_shapes_mode_moves_small_payloads_and_leaves_large_ones(tmp_path):
+    # Small calls, which programs branch on, answer by the uniform rule in both modes; in shapes mode a
+    # payload above 64 KiB is not moved (its outputs keep their contents), with the same calls and figures.
+    world, reports, outs = 4, {}, {}
+    for mode in MODES:
+        reports[mode], _ = plan([str(SCRIPTS / "payload.py"), str(tmp_path / mode)], world,
+                                tmp_path / f"{mode}.json", "--mode", mode)
+        outs[mode] = json.loads((tmp_path / f"{mode}.{world - 1}").read_text())
+    assert outs["compute"] == {"flag": [4.0] * 4, "big": [4.0, 4.0], "gathered": [4.0, 4.0]}
+    assert outs["shapes"] == {"flag": [4.0] * 4, "big": [1.0, 1.0], "gathered": [0.0, 0.0]}
+    for key in ("collectives", "peak_allocated", "peak_reserved"):
+        assert reports["shapes"]["ranks"][str(world - 1)][key] == reports["compute"]["ranks"][str(world - 1)][key]
+
+
+@pytest.mark.slow
 def test_a_profiled_planned_rank_names_each_collective_by_its_op(tmp_path):
     # The trace of a planned rank names its collectives as a real rank's does (c10d's names).
     plan([str(SCRIPTS / "profiled.py"), str(tmp_path / "names")], 2, tmp_path / "plan.json", "--rank", "0")
@@ -174,8 +202,10 @@ def test_a_device_bound_world_splits_into_uniform_subgroups(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_out_of_memory_rank_is_a_result_with_the_failed_allocation(tmp_path):
-    report, result = plan([str(SCRIPTS / "out_of_memory.py")], 2, tmp_path / "plan.json", check=False,
+@pytest.mark.parametrize("mode", MODES)
+def test_an_out_of_memory_rank_is_a_result_with_the_failed_allocation(tmp_path, mode):
+    script = SCRIPTS / "out_of_memory.py"
+    report, result = plan([str(script)], 2, tmp_path / "plan.json", "--mode", mode, check=False,
                           env={"SUPA_EMU_MEMORY": "64MiB"})
     assert result.returncode == 1
     for rank in ("0", "1"):
@@ -185,8 +215,10 @@ def test_an_out_of_memory_rank_is_a_result_with_the_failed_allocation(tmp_path):
         # Sizes as the allocator counts them: 40 MiB is a whole number of its 512-byte blocks, and its
         # segment is the request rounded to 2 MiB, so nothing is added.
         assert event["requested_bytes"] == event["allocated"] == 40 << 20
+        assert event["phase"] == "unknown" and event["location"] == f"{script}:8 (<module>)"
         assert "OutOfMemoryError" in entry["failure"]["error"]
-    assert "out of memory asking for 40 MiB with 40 MiB allocated" in result.stdout
+    assert (f"rank 1: out of memory asking for 40 MiB in unknown at {script}:8 (<module>), with 40 MiB allocated, "
+            f"40 MiB reserved of 64 MiB") in result.stdout
 
 
 @pytest.mark.slow
@@ -206,9 +238,23 @@ def test_a_failing_rank_is_reported_and_the_others_still_run(tmp_path):
     ("spawns_ranks.py", "spawns its own ranks"),
 ])
 def test_scripts_a_planned_world_cannot_run_fail_with_one_line(tmp_path, script, message):
-    report, result = plan([str(SCRIPTS / script)], 2, tmp_path / "plan.json", "--rank", "0", check=False)
+    # A limit far below the default: a script the planner cannot run must fail at once, not hang.
+    report, result = plan([str(SCRIPTS / script)], 2, tmp_path / "plan.json", "--rank", "0", check=False,
+                          timeout=180)
     assert result.returncode == 1
     assert message in report["ranks"]["0"]["failure"]["error"]
+
+
+@pytest.mark.slow
+def test_a_model_built_on_host_tensors_beyond_the_host_fails_with_how_to_avoid_it(tmp_path):
+    report, result = plan([str(SCRIPTS / "host_model.py")], 2, tmp_path / "plan.json", "--rank", "0", "--mode", "shapes", check=False,
+                          env={"SUPA_PLAN_HOST_MEMORY": "600MiB"}, timeout=180)
+    assert result.returncode == 1
+    error = report["ranks"]["0"]["failure"]["error"]
+    # The third 256 MiB weight is refused (the first two and what torch itself holds are below 600 MiB).
+    assert re.match(r"RuntimeError: planner: the script holds 5\d\d\.\d\d MiB in host \(CPU\) tensors and asks for "
+                    r"256\.00 MiB more, beyond the 600\.00 MiB of host memory a planned rank may use", error), error
+    assert "deepspeed.zero.Init()" in error and "to_empty(device=...)" in error
 
 
 @pytest.mark.parametrize("size", [3, 4])
@@ -255,6 +301,7 @@ def test_plan_record_names_a_directory(tmp_path, monkeypatch):
     (["--world-size", "4"], "no script"),
     (["--world-size", "4", "--", "-m", "no_such_module_here"], "-m no_such_module_here: no module named"),
     (["--world-size", "4", "--", "-m"], "-m needs a module name"),
+    (["--world-size", "4", "--mode", "fast", "--", str(GPT)], "--mode fast: accepted values: compute, shapes"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert plan_main(argv) == 2
@@ -297,8 +344,9 @@ def test_a_module_runs_as_python_m_runs_it_and_the_peak_names_its_frame(tmp_path
 def test_a_planned_fsdp2_tp_rank_matches_the_real_four_rank_job(tmp_path):
     script = SCRIPTS / "fsdp_tp.py"
     real = real_run([str(script)], 4, tmp_path / "real")
-    report, _ = plan([str(script)], 4, tmp_path / "plan.json")
-    for rank, planned in report["ranks"].items():
+    compute, _ = plan([str(script)], 4, tmp_path / "plan.json")
+    shapes, _ = plan([str(script)], 4, tmp_path / "plan-shapes.json", "--mode", "shapes")
+    for rank, planned in [*compute["ranks"].items(), *shapes["ranks"].items()]:
         actual = real[int(rank)]
         assert planned["failure"] is None, planned["failure"]
         assert planned["peak_allocated"] == actual["peak_allocated"] > 0, f"rank {rank}"

@@ -2,6 +2,7 @@
 #include "aten/blas_ops.h"
 #include "aten/fallback.h"
 #include "aten/sdp_choice.h"
+#include "aten/shape_only.h"
 #include "bccl/all_gather.h"
 #include "bccl/card_operands.h"
 #include "bccl/signature_board.h"
@@ -45,8 +46,9 @@ void installCapturedTracebackPython();
 
 namespace {
 
-void init(int count, const std::vector<int64_t>& capacities, bool dtype_demotion) {
-  supa::init_devices(count, capacities, dtype_demotion);
+void init(int count, const std::vector<int64_t>& capacities, bool dtype_demotion, bool shapes) {
+  supa::init_devices(count, capacities, dtype_demotion, /*lazy_backing=*/shapes);
+  supa::set_shapes_mode(shapes);
   supa::install_host_routing_allocator();
   supa::register_hooks();
   supa::register_graph_impl();
@@ -80,6 +82,20 @@ std::vector<py::object> symbolize(const std::vector<std::shared_ptr<torch::Captu
   size_t next = 0;
   for (const auto& stack : stacks) {
     out.push_back(stack ? symbolized.at(next++) : py::list());
+  }
+  return out;
+}
+
+// Shapes mode's notes: [{kind, op, count, frames of the first call}].
+py::list shapes_notes() {
+  py::list out;
+  for (const auto& note : supa::shapes_notes()) {
+    py::dict entry;
+    entry["kind"] = note.kind;
+    entry["op"] = note.op;
+    entry["count"] = note.count;
+    entry["frames"] = note.first_site ? symbolize({note.first_site})[0] : py::list();
+    out.append(entry);
   }
   return out;
 }
@@ -227,7 +243,13 @@ bool can_use_attention(py::handle params, bool debug) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native core of the emulated SUPA device";
-  m.def("_init", &init, "Create the emulated devices (once per process)");
+  m.def("_init", &init, "Create the emulated devices (once per process); shapes: the planner's shapes mode",
+        py::arg("count"), py::arg("capacities"), py::arg("dtype_demotion"), py::arg("shapes") = false);
+  m.def("_shapes_mode", &supa::shapes_mode);
+  m.def("_shapes_notes", &shapes_notes);
+  m.def("_card_bytes_move", &supa::card_bytes_move, py::arg("nbytes"),
+        "whether the host moves this many bytes of card data (in shapes mode, only small amounts)");
+  m.def("_limit_host_tensors", &supa::limit_host_tensors, py::arg("bytes"));
   m.def("_is_flash_attention_available", [] { return true; });
   m.def("_can_use_flash_attention", &can_use_attention<&supa::can_use_flash_attention>, py::arg("params"),
         py::arg("debug") = false);

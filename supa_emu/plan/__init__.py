@@ -8,7 +8,8 @@ data, so the program takes its real path with its real shapes. The card, its cac
 and its memory history are the ones a real run uses; rank_record.py reads the peak, its phase
 and a timeline from that history, and call_record.py counts the collectives. report.py and
 plot.py put the ranks together. The same recording runs in a real job under SUPA_PLAN_RECORD=DIR,
-to compare.
+to compare. With `--mode shapes` operators take their results from PyTorch's shape rules instead of
+running their kernels, with the same figures (supa_emu/shapes.py, docs/shapes_mode.md).
 
 supa_emu.distributed never imports this package: the planner plugs into it (`install`).
 """

@@ -1,9 +1,11 @@
-"""`python -m supa_emu.plan --world-size N [--rank R]... [--cards-per-host K] [--json OUT] [--plot OUT] -- SCRIPT [ARGS...]`
+"""`python -m supa_emu.plan --world-size N [--rank R]... [--cards-per-host K] [--mode compute|shapes] [--json OUT] [--plot OUT] -- SCRIPT [ARGS...]`
 (or `-- -m MODULE [ARGS...]`, run as `python -m MODULE` would run it)
 
 Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each in its own process
 that plays that rank of an N-card world (see supa_emu/plan/__init__.py), one after the other,
 then prints each rank's peak memory and collectives and writes the JSON report and the plot.
+With --mode shapes, operators take their results from PyTorch's shape rules instead of running
+their kernels (docs/shapes_mode.md): the same figures, at the cost of the Python program alone.
 Exit status: 0 when every planned rank ran to the end, 1 when one failed (out of memory
 included: the report says where), 2 for bad arguments.
 """
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 
+from supa_emu.config import PLAN_MODES
 from supa_emu.plan import plot, report
 
 MAX_CARDS_PER_HOST = 64  # SUPA_EMU_DEVICE_COUNT's limit
@@ -31,6 +34,9 @@ def parse(argv):
     parser.add_argument("--rank", type=int, action="append", dest="ranks",
                         help="a rank to play (repeatable); default N-1; rank 0 is always played, first")
     parser.add_argument("--cards-per-host", type=int, help="cards per host (LOCAL_WORLD_SIZE); default min(N, 8)")
+    parser.add_argument("--mode", default="compute",
+                        help="compute (default): run every operator's kernel; shapes: take results from PyTorch's "
+                             "shape rules without running kernels (same memory figures, no FLOPs)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write the memory chart here (.svg, or .html with a table)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] or -- -m MODULE [ARGS...]")
@@ -45,6 +51,8 @@ def parse(argv):
     if outside:
         raise UsageError(f"--rank {outside[0]} is outside the world of {n} ranks (0 to {n - 1})")
     args.cards_per_host = args.cards_per_host or min(n, 8)
+    if args.mode not in PLAN_MODES:
+        raise UsageError(f"--mode {args.mode}: accepted values: {', '.join(PLAN_MODES)}")
     if not 1 <= args.cards_per_host <= MAX_CARDS_PER_HOST:
         raise UsageError(f"--cards-per-host {args.cards_per_host}: accepted 1 to {MAX_CARDS_PER_HOST}")
     if args.plot and not args.plot.endswith(plot.SUFFIXES):
@@ -77,14 +85,14 @@ def _check_module(name: str) -> None:
         raise UsageError(f"-m {name}: no module named {name!r}")
 
 
-def rank_environment(rank: int, world_size: int, cards_per_host: int) -> dict:
+def rank_environment(rank: int, world_size: int, cards_per_host: int, mode: str = "compute") -> dict:
     """What a launcher (torchrun) gives rank `rank`, plus the planner's switches."""
     host, local_rank = divmod(rank, cards_per_host)
     local_world = min(cards_per_host, world_size - host * cards_per_host)
     env = dict(os.environ)
     env.pop("SUPA_PLAN_RECORD", None)
     env.update({
-        "SUPA_EMULATE": "1", "SUPA_PLAN_SIMULATE": "1", "SUPA_EMU_DEVICE_COUNT": str(cards_per_host),
+        "SUPA_EMULATE": "1", "SUPA_PLAN_SIMULATE": "1", "SUPA_PLAN_MODE": mode, "SUPA_EMU_DEVICE_COUNT": str(cards_per_host),
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(host), "NODE_RANK": str(host),
         "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
@@ -97,7 +105,7 @@ def run_rank(rank: int, args, values: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="supa_emu-plan-") as directory:
         path = os.path.join(directory, "rank.json")
         command = [sys.executable, "-m", "supa_emu.plan.rank_process", path, values, *args.target, *args.script_args]
-        result = subprocess.run(command, env=rank_environment(rank, args.world_size, args.cards_per_host))
+        result = subprocess.run(command, env=rank_environment(rank, args.world_size, args.cards_per_host, args.mode))
         if os.path.exists(path):
             with open(path) as record:
                 return json.load(record)
@@ -113,9 +121,10 @@ def main(argv=None) -> int:
     records = {}
     with tempfile.TemporaryDirectory(prefix="supa_emu-plan-") as shared:
         for rank in args.ranks:
-            print(f"plan: rank {rank} of {args.world_size}: {args.script} {' '.join(args.script_args)}", flush=True)
+            print(f"plan: rank {rank} of {args.world_size} ({args.mode} mode): {args.script} "
+                  f"{' '.join(args.script_args)}", flush=True)
             records[rank] = run_rank(rank, args, os.path.join(shared, "root_values.pt"))
-    full = report.build(args.world_size, args.cards_per_host, args.script, args.script_args, records)
+    full = report.build(args.world_size, args.cards_per_host, args.script, args.script_args, records, args.mode)
     print(report.text(full), flush=True)
     if args.json:
         with open(args.json, "w") as out:

@@ -15,7 +15,7 @@ SUFFIXES = (".svg", ".html")
 
 
 def _size(value: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if value >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value:.0f} B"

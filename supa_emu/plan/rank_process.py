@@ -11,6 +11,10 @@ script on; runs the script unchanged as __main__ (a module as `python -m` runs i
 this rank's record (with the failure, if the script failed) to RECORD as JSON. VALUES holds the
 small values roots broadcast, written by the first rank played and read by the others
 (world.root_value).
+
+What a planned rank cannot do fails at once with one line: starting other ranks
+(torch.multiprocessing.spawn), and holding more host tensors than the host can give it (a model
+built on the host; SUPA_PLAN_HOST_MEMORY, by default the memory the host has available).
 """
 
 import importlib.util
@@ -46,13 +50,48 @@ def _runner(target: list):
     return script, [os.path.dirname(os.path.abspath(script))], lambda: runpy.run_path(script, run_name="__main__")
 
 
+SPAWN_REFUSED = ("planner: the script spawns its own ranks (torch.multiprocessing.spawn): a planned rank cannot "
+                 "start other ranks; the planner starts one process per rank as a launcher does, so run the script "
+                 "without spawning and take RANK and WORLD_SIZE from the environment")
+
+
+def _refuse_spawning() -> None:
+    """torch.multiprocessing.spawn / start_processes raise at once instead of starting ranks that
+    would wait for peers the planned world does not have."""
+    import torch.multiprocessing as mp
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(SPAWN_REFUSED)
+
+    spawn_module = sys.modules["torch.multiprocessing.spawn"]
+    for owner in (mp, spawn_module):
+        owner.spawn = owner.start_processes = refuse
+
+
+def _available_host_memory() -> int:
+    """MemAvailable of /proc/meminfo (what the host can give without swapping), else physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def main(argv) -> int:
     record_path, values_path, *command = argv
     target, args = (command[:2], command[2:]) if command[0] == "-m" else (command[:1], command[1:])
     import torch  # noqa: F401  (activates the emulator: SUPA_EMULATE=1 is in the environment)
     import torch.distributed as dist
 
+    from supa_emu import process_state
     from supa_emu.plan import call_record, rank_record, uniform_host_group, world
+
+    host_memory = process_state.config().plan_host_memory
+    process_state.core()._limit_host_tensors(host_memory or _available_host_memory())
+    _refuse_spawning()
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, None, True, wait_for_workers=False)

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from supa_emu import distributed
+from supa_emu import distributed, shapes
 from supa_emu.plan import call_record
 
 TIMELINE_POINTS = 600
@@ -132,18 +132,19 @@ def _phase(frames) -> tuple:
     return phase or "unknown", _location(frames)
 
 
+def _described(frame) -> str:
+    return f"{frame['filename']}:{frame['line']} ({frame['name']})"
+
+
 def _location(frames):
     """The innermost frame of the user's code: under the directories name_user_code gave, else the
     first outside installed packages, the emulator and Python's own frozen modules (runpy)."""
-    def described(frame):
-        return f"{frame['filename']}:{frame['line']} ({frame['name']})"
-
     user_code = (_state or {}).get("user_code", [])
     for frame in frames:
         path = os.path.abspath(frame["filename"])
         if "/supa_emu/" not in path and any(path.startswith(d) for d in user_code):
-            return described(frame)
-    return next((described(f) for f in frames if "site-packages" not in f["filename"]
+            return _described(frame)
+    return next((_described(f) for f in frames if "site-packages" not in f["filename"]
                  and "/supa_emu/" not in f["filename"] and not f["filename"].startswith("<")), None)
 
 
@@ -176,8 +177,9 @@ def record(failure: Optional[dict] = None) -> dict:
         elif action == "segment_free":
             reserved -= size
         elif action == "oom":
+            oom_phase, oom_location = _phase(event["frames"])
             ooms.append({"requested_bytes": event["size"], "allocated": allocated, "reserved": reserved,
-                         "time_s": (event["time_us"] - t0) / 1e6})
+                         "time_s": (event["time_us"] - t0) / 1e6, "phase": oom_phase, "location": oom_location})
         if allocated > peak:
             peak, peak_event = allocated, event
         peak_reserved = max(peak_reserved, reserved)
@@ -192,10 +194,27 @@ def record(failure: Optional[dict] = None) -> dict:
         "oom": bool(ooms) or peak_reserved > capacity, "oom_events": ooms,
         "timeline": _thin(points, TIMELINE_POINTS),
         "collectives": call_record.collectives(),
-        "value_dependent": call_record.value_dependent(),
+        "mode": shapes.mode(),
+        "value_dependent": call_record.value_dependent() + _kernels_run(shapes.VALUE_DEPENDENT),
+        "no_shape_rule": _kernels_run(shapes.NO_SHAPE_RULE),
         "sections": [_section_figures(entry, device, running) for entry in _sections if entry["end"] is not None],
         "failure": failure,
     }
+
+
+def _kernels_run(kind: str) -> list:
+    """Shapes mode's operators of `kind` that ran their kernels: [{what, count, site}]."""
+    explained = {shapes.VALUE_DEPENDENT: "its output's shape depends on the values; ran on the values the card held",
+                 shapes.NO_SHAPE_RULE: "PyTorch has no shape rule for it; its kernel ran"}[kind]
+    return [{"what": f"{note['op']}: {explained}", "count": note["count"], "site": _site(note["frames"])}
+            for note in shapes.notes() if note["kind"] == kind]
+
+
+def _site(frames) -> str:
+    """The user's line that led to a call, and the innermost Python frame where that is elsewhere."""
+    where = _location(frames)
+    innermost = _described(frames[0]) if frames else None
+    return where if innermost in (None, where) else f"{where}, in {innermost}"
 
 
 def _section_figures(entry: dict, device: int, running: list) -> dict:

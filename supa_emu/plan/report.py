@@ -1,10 +1,13 @@
 """The planner's report: the ranks' records put together, as JSON and as a table for people.
 
-JSON keys: world_size, cards_per_host, script, args, capacity, ranks -> "R" -> {peak_allocated,
-peak_reserved, peak_phase, peak_location, capacity, oom, oom_events, timeline ([event index,
-seconds since recording started, allocated, reserved] points), collectives ([{op, group_size,
-dtype, bytes, count}]), value_dependent, sections ([{name, peak_allocated, peak_reserved,
-collectives}], see rank_record.section), failure ({error, traceback} or null)}.
+JSON keys: world_size, cards_per_host, mode ("compute" or "shapes"), script, args, capacity,
+ranks -> "R" -> {mode, peak_allocated, peak_reserved, peak_phase, peak_location, capacity, oom,
+oom_events ([{requested_bytes, allocated, reserved, time_s, phase, location}]), timeline ([event
+index, seconds since recording started, allocated, reserved] points), collectives ([{op,
+group_size, dtype, bytes, count}]), value_dependent ([{what, count, site}]), no_shape_rule (shapes
+mode's operators that ran their kernels for want of a shape rule, [{what, count, site}]),
+sections ([{name, peak_allocated, peak_reserved, collectives}], see rank_record.section), failure
+({error, traceback} or null)}.
 """
 
 from typing import Dict
@@ -16,20 +19,21 @@ def lost_rank(rank: int, returncode: int) -> dict:
     """The record of a rank process that ended before writing its own (killed, crashed)."""
     return {"rank": rank, "device": None, "capacity": 0, "peak_allocated": 0, "peak_reserved": 0,
             "peak_phase": "unknown", "peak_location": None, "oom": False, "oom_events": [], "timeline": [],
-            "collectives": [], "value_dependent": [], "sections": [],
+            "collectives": [], "value_dependent": [], "no_shape_rule": [], "sections": [],
             "failure": {"error": f"the rank process ended with status {returncode} before writing its record",
                         "traceback": None}}
 
 
-def build(world_size: int, cards_per_host: int, script: str, args, records: Dict[int, dict]) -> dict:
-    return {"world_size": world_size, "cards_per_host": cards_per_host, "script": script, "args": list(args),
+def build(world_size: int, cards_per_host: int, script: str, args, records: Dict[int, dict], mode: str) -> dict:
+    return {"world_size": world_size, "cards_per_host": cards_per_host, "mode": mode, "script": script,
+            "args": list(args),
             "capacity": max(r["capacity"] for r in records.values()),
             "ranks": {str(rank): record for rank, record in sorted(records.items())}}
 
 
 def text(report: dict) -> str:
     lines = [f"plan of {report['script']} on {report['world_size']} cards "
-             f"({report['cards_per_host']} per host, {_size(report['capacity'])} each)",
+             f"({report['cards_per_host']} per host, {_size(report['capacity'])} each), {report['mode']} mode",
              f"{'rank':>5}  {'peak allocated':>15}  {'peak reserved':>14}  {'phase of the peak':<18}  "
              f"{'OOM':<3}  {'collective calls':>16}  {'bytes sent/received':>19}"]
     for rank, r in report["ranks"].items():
@@ -39,10 +43,15 @@ def text(report: dict) -> str:
                      f"{r['peak_phase']:<18}  {'yes' if r['oom'] else 'no':<3}  {calls:>16}  {_size(volume):>19}")
     for rank, r in report["ranks"].items():
         for oom in r["oom_events"]:
-            lines.append(f"rank {rank}: out of memory asking for {_size(oom['requested_bytes'])} with "
-                         f"{_size(oom['allocated'])} allocated, {_size(oom['reserved'])} reserved")
+            where = f" at {oom['location']}" if oom.get("location") else ""
+            lines.append(f"rank {rank}: out of memory asking for {_size(oom['requested_bytes'])} in "
+                         f"{oom.get('phase', 'unknown')}{where}, with {_size(oom['allocated'])} allocated, "
+                         f"{_size(oom['reserved'])} reserved of {_size(r['capacity'])}")
         if r["failure"]:
             lines.append(f"rank {rank} failed: {r['failure']['error']}")
         for note in r["value_dependent"]:
-            lines.append(f"rank {rank}: depends on other ranks' values ({note['count']}x): {note['what']}")
+            site = f" at {note['site']}" if note.get("site") else ""
+            lines.append(f"rank {rank}: depends on values ({note['count']}x): {note['what']}{site}")
+        for note in r.get("no_shape_rule", []):
+            lines.append(f"rank {rank}: ran a kernel ({note['count']}x): {note['what']} at {note['site']}")
     return "\n".join(lines)

@@ -13,6 +13,13 @@ call is checked, counted and recorded by the code that checks, counts and record
 Like the gloo transport, this one moves data through host views of device memory and allocates
 nothing on the card. Where the answer depends on values only other ranks hold (uneven all_to_all
 splits, a scatter's or recv's data), the call is flagged for the report.
+
+In shapes mode a call whose payload is larger than what the card moves there (csrc/aten/shape_only.h,
+card_bytes_move: 64 KiB) moves no data; its outputs keep their contents. That is exact for memory,
+since the call allocates nothing on the card whatever it moves, and for control flow: values that
+large were never computed in shapes mode (operators with more than 64 KiB of operands take their
+results from shape rules, which read no values), while the small calls a program branches on
+(overflow flags, norms, sizes exchanged, step counters) still move theirs.
 """
 
 from typing import List, Optional
@@ -20,7 +27,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from supa_emu import distributed
+from supa_emu import distributed, process_state
 from supa_emu.distributed.c10d_backend import check_split
 from supa_emu.distributed.collective import Collective
 from supa_emu.distributed.host_memory import HostCall, host_view
@@ -51,11 +58,20 @@ def reduce_uniform(view: torch.Tensor, kind, size: int) -> None:
         raise ValueError(f"bccl: reduction {kind} is not supported")
 
 
-def receive_own_chunk(chunks: List[torch.Tensor], mine: torch.Tensor, operation: str) -> None:
-    """An all_to_all's received chunks under the rule: every rank sent this rank what it sends itself."""
-    if any(chunk.numel() != mine.numel() for chunk in chunks):
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def flag_uneven(received: List[int], sent: int, operation: str) -> None:
+    """Flags an all_to_all whose chunks differ from what this rank sends itself (`sent` elements)."""
+    if any(count != sent for count in received):
         call_record.flag(f"{operation} with uneven splits: what each rank sends depends on its own data "
                          f"(e.g. MoE routing); chunks of another size keep their contents")
+
+
+def receive_own_chunk(chunks: List[torch.Tensor], mine: torch.Tensor, operation: str) -> None:
+    """An all_to_all's received chunks under the rule: every rank sent this rank what it sends itself."""
+    flag_uneven([chunk.numel() for chunk in chunks], mine.numel(), operation)
     for chunk in chunks:
         if chunk.numel() == mine.numel():
             chunk.copy_(mine.reshape(chunk.shape))
@@ -67,6 +83,12 @@ class UniformTransport(Transport):
     def __init__(self, store: dist.Store, rank: int, size: int, options, label: str):
         world.admit(rank, size)
         self._rank, self._size, self._options = rank, size, options
+        self._bytes_move = process_state.core()._card_bytes_move
+
+    def _moves(self, call: Collective) -> bool:
+        """Whether the call's data is moved (not in shapes mode above its size limit; see above)."""
+        payload = max(_bytes(call.inputs), _bytes(call.outputs))
+        return self._bytes_move(payload)
 
     def _done(self, call: Collective, host: Optional[HostCall] = None) -> BCCLWork:
         return BCCLWork([], host.epilogue() if host is not None else None, call.results, call.tensors())
@@ -76,6 +98,8 @@ class UniformTransport(Transport):
 
     # ---- reductions ------------------------------------------------------------------------------
     def all_reduce(self, call: Collective) -> BCCLWork:
+        if not self._moves(call):
+            return self._done(call)
         host = HostCall()
         for tensor in call.inputs:
             self._reduced(host.view(tensor), call)
@@ -84,12 +108,16 @@ class UniformTransport(Transport):
     all_reduce_coalesced = all_reduce
 
     def reduce(self, call: Collective) -> BCCLWork:
+        if not self._moves(call):
+            return self._done(call)
         host = HostCall()
         for tensor in call.outputs:  # the root's; the others' stay intact
             self._reduced(host.view(tensor), call)
         return self._done(call, host)
 
     def reduce_scatter(self, call: Collective) -> BCCLWork:
+        if not self._moves(call):
+            return self._done(call)
         host = HostCall()
         out_view = host.view(call.outputs[0], read=False)
         out_view.copy_(host.view(call.inputs[self._rank], write=False).reshape(out_view.shape))
@@ -97,6 +125,8 @@ class UniformTransport(Transport):
         return self._done(call, host)
 
     def reduce_scatter_tensor(self, call: Collective) -> BCCLWork:
+        if not self._moves(call):
+            return self._done(call)
         host, rank = HostCall(), self._rank
         for output, input in zip(call.outputs, call.inputs):
             out_view, in_view = host.pair_views(output, input, self._size, gather=False)
@@ -107,6 +137,8 @@ class UniformTransport(Transport):
 
     # ---- data movement ---------------------------------------------------------------------------
     def broadcast(self, call: Collective) -> BCCLWork:
+        if not self._moves(call):
+            return self._done(call)
         tensor, host = call.outputs[0], HostCall()
         value = world.root_value(self._options.group_name, host_view(tensor), self._rank == call.root)
         if value is not None:
@@ -114,17 +146,21 @@ class UniformTransport(Transport):
         return self._done(call, host)
 
     def all_gather(self, call: Collective) -> BCCLWork:
+        for output in call.outputs:
+            if output.numel() != call.inputs[0].numel():
+                call_record.flag("all_gather with unequal sizes: the other ranks' slots keep their contents")
+        if not self._moves(call):
+            return self._done(call)
         host = HostCall()
         source = host.view(call.inputs[0], write=False)
         for output in call.outputs:
-            view = host.view(output, read=False)
-            if view.numel() != source.numel():
-                call_record.flag("all_gather with unequal sizes: the other ranks' slots keep their contents")
-                continue
-            view.copy_(source.reshape(view.shape))
+            if output.numel() == source.numel():
+                host.view(output, read=False).copy_(source.reshape(output.shape))
         return self._done(call, host)
 
     def all_gather_into_tensor(self, call: Collective) -> BCCLWork:
+        if not self._moves(call):
+            return self._done(call)
         host = HostCall()
         for output, input in zip(call.outputs, call.inputs):
             out_view, in_view = host.pair_views(output, input, self._size, gather=True)
@@ -132,6 +168,8 @@ class UniformTransport(Transport):
         return self._done(call, host)
 
     def gather(self, call: Collective) -> BCCLWork:
+        if not self._moves(call):
+            return self._done(call)
         host = HostCall()
         source = host.view(call.inputs[0], write=False)
         for output in call.outputs:  # the root's; none elsewhere
@@ -140,14 +178,17 @@ class UniformTransport(Transport):
 
     def scatter(self, call: Collective) -> BCCLWork:
         host, output = HostCall(), call.outputs[0]
-        if self._rank == call.root:
+        if self._rank == call.root and self._moves(call):
             out_view = host.view(output, read=False)
             out_view.copy_(host.view(call.inputs[self._rank], write=False).reshape(out_view.shape))
-        else:
+        elif self._rank != call.root:
             call_record.flag("scatter: a non-root rank's output is the root's data; it keeps its contents")
         return self._done(call, host)
 
     def all_to_all(self, call: Collective) -> BCCLWork:
+        if not self._moves(call):
+            flag_uneven([t.numel() for t in call.outputs], call.inputs[self._rank].numel(), "all_to_all")
+            return self._done(call)
         host = HostCall()
         # Rank j sends me its inputs[me]; under the rule that is this rank's inputs[me].
         mine = host.view(call.inputs[self._rank], write=False)
@@ -155,8 +196,11 @@ class UniformTransport(Transport):
         return self._done(call, host)
 
     def all_to_all_single(self, call: Collective) -> BCCLWork:
-        host = HostCall()
         send, receive = call.counts
+        if not self._moves(call):
+            flag_uneven(receive, send[self._rank], "all_to_all_single")
+            return self._done(call)
+        host = HostCall()
         in_flat = host.view(call.inputs[0], write=False).reshape(-1)
         out_view = host.view(call.outputs[0], read=False)
         start = sum(send[:self._rank])

@@ -45,8 +45,8 @@ bool check(bool ok, int line, const char* what) {
 
 // A card whose released segments are remembered (by address and size, in release order).
 struct TestCard {
-  explicit TestCard(int64_t capacity)
-      : card(0, capacity, [this](const CardSegment& s) { released.push_back({s.ptr, s.size}); }) {}
+  explicit TestCard(int64_t capacity, supa::Backing backing = supa::Backing::kHeap)
+      : card(0, capacity, [this](const CardSegment& s) { released.push_back({s.ptr, s.size}); }, backing) {}
   ~TestCard() { card.release_cached(); }  // give the host memory back between cases
 
   // A new or cached block, marked allocated as the caching allocator marks it.
@@ -342,6 +342,54 @@ void host_out_of_memory() {
   CHECK(t.released.size() == 1 && t.card.reserved() == 0);
 }
 
+// An operator kernel's first allocation: taken from a free block as place() would hand it out, and given
+// back exactly (the card's change count untouched); nothing is reserved for it.
+void taken_and_given_back() {
+  TestCard t(4 * MiB);
+  CardBlock* held = t.take(4 * KiB);
+  REQUIRE(held != nullptr);
+  t.card.cache(t.take(8 * KiB));
+  const uint64_t changes = t.card.changes();
+  const size_t free_blocks = t.card.cached_blocks();
+  const Placement taken = t.card.take_free(2 * KiB, kGeneral, BlockPolicy(), 0);
+  REQUIRE(taken.block != nullptr);
+  taken.block->allocated = true;
+  void* ptr = taken.block->ptr;
+  CHECK(taken.segment == nullptr && t.card.changes() == changes && t.card.reserved() == 2 * MiB);
+  CHECK(t.card.take_free(4 * MiB, kGeneral, BlockPolicy(), 0).block == nullptr);  // no free block fits: none
+  t.card.give_back(taken.block);
+  CHECK(t.card.changes() == changes && t.card.cached_blocks() == free_blocks);
+  CHECK(t.take(2 * KiB)->ptr == ptr);  // place() hands out the same block
+  CHECK(t.card.changes() == changes + 1);
+}
+
+// Shapes mode's backing: a card larger than the host, and blocks that read zeros when handed out again.
+void reserved_address_space_backing() {
+  TestCard t(int64_t{1} << 40, supa::Backing::kReservedAddressSpace);
+  CardBlock* large = t.take(size_t{64} << 30);  // more than this host has: only address space is reserved
+  REQUIRE(large != nullptr);
+  CHECK(t.last.host_error == 0);
+  static_cast<char*>(large->ptr)[12345] = 7;
+  t.card.cache(large);
+  large = t.take(size_t{64} << 30);
+  REQUIRE(large != nullptr);
+  CHECK(t.last.segment == nullptr);
+  CHECK(static_cast<char*>(large->ptr)[12345] == 0);  // its pages went back to the host when it was freed
+  CardBlock* first = t.take(3 * KiB);  // the start of a small segment, ending inside its first page
+  REQUIRE(first != nullptr);
+  CardBlock* second = t.take(2 * KiB);  // shares that page
+  REQUIRE(second != nullptr && second->ptr == static_cast<char*>(first->ptr) + 3 * KiB);
+  static_cast<char*>(first->ptr)[3000] = 7;
+  static_cast<char*>(second->ptr)[100] = 9;
+  t.card.cache(first);
+  REQUIRE(t.take(3 * KiB) == first);
+  CHECK(static_cast<char*>(first->ptr)[3000] == 0);  // the partial page of a block handed out is cleared
+  CHECK(static_cast<char*>(second->ptr)[100] == 9);  // and nothing beyond the block
+  t.card.cache(first);
+  t.card.cache(second);
+  t.card.cache(large);
+}
+
 }  // namespace
 
 int main() {
@@ -363,6 +411,8 @@ int main() {
       {"full_card_releases_free_segments", full_card_releases_free_segments},
       {"garbage_collection_least_recently_freed_first", garbage_collection_least_recently_freed_first},
       {"host_out_of_memory", host_out_of_memory},
+      {"taken_and_given_back", taken_and_given_back},
+      {"reserved_address_space_backing", reserved_address_space_backing},
   };
   int failed_cases = 0;
   for (const auto& [name, run] : cases) {

@@ -3,8 +3,8 @@
 // takes the card's BLAS workspace for its thread and stream (runtime/blas_workspace.h), as the
 // library does when PyTorch hands it the call: after the result is allocated, only when there is
 // a product to compute. matmul, linear, einsum and friends are composites that reach these.
-// The card's library needs nothing beyond the workspace, so the CPU kernel's packing and
-// conversion buffers stay on the host (docs/card_memory.md, "Kernel scratch by operator family").
+// The card's library needs nothing beyond the workspace; the CPU kernel's packing and conversion
+// buffers are its scratch, which the fallback keeps off the card's figures.
 #include "blas_ops.h"
 
 #include "../runtime/blas_workspace.h"
@@ -96,7 +96,7 @@ BlasCall inspect(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
 void run_blas_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const BlasCall call = inspect(op, *stack);
   const bool lt = call.computes && takes_bias_epilogue(op, *stack);
-  run_cpu_kernel_with_host_scratch(op, stack);
+  run_cpu_kernel(op, stack);
   if (call.computes && call.device >= 0) {
     ensure_blas_workspace(call.device, lt);
   }

@@ -6,12 +6,14 @@
 // The fast path covers only the plain case: strided supa operands on one device, not capturing a
 // graph; the second operand may also be a 0-dim CPU tensor (a Python number arrives as one).
 // Anything else goes through the boxed fallback, which owns the placement errors, sparse
-// layouts and graph recording, so behaviour is that of the fallback in every case.
+// layouts and graph recording, so behaviour is that of the fallback in every case. So does every
+// call in the planner's shapes mode, where the fallback decides whether the kernel runs.
 #include "../runtime/devices.h"
 #include "../runtime/graph.h"
 #include "../runtime/host_alias.h"
 #include "../runtime/host_routing_allocator.h"
 #include "fallback.h"
+#include "shape_only.h"
 
 #include <ATen/ops/add_ops.h>
 #include <ATen/ops/div_ops.h>
@@ -81,7 +83,7 @@ void on_host_views(const at::Tensor& self, const at::Tensor* other, Call&& cpu_c
 
 template <class Op>
 at::Tensor& binary_alpha_(at::Tensor& self, const at::Tensor& other, const c10::Scalar& alpha) {
-  if (!plain_supa(self) || !joins_fast_path(self, other) || is_capturing()) {
+  if (!plain_supa(self) || !joins_fast_path(self, other) || is_capturing() || shapes_mode()) {
     via_fallback<Op>(self, other, alpha);
     return self;
   }
@@ -91,7 +93,7 @@ at::Tensor& binary_alpha_(at::Tensor& self, const at::Tensor& other, const c10::
 
 template <class Op>
 at::Tensor& binary_(at::Tensor& self, const at::Tensor& other) {
-  if (!plain_supa(self) || !joins_fast_path(self, other) || is_capturing()) {
+  if (!plain_supa(self) || !joins_fast_path(self, other) || is_capturing() || shapes_mode()) {
     via_fallback<Op>(self, other);
     return self;
   }
@@ -101,7 +103,7 @@ at::Tensor& binary_(at::Tensor& self, const at::Tensor& other) {
 
 at::Tensor& fill_scalar_(at::Tensor& self, const c10::Scalar& value) {
   using Op = at::_ops::fill__Scalar;
-  if (!plain_supa(self) || is_capturing()) {
+  if (!plain_supa(self) || is_capturing() || shapes_mode()) {
     via_fallback<Op>(self, value);
     return self;
   }
@@ -111,7 +113,7 @@ at::Tensor& fill_scalar_(at::Tensor& self, const c10::Scalar& value) {
 
 at::Tensor& zero_(at::Tensor& self) {
   using Op = at::_ops::zero_;
-  if (!plain_supa(self) || is_capturing()) {
+  if (!plain_supa(self) || is_capturing() || shapes_mode()) {
     via_fallback<Op>(self);
     return self;
   }

@@ -1,10 +1,14 @@
 // The boxed fallback: every operator without a supa kernel of its own runs PyTorch's CPU
 // kernel on CPU views of the supa operands. Nothing is copied: inputs are viewed in place,
-// and results that the CPU kernel allocates come from the device's memory pool (see
-// DeviceOutputScope), so they become supa tensors by relabelling their memory. So does the
-// kernel's scratch, which then counts as the card's; for the families whose card kernels have
-// none (matrix products), run_cpu_kernel_with_host_scratch keeps it on the host: only the
-// kernel's first allocations (its results) come from the card.
+// and what the CPU kernel allocates comes from the device's memory pool (see
+// DeviceOutputScope), provisionally: the results become supa tensors by moving their bytes
+// onto the card, counted as the card's in the order the operator returns them, while the
+// kernel's own scratch never reaches the card's figures (a card kernel has none of it; what card
+// kernels do keep, BLAS workspaces and attention's buffers, is modelled by their operators).
+//
+// In the planner's shapes mode (shape_only.h) the same call runs the operator's shape rule on
+// meta tensors standing for the operands instead of its kernel, and allocates the results it
+// describes on the card in the same order: the card's figures are those of the kernel's run.
 //
 // Sparse operands (COO and compressed layouts) cross the same way: CPU sparse tensors over
 // host views of their index and value tensors.
@@ -12,6 +16,7 @@
 // It also enforces the placement rules of a GPU: all supa operands on one device, CPU
 // tensors only as 0-dim scalars (or as indices, which CUDA accepts too).
 #include "fallback.h"
+#include "shape_only.h"
 
 #include "../runtime/caching_allocator.h"
 #include "../runtime/devices.h"
@@ -28,6 +33,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 namespace supa {
 namespace {
@@ -42,13 +49,12 @@ std::string device_name(const c10::Device& d) {
   return d.str();
 }
 
-// Results that are not one of the operands (out=, in-place): the allocations a kernel makes for them.
-int new_results(const c10::FunctionSchema& schema) {
-  int count = 0;
-  for (const auto& result : schema.returns()) {
-    count += result.alias_info() == nullptr ? 1 : 0;
-  }
-  return count;
+// Whether the op returns exactly one tensor that is none of its operands: its kernel's first
+// allocation is then most likely that result, which the card can hold from the start.
+bool one_new_tensor(const c10::FunctionSchema& schema) {
+  const auto& returns = schema.returns();
+  return returns.size() == 1 && returns[0].alias_info() == nullptr &&
+         returns[0].type()->kind() == c10::TypeKind::TensorType;
 }
 
 bool is_layout(const c10::TypePtr& type) {
@@ -67,11 +73,13 @@ struct HostOperand {
 
 class FallbackCall {
  public:
-  FallbackCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel,
-               bool scratch_on_card = true)
-      : op_(op), stack_(*stack), kernel_(kernel), scratch_on_card_(scratch_on_card) {}
+  // `shape_rule`: the operator's shape rule runs on meta tensors instead of the kernel.
+  FallbackCall(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel, bool shape_rule = false)
+      : op_(op), stack_(*stack), kernel_(kernel), shape_rule_(shape_rule) {}
 
-  void run() {
+  // `probe`: only the shape rule runs (it raises where it cannot tell the results); nothing is
+  // allocated and the stack is left as the rule left it.
+  void run(bool probe = false) {
     const auto& schema = op_.schema();
     const size_t num_args = schema.arguments().size();
     const size_t first = stack_.size() - num_args;
@@ -100,7 +108,7 @@ class FallbackCall {
         }
       } else if (value.isDevice() && value.toDevice().type() == kSupa) {
         note_device(value.toDevice(), arg.name());
-        value = c10::IValue(c10::Device(c10::DeviceType::CPU));
+        value = c10::IValue(c10::Device(kernel_device_type()));
       } else if (value.isInt() && value.toInt() != static_cast<int64_t>(c10::kStrided) && is_layout(arg.real_type())) {
         full_dispatch_ = true;  // a factory asked for a sparse result
       } else if (value.isGenerator() ||
@@ -116,7 +124,7 @@ class FallbackCall {
     TORCH_CHECK(host_tensor_arg_.empty(), "Expected all tensors to be on the same device, but found at least two ",
                 "devices, ", device_name(c10::Device(kSupa, device_)), " and cpu! (argument '", host_tensor_arg_,
                 "' of ", schema.operator_name(), ")");
-    if (kernel_ == nullptr) {
+    if (kernel_ == nullptr && !shape_rule_) {
       for (size_t position : generators) {
         // A random op without a supa kernel (random_ops.cpp has the card's): its CPU kernel draws
         // from a CPU generator seeded from counters of this device's generator (or the one given),
@@ -127,11 +135,16 @@ class FallbackCall {
             largest_operand_numel_));
       }
     }
-    {
+    if (shape_rule_) {
+      TORCH_INTERNAL_ASSERT(!full_dispatch_, "supa_emu: sparse operands take their kernel in shapes mode");
+      op_.redispatchBoxed(kMetaKeys, &stack_);
+      if (probe) {
+        return;
+      }
+      sync_written_operands();
+    } else {
       CurrentDeviceScope guard(device_);
-      // Structured kernels allocate their new results first: those go to the card, the scratch after
-      // them to the host (a result allocated later is copied to the card: slower, never wrong).
-      DeviceOutputScope route_outputs(device_, scratch_on_card_ ? -1 : new_results(schema));
+      DeviceOutputScope route_outputs(device_, kernel_ == nullptr && !full_dispatch_ && one_new_tensor(schema));
       if (kernel_ != nullptr) {
         kernel_(op_, &stack_);
       } else if (full_dispatch_) {
@@ -164,6 +177,10 @@ class FallbackCall {
                 "! (argument '", argument, "' of ", op_.schema().operator_name(), ")");
   }
 
+  c10::DeviceType kernel_device_type() const {
+    return shape_rule_ ? c10::DeviceType::Meta : c10::DeviceType::CPU;
+  }
+
   at::Tensor to_host(const at::Tensor& t, bool written, const std::string& argument) {
     if (!t.defined()) {
       return t;
@@ -174,7 +191,8 @@ class FallbackCall {
           host_tensor_arg_.empty()) {
         host_tensor_arg_ = argument;
       }
-      return t;
+      // A shape rule takes host scalars as they are, and host indices as meta tensors.
+      return shape_rule_ && t.dim() != 0 ? tensor_over(meta_storage(t.storage().nbytes()), kMetaKeys, t) : t;
     }
     TORCH_CHECK(type == kSupa, "Expected all tensors to be on the same device, but found at least two devices, supa",
                 " and ", t.device(), "! (argument '", argument, "' of ", op_.schema().operator_name(), ")");
@@ -199,9 +217,9 @@ class FallbackCall {
       }
     }
     if (!host_storage) {
-      host_storage = host_alias_storage(t.storage());
+      host_storage = shape_rule_ ? meta_storage(t.storage().nbytes()) : host_alias_storage(t.storage());
     }
-    at::Tensor host = tensor_over(host_storage, kCpuKeys, t);
+    at::Tensor host = tensor_over(host_storage, shape_rule_ ? kMetaKeys : kCpuKeys, t);
     operands_.push_back({t, host, std::move(host_storage), written});
     return host;
   }
@@ -223,7 +241,11 @@ class FallbackCall {
       }
       c10::StorageImpl* device_storage = operand.original.storage().unsafeGetStorageImpl();
       c10::StorageImpl* host_storage = operand.host_storage.unsafeGetStorageImpl();
-      if (host_storage->data() != device_storage->data() || host_storage->nbytes() != device_storage->nbytes()) {
+      if (shape_rule_) {
+        if (host_storage->nbytes() != device_storage->nbytes()) {
+          resize_card_storage(device_storage, host_storage->nbytes(), device_);
+        }
+      } else if (host_storage->data() != device_storage->data() || host_storage->nbytes() != device_storage->nbytes()) {
         const size_t nbytes = host_storage->nbytes();
         c10::DataPtr data = take_device_block(host_storage, device_);
         if (!data && nbytes > 0) {
@@ -282,7 +304,7 @@ class FallbackCall {
   }
 
   at::Tensor tensor_to_device(const at::Tensor& t) {
-    if (!t.defined() || t.device().type() != c10::DeviceType::CPU) {
+    if (!t.defined() || t.device().type() != kernel_device_type()) {
       return t;
     }
     if (t.layout() != c10::kStrided) {
@@ -315,7 +337,7 @@ class FallbackCall {
         holders = count;
       }
     }
-    at::Tensor result = adopt_host_result(t, device_, holders);
+    at::Tensor result = shape_rule_ ? card_result(t, device_) : adopt_host_result(t, device_, holders);
     adopted_.emplace_back(storage, result.storage());
     return result;
   }
@@ -323,7 +345,7 @@ class FallbackCall {
   const c10::OperatorHandle& op_;
   torch::jit::Stack& stack_;
   HostKernel kernel_;  // runs on the host operands; nullptr: the op's own CPU kernel
-  bool scratch_on_card_;  // the kernel's allocations come from the card (results taken over); else the host's
+  bool shape_rule_;    // the op's shape rule on meta operands instead of a kernel (shapes mode)
   c10::DeviceIndex device_ = -1;
   std::string host_tensor_arg_;
   // Small inline buffers: a typical call then allocates nothing for its bookkeeping.
@@ -336,17 +358,77 @@ class FallbackCall {
   std::vector<c10::IValue> recorded_inputs_;
 };
 
+// An argument list to run a call again with: lists copied, since a call replaces their tensors in place.
+std::vector<c10::IValue> saved_arguments(const torch::jit::Stack& stack, size_t num_args) {
+  std::vector<c10::IValue> saved;
+  saved.reserve(num_args);
+  for (const c10::IValue& value : torch::jit::last(stack, num_args)) {
+    if (value.isTensorList()) {
+      saved.emplace_back(value.toTensorList().copy());
+    } else if (value.isList()) {
+      saved.emplace_back(value.toList().copy());
+    } else {
+      saved.push_back(value);
+    }
+  }
+  return saved;
+}
+
+// Shapes mode: the call's shape rule where it tells the results; otherwise its kernel, noted.
+void run_in_shapes_mode(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
+  const ShapesRoute route = shapes_route(op, *stack);
+  if (route == ShapesRoute::kKernel) {
+    FallbackCall(op, stack, kernel).run();
+    return;
+  }
+  const size_t num_args = op.schema().arguments().size();
+  const size_t base = stack->size() - num_args;
+  std::vector<c10::IValue> arguments = saved_arguments(*stack, num_args);
+  std::optional<KernelReason> reason;
+  bool without_meta_kernel = false;
+  try {
+    FallbackCall(op, stack, kernel, /*shape_rule=*/true).run(/*probe=*/route == ShapesRoute::kKernelAfterRule);
+    if (route != ShapesRoute::kKernelAfterRule) {
+      return;
+    }
+  } catch (const c10::NotImplementedError&) {
+    // The dispatcher found no Meta kernel, or a dynamic-shape rule needs the values.
+    without_meta_kernel = route == ShapesRoute::kShapeRule;
+    reason = without_meta_kernel ? KernelReason::kNoShapeRule : KernelReason::kValueDependent;
+  } catch (const std::exception&) {
+    // A rule that raised (a Python meta function, a check): the kernel gives the real answer or error.
+    reason = route == ShapesRoute::kShapeRule ? KernelReason::kNoShapeRule : KernelReason::kValueDependent;
+  }
+  stack->resize(base);
+  stack->insert(stack->end(), arguments.begin(), arguments.end());
+  if (without_meta_kernel) {
+    note_kernel_ran(op, *reason);  // before the kernel runs: later calls go straight to it
+  }
+  FallbackCall(op, stack, kernel).run();
+  if (reason.has_value() && !without_meta_kernel) {
+    note_kernel_ran(op, *reason);
+  }
+}
+
+void run_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
+  if (shapes_mode()) {
+    run_in_shapes_mode(op, stack, kernel);
+  } else {
+    FallbackCall(op, stack, kernel).run();
+  }
+}
+
 }  // namespace
 
 void run_cpu_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  FallbackCall(op, stack, nullptr).run();
-}
-
-void run_cpu_kernel_with_host_scratch(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  FallbackCall(op, stack, nullptr, /*scratch_on_card=*/false).run();
+  run_call(op, stack, nullptr);
 }
 
 void run_host_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
+  run_call(op, stack, kernel);
+}
+
+void run_card_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
   FallbackCall(op, stack, kernel).run();
 }
 

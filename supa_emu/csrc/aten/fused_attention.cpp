@@ -14,9 +14,11 @@
 //   query heads) also the key and value gradients of every query head, which the card's kernel
 //   sums over each group at the end (H200, tests/data/fidelity/h200_gqa_attention.json).
 // Shapes and strides of every result are those of PyTorch's meta functions for these ops, which
-// compiled graphs check.
+// compiled graphs check. In the planner's shapes mode the kernels allocate all of it and compute
+// nothing.
 #include "fallback.h"
 #include "host_attention.h"
+#include "shape_only.h"
 
 #include "../runtime/devices.h"
 #include "../runtime/generator.h"
@@ -141,7 +143,7 @@ void flash_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) 
   CardTensor out{out_card, host_view(out_card)};
   CardTensor lse = on_card({q.size(0), q.size(2), q.size(1)}, {}, at::toOpMathType(q.scalar_type()));
   hold_flash_philox_state(lse.card);
-  {
+  if (!shapes_mode()) {  // shapes mode: the card's memory only
     HostScratch scratch;
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p, is_causal, present(mask), scale);
@@ -168,13 +170,15 @@ void flash_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack)
   CardTensor dv = on_card(v.sizes(), blhe, v.scalar_type());
   {
     const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q, k, v);
-    HostScratch scratch;
-    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, dropout_p, is_causal,
-        present(mask), scale);
-    dq.host.copy_(gq);
-    dk.host.copy_(gk);
-    dv.host.copy_(gv);
+    if (!shapes_mode()) {  // shapes mode: the card's memory only
+      HostScratch scratch;
+      auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          grad_out, q, k, v, out, lse, dropout_p, is_causal,
+          present(mask), scale);
+      dq.host.copy_(gq);
+      dk.host.copy_(gk);
+      dv.host.copy_(gv);
+    }
   }
   push_results(stack, 10, {dq.card, dk.card, dv.card});
 }
@@ -200,7 +204,7 @@ void efficient_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* sta
   const int64_t lse_rows = compute_log_sumexp ? (rows + 31) / 32 * 32 : 0;
   CardTensor lse = on_card({batch, heads, lse_rows}, {}, at::kFloat);
   auto [seed, offset] = draw_philox_state(dropout_p, static_cast<uint64_t>(batch * heads * rows * k.size(2)));
-  {
+  if (!shapes_mode()) {  // shapes mode: the card's memory only
     HostScratch scratch;
     at::Tensor o, l;
     if (cpu_flash_serves(q, v, bias, dropout_p)) {
@@ -248,41 +252,48 @@ void efficient_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* st
   }
   {
     const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q, k, v);
-    HostScratch scratch;
-    at::Tensor gq, gk, gv, gbias;
-    const host_attention::Call call{q, k, v, bias, is_causal, scale, dropout_p, seed, offset};
-    // Forward skips the log-sum-exp when no input of its own needs a gradient (the mask may).
-    const at::Tensor row_lse =
-        lse.size(2) >= rows ? lse.narrow(2, 0, rows) : std::get<1>(host_attention::forward(call));
-    if (cpu_flash_serves(q, v, bias, dropout_p) && !bias_grad) {
-      // The CPU kernel's log-sum-exp layout: (B, L, H) memory.
-      at::Tensor cpu_lse = at::empty({q.size(0), rows, q.size(1)}, lse.options()).transpose(1, 2);
-      cpu_lse.copy_(row_lse);
-      std::tie(gq, gk, gv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-          grad_out, q, k, v, out, cpu_lse, 0.0, is_causal,
-          present(bias), scale);
-    } else {
-      std::tie(gq, gk, gv, gbias) = host_attention::backward(call, grad_out, out, row_lse, bias_grad);
-    }
-    dq.host.copy_(gq);
-    dk.host.copy_(gk);
-    dv.host.copy_(gv);
-    if (bias_grad) {
-      host_view(dbias_card).copy_(gbias.sum_to_size(bias.sizes()));
+    if (!shapes_mode()) {  // shapes mode: the card's memory only
+      HostScratch scratch;
+      at::Tensor gq, gk, gv, gbias;
+      const host_attention::Call call{q, k, v, bias, is_causal, scale, dropout_p, seed, offset};
+      // Forward skips the log-sum-exp when no input of its own needs a gradient (the mask may).
+      const at::Tensor row_lse =
+          lse.size(2) >= rows ? lse.narrow(2, 0, rows) : std::get<1>(host_attention::forward(call));
+      if (cpu_flash_serves(q, v, bias, dropout_p) && !bias_grad) {
+        // The CPU kernel's log-sum-exp layout: (B, L, H) memory.
+        at::Tensor cpu_lse = at::empty({q.size(0), rows, q.size(1)}, lse.options()).transpose(1, 2);
+        cpu_lse.copy_(row_lse);
+        std::tie(gq, gk, gv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, cpu_lse, 0.0, is_causal,
+            present(bias), scale);
+      } else {
+        std::tie(gq, gk, gv, gbias) = host_attention::backward(call, grad_out, out, row_lse, bias_grad);
+      }
+      dq.host.copy_(gq);
+      dk.host.copy_(gk);
+      dv.host.copy_(gv);
+      if (bias_grad) {
+        host_view(dbias_card).copy_(gbias.sum_to_size(bias.sizes()));
+      }
     }
   }
   push_results(stack, 13, {dq.card, dk.card, dv.card, dbias_card});
 }
 
+template <HostKernel kernel>
+void card_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_card_kernel(op, stack, kernel);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_scaled_dot_product_flash_attention_for_cpu",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&flash_forward>>());
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_forward>>());
   m.impl("_scaled_dot_product_flash_attention_for_cpu_backward",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&flash_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_backward>>());
   m.impl("_scaled_dot_product_efficient_attention",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&efficient_forward>>());
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_forward>>());
   m.impl("_scaled_dot_product_efficient_attention_backward",
-         torch::CppFunction::makeFromBoxedFunction<&on_host_views<&efficient_backward>>());
+         torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_backward>>());
 }
 
 }  // namespace supa::fused_attention

@@ -10,11 +10,10 @@
 // The card holds what CUDA's kernels allocate: forward the output, mean and rstd; backward the input,
 // weight and bias gradients (the weight and bias gradients in the weight's dtype). The casts and the
 // float32 weight gradients are host scratch. Other dtypes, and calls whose weight is float32 already,
-// take the CPU kernel through the fallback unchanged.
+// take the CPU kernel through the fallback unchanged. In shapes mode the shape rule gives the same
+// results (float32 statistics) without running a kernel.
 #include "fallback.h"
 
-#include "../runtime/devices.h"
-#include "../runtime/host_routing_allocator.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -34,7 +33,6 @@ bool keeps_float_statistics(const Tensor& input, const Tensor& weight) {
 // The weight and bias in float32 on the host (ones and zeros where the caller gave none, which
 // leaves the values unchanged), so that the CPU kernel takes its mixed-precision path.
 std::tuple<Tensor, Tensor> float_layer_norm_affine(const Tensor& weight, const Tensor& bias, int64_t normalized_numel) {
-  DeviceOutputScope on_host(current_device(), 0);
   const auto options = at::TensorOptions().dtype(at::kFloat);
   Tensor w = weight.defined() ? weight.to(at::kFloat) : at::ones({normalized_numel}, options);
   Tensor b = bias.defined() ? bias.to(at::kFloat) : at::zeros({normalized_numel}, options);
@@ -84,9 +82,8 @@ void layer_norm_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack
   }
   Tensor grad_input, grad_weight, grad_bias;
   {
-    // All on the host; the fallback moves the results to the card in order (grad_input, grad_weight,
-    // grad_bias), as CUDA's kernel allocates them.
-    DeviceOutputScope on_host(current_device(), 0);
+    // The fallback counts only the results on the card, in order (grad_input, grad_weight, grad_bias),
+    // as CUDA's kernel allocates them.
     const auto [w, b] = float_layer_norm_affine(weight, bias, normalized_numel_of(shape));
     std::tie(grad_input, grad_weight, grad_bias) = at::native_layer_norm_backward(
         grad_out, input, shape, mean, rstd, w.reshape(shape), b.reshape(shape), {mask[0], mask[1], mask[2]});

@@ -4,6 +4,7 @@
 #include "../runtime/devices.h"
 #include "../runtime/graph.h"
 #include "../runtime/host_alias.h"
+#include "shape_only.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/InferSize.h>
@@ -105,7 +106,11 @@ void ensure_storage_fits(const at::Tensor& self) {
   c10::StorageImpl* storage = self.storage().unsafeGetStorageImpl();
   if (needed > storage->nbytes()) {
     c10::DeviceGuard guard(self.device());
-    resize_storage_bytes(storage, needed);
+    if (card_bytes_move(storage->nbytes())) {
+      resize_storage_bytes(storage, needed);
+    } else {
+      resize_card_storage(storage, needed, self.device().index());
+    }
   }
 }
 
@@ -187,7 +192,8 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_b
     TORCH_WARN_ONCE(kNoDouble);
     src = src.to(at::kFloat);
   }
-  if (dst.numel() > 0) {
+  const bool card_to_card = self.device().type() == kSupa && dst.device().type() == kSupa;
+  if (dst.numel() > 0 && (!card_to_card || card_bytes_move(dst.numel() * dst.dtype().itemsize()))) {
     host_side(dst).copy_(src);
   }
   if (is_capturing() && self.device().type() == kSupa && dst.device().type() == kSupa) {

@@ -11,8 +11,12 @@
 // reserved memory passes that fraction of the card (see BlockPolicy). Segments, splitting and
 // merging are the card's (card_memory.h); the statistics count them as PyTorch's allocator does
 // (inactive_split for the free blocks of split segments, whole blocks in allocated_bytes).
+//
+// The state both halves share is in allocator_state.h; an operator kernel's provisional
+// allocations, which the card counts only once handed back as results, are provisional_blocks.cpp.
 #include "caching_allocator.h"
 
+#include "allocator_state.h"
 #include "card_memory.h"
 #include "device_guard.h"
 #include "devices.h"
@@ -20,15 +24,17 @@
 #include "mem_pool.h"
 #include "memcheck.h"
 #include "memory_history.h"
+#include "out_of_memory.h"
+#include "provisional_blocks.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <type_traits>
 #include <unordered_map>
 
@@ -41,17 +47,20 @@ using c10::CachingDeviceAllocator::DeviceStats;
 
 static_assert(std::is_same_v<PoolId, c10::MempoolId_t>, "card_memory.h's PoolId must be c10's pool id");
 
-// A card and the statistics PyTorch keeps for it.
-struct DeviceMemory {
-  DeviceMemory(c10::DeviceIndex device, int64_t capacity);
-  CardMemory card;
-  DeviceStats stats;
-};
+}  // namespace
+
+namespace allocator_state {
 
 std::mutex g_mutex;
 std::vector<std::unique_ptr<DeviceMemory>> g_devices;
-std::unordered_map<void*, CardBlock*> g_blocks;  // the allocated blocks, by address
-BlockPolicy g_policy;  // `_set_allocator_settings`
+std::unordered_map<void*, CardBlock*> g_blocks;
+BlockPolicy g_policy;
+
+}  // namespace allocator_state
+
+namespace {
+
+using namespace allocator_state;
 
 // A statistic moves in "all" and in the pool (small or large) of the block or segment.
 void update(StatArray& stat, bool small, int64_t amount) {
@@ -63,27 +72,6 @@ void update(StatArray& stat, bool small, int64_t amount) {
 
 void update(StatArray& stat, bool small, size_t size, bool increase) {
   update(stat, small, increase ? static_cast<int64_t>(size) : -static_cast<int64_t>(size));
-}
-
-std::string format_size(uint64_t size) {
-  std::ostringstream os;
-  os.precision(2);
-  os << std::fixed;
-  if (size <= 1024) {
-    os << size << " bytes";
-  } else if (size <= 1048576) {
-    os << (static_cast<double>(size) / 1024.0) << " KiB";
-  } else if (size <= 1073741824ULL) {
-    os << (static_cast<double>(size) / 1048576.0) << " MiB";
-  } else {
-    os << (static_cast<double>(size) / 1073741824.0) << " GiB";
-  }
-  return os.str();
-}
-
-DeviceMemory& memory_of(c10::DeviceIndex device) {
-  check_device_index(device);
-  return *g_devices.at(device);
 }
 
 // Count statistics (allocation, segment, active) move by one per block.
@@ -109,48 +97,33 @@ void segment_released(DeviceMemory& mem, const CardSegment& segment) {
   mem.stats.num_device_free++;
 }
 
-DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity)
-    : card(device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }) {}
-
-[[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size) {
+// `stack`: the request's, kept with the history's "oom" event (the planner reports where it failed).
+[[noreturn]] void raise_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, const Stack& stack) {
   mem.stats.num_ooms++;
-  const int64_t allocated = mem.stats.allocated_bytes[0].current;
-  const CardMemory& card = mem.card;
-  std::ostringstream msg;
-  msg << "SUPA out of memory. Tried to allocate " << format_size(size) << ". GPU "
-      << static_cast<int>(device) << " has a total capacity of " << format_size(card.capacity())
-      << " of which " << format_size(card.unreserved()) << " is free. ";
-  if (card.fraction() < 1.0) {
-    msg << "This process is limited to " << format_size(card.limit())
-        << " by set_per_process_memory_fraction. ";
-  }
-  record_memory_event("oom", device, nullptr, size, nullptr);
-  msg << "Of the allocated memory " << format_size(allocated)
-      << " is allocated by PyTorch, and " << format_size(card.reserved() - allocated)
-      << " is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
-         "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
-         "See documentation for Memory Management  "
-         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)";
-  TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
-}
-
-// The host could not back a block the card had room for: say so, with the host's numbers, instead
-// of a card OOM whose "free" figure contradicts it. Still an OutOfMemoryError, so code that
-// recovers from OOM (smaller batch, empty_cache) keeps working.
-[[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error) {
-  mem.stats.num_ooms++;
-  std::ostringstream msg;
-  msg << "SUPA emulator: the host could not provide " << format_size(size) << " of memory for an allocation on "
-      << "supa:" << static_cast<int>(device) << " (" << std::strerror(error) << "). The emulated card has "
-      << format_size(std::max<int64_t>(0, mem.card.limit() - mem.card.reserved()))
-      << " of its capacity free, but its memory is this host's memory: lower SUPA_EMU_MEMORY to what the host can "
-         "hold, or free host memory.";
-  TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
+  record_memory_event("oom", device, nullptr, size, stack);
+  throw_card_oom(mem.card, device, size, mem.stats.allocated_bytes[0].current);
 }
 
 // Block hand-outs and returns, for the GPU trace (see gpu_trace.h), once a callback listens for them:
 // with the trace on for a sanitizer alone, allocations do not call into Python.
 std::atomic<bool> g_report_blocks{false};
+
+}  // namespace
+
+namespace allocator_state {
+
+DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing)
+    : card(device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }, backing) {}
+
+DeviceMemory& memory_of(c10::DeviceIndex device) {
+  check_device_index(device);
+  return *g_devices.at(device);
+}
+
+[[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error) {
+  mem.stats.num_ooms++;
+  throw_host_oom(mem.card, device, size, error);
+}
 
 void report_block(void* ptr, bool allocated) {
   if (!g_report_blocks.load(std::memory_order_relaxed)) {
@@ -166,9 +139,67 @@ void report_block(void* ptr, bool allocated) {
   });
 }
 
-}  // namespace
+// The block size that serves a request; raises for a request no card could hold.
+size_t block_size(size_t nbytes, c10::DeviceIndex device) {
+  if (nbytes > kLargestRequest) {
+    const auto stack = memory_event_stack();
+    std::lock_guard<std::mutex> lock(g_mutex);
+    raise_oom(memory_of(device), device, nbytes, stack);
+  }
+  return g_policy.round_size(nbytes);
+}
+
+// Counts a block the card handed out for a request of `nbytes` as allocated (under g_mutex).
+CardBlock* count_placed(DeviceMemory& mem, c10::DeviceIndex device, const Placement& placed, size_t nbytes,
+                        const Stack& stack) {
+  CardBlock* block = placed.block;
+  const bool small = block->small;
+  if (const CardSegment* segment = placed.segment) {
+    record_memory_event("segment_alloc", device, segment->ptr, segment->size, stack, segment->size, segment->stream);
+    mem.stats.num_device_alloc++;
+    count_block(mem.stats.segment, small, true);
+    update(mem.stats.reserved_bytes, small, segment->size, true);
+    if (segment->oversize) {
+      mem.stats.oversize_segments.increase(1);
+    }
+  }
+  count_inactive_split(mem.stats, small, placed.inactive_split, placed.inactive_split_bytes);
+  g_blocks.emplace(block->ptr, block);
+  block->allocated = true;
+  block->requested = nbytes;
+  count_block(mem.stats.allocation, small, true);
+  count_block(mem.stats.active, small, true);
+  update(mem.stats.allocated_bytes, small, block->size, true);
+  update(mem.stats.active_bytes, small, block->size, true);
+  update(mem.stats.requested_bytes, small, nbytes, true);
+  if (block->oversize) {
+    mem.stats.oversize_allocations.increase(1);
+  }
+  record_memory_event("alloc", device, block->ptr, nbytes, stack, block->size, block->stream);
+  return block;
+}
+
+// A block for a request of `nbytes` on `stream`, counted as allocated (under g_mutex).
+CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes, const c10::MempoolId_t& pool,
+                       c10::StreamId stream, const Stack& stack) {
+  const size_t size = g_policy.round_size(nbytes);
+  const Placement placed = mem.card.place(size, pool, g_policy, stream);
+  mem.stats.num_alloc_retries += placed.retries;
+  if (placed.block == nullptr) {
+    if (placed.host_error != 0) {
+      raise_host_oom(mem, device, size, placed.host_error);
+    }
+    raise_oom(mem, device, size, stack);
+  }
+  return count_placed(mem, device, placed, nbytes, stack);
+}
+
+}  // namespace allocator_state
 
 void free_block(void* ptr) {
+  if (drop_provisional(ptr)) {
+    return;
+  }
   report_block(ptr, false);
   memcheck_block_freed(ptr);
   const auto stack = memory_event_stack();
@@ -206,49 +237,12 @@ void delete_device_ptr(void* ptr) {
 namespace {
 
 void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
-  if (nbytes > kLargestRequest) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    raise_oom(memory_of(device), device, nbytes);
-  }
-  const size_t size = g_policy.round_size(nbytes);
+  block_size(nbytes, device);
   const auto stack = memory_event_stack();
   const c10::MempoolId_t pool = allocation_pool(device);
   const c10::StreamId stream = current_stream_id(device);
   std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceMemory& mem = memory_of(device);
-  const Placement placed = mem.card.place(size, pool, g_policy, stream);
-  mem.stats.num_alloc_retries += placed.retries;
-  if (placed.block == nullptr) {
-    if (placed.host_error != 0) {
-      raise_host_oom(mem, device, size, placed.host_error);
-    }
-    raise_oom(mem, device, size);
-  }
-  CardBlock* block = placed.block;
-  const bool small = block->small;
-  if (const CardSegment* segment = placed.segment) {
-    record_memory_event("segment_alloc", device, segment->ptr, segment->size, stack, segment->size, segment->stream);
-    mem.stats.num_device_alloc++;
-    count_block(mem.stats.segment, small, true);
-    update(mem.stats.reserved_bytes, small, segment->size, true);
-    if (segment->oversize) {
-      mem.stats.oversize_segments.increase(1);
-    }
-  }
-  count_inactive_split(mem.stats, small, placed.inactive_split, placed.inactive_split_bytes);
-  g_blocks.emplace(block->ptr, block);
-  block->allocated = true;
-  block->requested = nbytes;
-  count_block(mem.stats.allocation, small, true);
-  count_block(mem.stats.active, small, true);
-  update(mem.stats.allocated_bytes, small, block->size, true);
-  update(mem.stats.active_bytes, small, block->size, true);
-  update(mem.stats.requested_bytes, small, nbytes, true);
-  if (block->oversize) {
-    mem.stats.oversize_allocations.increase(1);
-  }
-  record_memory_event("alloc", device, block->ptr, nbytes, stack, block->size, block->stream);
-  return block->ptr;
+  return place_block(memory_of(device), device, nbytes, pool, stream, stack)->ptr;
 }
 
 }  // namespace
@@ -335,11 +329,12 @@ SupaDeviceAllocator g_device_allocator;
 
 }  // namespace
 
-void init_memory(const std::vector<int64_t>& capacities) {
+void init_memory(const std::vector<int64_t>& capacities, bool lazy_backing) {
   std::lock_guard<std::mutex> lock(g_mutex);
   TORCH_CHECK(g_devices.empty(), "supa_emu: the emulated devices are already initialised");
+  const Backing backing = lazy_backing ? Backing::kReservedAddressSpace : Backing::kHeap;
   for (int64_t capacity : capacities) {
-    auto mem = std::make_unique<DeviceMemory>(static_cast<c10::DeviceIndex>(g_devices.size()), capacity);
+    auto mem = std::make_unique<DeviceMemory>(static_cast<c10::DeviceIndex>(g_devices.size()), capacity, backing);
     mem->stats.max_split_size = g_policy.max_split_size;
     g_devices.push_back(std::move(mem));
   }
@@ -368,6 +363,9 @@ c10::DeviceIndex device_of_ptr(const void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (auto it = g_blocks.find(const_cast<void*>(ptr)); it != g_blocks.end()) {
     return static_cast<c10::DeviceIndex>(it->second->device);
+  }
+  if (const c10::DeviceIndex device = provisional_device(ptr); device >= 0) {
+    return device;
   }
   const CardSegment* segment = segment_of(ptr);
   return segment == nullptr ? -1 : static_cast<c10::DeviceIndex>(segment->device);

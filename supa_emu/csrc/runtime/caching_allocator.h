@@ -14,7 +14,8 @@
 
 namespace supa {
 
-void init_memory(const std::vector<int64_t>& capacities);
+// `lazy_backing`: segments cost host RAM only where written (the planner's shapes mode).
+void init_memory(const std::vector<int64_t>& capacities, bool lazy_backing);
 c10::DeviceAllocator* device_allocator();
 // A block of `device`'s pool (counted as allocated) and the deleter that gives it back.
 void* allocate_block(size_t nbytes, c10::DeviceIndex device);

@@ -1,8 +1,13 @@
 // The emulated card's memory and block policy (see card_memory.h).
 #include "card_memory.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 namespace supa {
 
@@ -65,8 +70,44 @@ size_t segment_size(size_t size) {
   return ((size + kRoundLarge - 1) / kRoundLarge) * kRoundLarge;
 }
 
-CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release)
-    : device_(device), capacity_(capacity), on_release_(std::move(on_release)) {}
+namespace {
+
+bool lazily_backed(size_t size, Backing backing) {
+  return backing == Backing::kReservedAddressSpace && size >= kReservedBackingMin;
+}
+
+uintptr_t page_size() {
+  static const auto size = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+}  // namespace
+
+void* back(size_t size, Backing backing) {
+  if (lazily_backed(size, backing)) {
+    // MAP_NORESERVE: not counted against the host's commit limit, so a card larger than the host
+    // can be planned; pages cost host RAM only once written.
+    void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return ptr == MAP_FAILED ? nullptr : ptr;
+  }
+  void* ptr = nullptr;
+  if (const int error = posix_memalign(&ptr, kSegmentAlignment, size); error != 0) {
+    errno = error;
+    return nullptr;
+  }
+  return ptr;
+}
+
+void unback(void* ptr, size_t size, Backing backing) {
+  if (lazily_backed(size, backing)) {
+    munmap(ptr, size);
+  } else {
+    std::free(ptr);
+  }
+}
+
+CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing)
+    : device_(device), capacity_(capacity), on_release_(std::move(on_release)), backing_(backing) {}
 
 int64_t CardMemory::limit() const {
   return static_cast<int64_t>(fraction_ * static_cast<double>(capacity_));
@@ -122,12 +163,13 @@ void CardMemory::release(CardBlock* block) {
   on_release_(*segment);
   reserved_ -= static_cast<int64_t>(segment->size);
   segments_.erase(reinterpret_cast<uintptr_t>(segment->ptr));
-  std::free(segment->ptr);
+  unback(segment->ptr, segment->size, backing_);
   delete segment;
   delete block;
 }
 
 void CardMemory::release_cached(const PoolId* pool) {
+  ++changes_;
   for (auto& entry : free_) {
     if (pool != nullptr && std::get<0>(entry.first) != *pool) {
       continue;
@@ -218,11 +260,9 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, 
     if (!fits()) {
       return false;
     }
-    error = posix_memalign(&ptr, kSegmentAlignment, bytes);
-    if (error != 0) {
-      ptr = nullptr;
-    }
-    return error == 0;
+    ptr = back(bytes, backing_);
+    error = ptr == nullptr ? errno : 0;
+    return ptr != nullptr;
   };
   bool ok = try_reserve() || (release_oversize(size, pool, stream, policy) && try_reserve());
   if (!ok) {
@@ -247,6 +287,7 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, 
 }
 
 Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
+  ++changes_;
   Placement placed;
   CardBlock* block = find_free(size, pool, stream, policy);
   if (block == nullptr) {
@@ -256,6 +297,27 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
       return placed;
     }
   }
+  hand_out(block, size, policy, placed);
+  return placed;
+}
+
+Placement CardMemory::take_free(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
+  Placement placed;
+  if (CardBlock* block = find_free(size, pool, stream, policy)) {
+    hand_out(block, size, policy, placed);
+  }
+  return placed;
+}
+
+void CardMemory::give_back(CardBlock* block) {
+  block->allocated = false;
+  block->requested = 0;
+  merge_free(block);  // its age is the free block's it came from
+}
+
+// Splits `block` (free, out of the free lists) to `size` where the rules allow.
+void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& policy, Placement& placed) {
+  const PoolId pool = block->pool;
   const bool already_split = block->is_split();
   const size_t remaining = block->size - size;
   const bool split = block->small ? remaining >= kMinBlockSize : !policy.is_oversize(size) && remaining > kSmallSize;
@@ -283,15 +345,21 @@ Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& 
     placed.inactive_split_bytes -= static_cast<int64_t>(block->size);
   }
   block->oversize = policy.is_oversize(block->size);
+  clear(*block);
   placed.block = block;
-  return placed;
 }
 
 Release CardMemory::cache(CardBlock* block) {
-  Release changed;
+  ++changes_;
   block->allocated = false;
   block->requested = 0;
   block->freed_at = ++frees_;
+  return merge_free(block);
+}
+
+// Puts a block back among the free ones, merged with its free neighbours.
+Release CardMemory::merge_free(CardBlock* block) {
+  Release changed;
   FreeBlocks& blocks = free_blocks_of(*block);
   for (CardBlock* neighbour : {block->prev, block->next}) {
     if (neighbour == nullptr || neighbour->allocated) {
@@ -318,11 +386,38 @@ Release CardMemory::cache(CardBlock* block) {
     delete neighbour;
   }
   blocks.insert(block);
+  drop_pages(*block);
   if (block->is_split()) {
     changed.inactive_split += 1;
     changed.inactive_split_bytes += static_cast<int64_t>(block->size);
   }
   return changed;
+}
+
+void CardMemory::drop_pages(const CardBlock& block) const {
+  if (backing_ != Backing::kReservedAddressSpace) {
+    return;
+  }
+  const auto begin = reinterpret_cast<uintptr_t>(block.ptr);
+  const uintptr_t first = (begin + page_size() - 1) & ~(page_size() - 1);
+  const uintptr_t last = (begin + block.size) & ~(page_size() - 1);
+  if (first < last) {
+    madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  }
+}
+
+// The pages wholly inside a free block were dropped (drop_pages) or never written: only the
+// partial pages at the block's ends may hold old bytes.
+void CardMemory::clear(const CardBlock& block) const {
+  if (backing_ != Backing::kReservedAddressSpace) {
+    return;
+  }
+  const auto begin = reinterpret_cast<uintptr_t>(block.ptr);
+  const uintptr_t end = begin + block.size;
+  const uintptr_t first = std::min(end, (begin + page_size() - 1) & ~(page_size() - 1));
+  const uintptr_t last = std::max(first, end & ~(page_size() - 1));
+  std::memset(block.ptr, 0, first - begin);
+  std::memset(reinterpret_cast<void*>(last), 0, end - last);
 }
 
 }  // namespace supa

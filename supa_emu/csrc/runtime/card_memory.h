@@ -23,6 +23,12 @@
 // Each segment is one host allocation; its blocks are slices of it, so reserved bytes are host
 // memory, as a card's reserved bytes are device memory.
 //
+// A segment's host memory comes from the heap, or (Backing::kReservedAddressSpace, the planner's
+// shapes mode) for larger segments from reserved address space that costs no host RAM until the
+// host writes it; the pages inside a free block go back to the host. Under that backing every
+// block place() hands out reads as zeros (dropped or fresh pages; what remains is cleared), so
+// what a program reads from memory no kernel wrote does not depend on what was there before.
+//
 // Not thread-safe: the caller serialises every call (caching_allocator.cpp holds one mutex).
 #pragma once
 
@@ -51,6 +57,20 @@ constexpr size_t kRoundUpIntervals = 16;
 // More than any card holds: rounding a larger request up would wrap around (a negative size cast
 // to size_t is far above it).
 constexpr size_t kLargestRequest = size_t{1} << 60;
+
+// Segments of at least this size are backed by reserved address space under kReservedAddressSpace
+// (smaller ones share heap pages, which a process touches anyway).
+constexpr size_t kReservedBackingMin = 64 << 10;
+
+enum class Backing {
+  kHeap,                 // every segment from the heap (posix_memalign): compute mode
+  kReservedAddressSpace  // larger segments mapped without reserving host memory: shapes mode
+};
+
+// Host memory of `size` bytes as `backing` provides it for a segment of that size (nullptr with
+// errno set when the host has none), and its release.
+void* back(size_t size, Backing backing);
+void unback(void* ptr, size_t size, Backing backing);
 
 // A memory pool's identity: (graph pool n, user pool n); (0, 0) is the card's general pool.
 // The same type as c10::MempoolId_t (see mem_pool.cpp).
@@ -126,11 +146,12 @@ class CardMemory {
   using SegmentReleased = std::function<void(const CardSegment&)>;
 
   // The card's segments outlive it (the process's cards live until exit).
-  CardMemory(int device, int64_t capacity, SegmentReleased on_release);
+  CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing = Backing::kHeap);
   CardMemory(const CardMemory&) = delete;
   CardMemory& operator=(const CardMemory&) = delete;
 
   int64_t capacity() const { return capacity_; }
+  Backing backing() const { return backing_; }
   int64_t reserved() const { return reserved_; }
   double fraction() const { return fraction_; }
   void set_fraction(double fraction) { fraction_ = fraction; }
@@ -152,6 +173,15 @@ class CardMemory {
   Placement place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream = 0);
   // Takes a freed block back, merged with its free neighbours (`block` may be deleted).
   Release cache(CardBlock* block);
+  // What place() would hand out now for a request of rounded `size` without reserving or
+  // releasing anything (block null when no free block fits), taken without changing changes():
+  // an operator kernel's first allocation, which is the card's only if the operator hands it back
+  // while the card is otherwise as it was (caching_allocator.cpp). give_back() undoes it exactly
+  // under the same condition.
+  Placement take_free(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream);
+  void give_back(CardBlock* block);
+  // Counts the calls that change the card (place, cache, release_cached).
+  uint64_t changes() const { return changes_; }
   // Returns the whole free segments (only `pool`'s when given) to the host.
   void release_cached(const PoolId* pool = nullptr);
 
@@ -171,6 +201,12 @@ class CardMemory {
   CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
   bool release_oversize(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   void collect_garbage(size_t incoming, const BlockPolicy& policy);
+  void hand_out(CardBlock* block, size_t size, const BlockPolicy& policy, Placement& placed);
+  Release merge_free(CardBlock* block);
+  // Under kReservedAddressSpace: the pages inside a free block go back to the host, and a block
+  // handed out reads as zeros.
+  void drop_pages(const CardBlock& block) const;
+  void clear(const CardBlock& block) const;
   void release(CardBlock* block);
 
   int device_;
@@ -178,9 +214,11 @@ class CardMemory {
   double fraction_ = 1.0;
   int64_t reserved_ = 0;
   uint64_t frees_ = 0;
+  uint64_t changes_ = 0;
   std::map<FreeKey, FreeBlocks> free_;
   std::map<uintptr_t, CardSegment*> segments_;          // by address
   SegmentReleased on_release_;
+  Backing backing_;
 };
 
 }  // namespace supa

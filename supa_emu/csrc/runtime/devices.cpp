@@ -15,10 +15,10 @@ std::atomic<bool> g_dtype_demotion{false};
 thread_local c10::DeviceIndex t_current_device = 0;
 }  // namespace
 
-void init_devices(int count, const std::vector<int64_t>& capacities, bool dtype_demotion) {
+void init_devices(int count, const std::vector<int64_t>& capacities, bool dtype_demotion, bool lazy_backing) {
   TORCH_CHECK(count >= 0 && static_cast<size_t>(count) == capacities.size(),
               "supa_emu: one capacity per device expected");
-  init_memory(capacities);
+  init_memory(capacities, lazy_backing);
   g_dtype_demotion = dtype_demotion;
   g_device_count = count;
 }

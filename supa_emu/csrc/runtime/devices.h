@@ -14,8 +14,9 @@ constexpr c10::DeviceType kSupa = c10::DeviceType::PrivateUse1;
 constexpr c10::DispatchKeySet kSupaKeys{c10::DispatchKey::PrivateUse1};
 constexpr c10::DispatchKeySet kCpuKeys{c10::DispatchKey::CPU};
 
-// Creates the cards (with their memory, one capacity each); once per process.
-void init_devices(int count, const std::vector<int64_t>& capacities, bool dtype_demotion);
+// Creates the cards (with their memory, one capacity each); once per process. `lazy_backing`:
+// card memory costs host RAM only where the host writes it (caching_allocator.h).
+void init_devices(int count, const std::vector<int64_t>& capacities, bool dtype_demotion, bool lazy_backing);
 int device_count() noexcept;
 bool dtype_demotion_enabled();
 c10::DeviceIndex current_device();

@@ -1,42 +1,91 @@
 // Routing of host allocations into a device pool while an operator fallback runs a CPU kernel
 // (DeviceOutputScope): the process's CPU allocator is replaced by one that passes every request
 // through to the allocator it replaced, except on a thread inside a fallback kernel, where the
-// kernel's allocations (its outputs, and its scratch) come from the device's pool. The outputs then
-// become supa tensors by relabelling their memory instead of copying it (take_device_block).
+// kernel's allocations (its outputs, and its scratch) come from the device's pool, provisionally
+// (allocate_provisional, provisional_blocks.cpp). The outputs become supa tensors when the fallback
+// hands them back (take_device_block), and only then count as the card's: in place when the block
+// was taken from the card and the card has not changed since (a kernel's one result), otherwise
+// with their bytes moved into a block placed then. The scratch never counts.
 #include "host_routing_allocator.h"
 
 #include "caching_allocator.h"
 #include "devices.h"
+#include "out_of_memory.h"
+#include "provisional_blocks.h"
 
 #include <c10/core/CPUAllocator.h>
 
+#include <c10/util/Exception.h>
+
+#include <atomic>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 
 namespace supa {
 namespace {
 
 thread_local c10::DeviceIndex t_output_device = -1;
-thread_local int t_device_allocations_left = -1;  // -1: every allocation in the scope
+thread_local bool t_first_from_card = false;
 c10::Allocator* g_base_cpu_allocator = nullptr;
+
+// The planner's bound on host tensors (limit_host_tensors): the live host allocations made
+// outside operator kernels, by pointer.
+struct HostTensorBound {
+  std::atomic<size_t> limit{0};  // 0: unbounded, nothing tracked
+  std::mutex mutex;
+  std::unordered_map<void*, size_t> sizes;
+  size_t live = 0;
+};
+HostTensorBound g_host_bound;
+
+void routed_raw_delete(void* ptr);
+
+c10::DataPtr allocate_bounded_host(size_t nbytes) {
+  const size_t limit = g_host_bound.limit.load();
+  {
+    std::lock_guard<std::mutex> lock(g_host_bound.mutex);
+    TORCH_CHECK(g_host_bound.live + nbytes <= limit, "planner: the script holds ", format_size(g_host_bound.live),
+                " in host (CPU) tensors and asks for ", format_size(nbytes), " more, beyond the ", format_size(limit),
+                " of host memory a planned rank may use (SUPA_PLAN_HOST_MEMORY): a model built on host tensors needs "
+                "all of its bytes on the host. Build it where it will live instead: under deepspeed.zero.Init() "
+                "(ZeRO-3), or on the meta device and then to_empty(device=...) (FSDP2), or with device= the card");
+  }
+  void* ptr = g_base_cpu_allocator->raw_allocate(nbytes);
+  std::lock_guard<std::mutex> lock(g_host_bound.mutex);
+  g_host_bound.sizes.emplace(ptr, nbytes);
+  g_host_bound.live += nbytes;
+  return {ptr, ptr, &routed_raw_delete, c10::Device(c10::DeviceType::CPU)};
+}
 
 void routed_raw_delete(void* ptr) {
   if (device_of_ptr(ptr) >= 0) {
     free_block(ptr);
-  } else {
-    g_base_cpu_allocator->raw_deleter()(ptr);
+    return;
   }
+  if (g_host_bound.limit.load(std::memory_order_relaxed) != 0) {
+    std::lock_guard<std::mutex> lock(g_host_bound.mutex);
+    if (auto it = g_host_bound.sizes.find(ptr); it != g_host_bound.sizes.end()) {
+      g_host_bound.live -= it->second;
+      g_host_bound.sizes.erase(it);
+    }
+  }
+  g_base_cpu_allocator->raw_deleter()(ptr);
 }
 
 class HostRoutingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
-    if (t_output_device < 0 || nbytes == 0 || t_device_allocations_left == 0) {
+    if (t_output_device < 0 || nbytes == 0) {
+      if (nbytes != 0 && g_host_bound.limit.load(std::memory_order_relaxed) != 0) {
+        return allocate_bounded_host(nbytes);
+      }
       return g_base_cpu_allocator->allocate(nbytes);
     }
-    if (t_device_allocations_left > 0) {
-      --t_device_allocations_left;
-    }
-    void* ptr = allocate_block(nbytes, t_output_device);
+    const bool from_card = t_first_from_card;
+    t_first_from_card = false;
+    void* ptr = allocate_provisional(nbytes, t_output_device, from_card);
     return {ptr, ptr, &delete_device_ptr, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
@@ -51,15 +100,15 @@ HostRoutingAllocator g_routing_allocator;
 
 }  // namespace
 
-DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device, int first_allocations)
-    : previous_(t_output_device), previous_left_(t_device_allocations_left) {
+DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device, bool first_from_card)
+    : previous_(t_output_device), previous_first_(t_first_from_card) {
   t_output_device = device;
-  t_device_allocations_left = first_allocations;
+  t_first_from_card = first_from_card && device >= 0;
 }
 
 DeviceOutputScope::~DeviceOutputScope() {
   t_output_device = previous_;
-  t_device_allocations_left = previous_left_;
+  t_first_from_card = previous_first_;
 }
 
 c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device) {
@@ -69,8 +118,20 @@ c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex 
   }
   c10::DataPtr taken = host_storage->set_data_ptr(c10::DataPtr());
   host_storage->set_nbytes(0);
+  void* committed = commit_block(taken.get());
+  if (committed != taken.get()) {
+    // The bytes moved to the card's block, and the provisional memory went back with it.
+    taken.release_context();
+    return {committed, committed, &delete_device_ptr, c10::Device(kSupa, device)};
+  }
   taken.unsafe_set_device(c10::Device(kSupa, device));
   return taken;
+}
+
+void limit_host_tensors(size_t bytes) {
+  TORCH_CHECK(g_base_cpu_allocator != nullptr && g_base_cpu_allocator->raw_deleter() != nullptr,
+              "supa_emu: host tensors can be bounded only over an allocator with a raw deleter");
+  g_host_bound.limit.store(bytes);
 }
 
 void install_host_routing_allocator() {

@@ -8,24 +8,29 @@
 namespace supa {
 
 // While alive on a thread, host (CPU) allocations of that thread come from the given
-// device's pool. The operator fallback uses it so that the outputs CPU kernels allocate
-// already live in device memory and can be handed back without a copy.
-// With `first_allocations` >= 0, only that many (non-empty) allocations go to the device and the
-// rest to the host: a kernel that allocates its results first keeps its scratch off the card.
+// device's pool, provisionally (caching_allocator.h). The operator fallback uses it so that the
+// outputs CPU kernels allocate already live in device memory and can be handed back without a
+// copy. A negative device sends them to the host. `first_from_card`: the first allocation is a
+// free block of the card (allocate_provisional's from_card), for a kernel with one result.
 class DeviceOutputScope {
  public:
-  explicit DeviceOutputScope(c10::DeviceIndex device, int first_allocations = -1);
+  explicit DeviceOutputScope(c10::DeviceIndex device, bool first_from_card = false);
   ~DeviceOutputScope();
   DeviceOutputScope(const DeviceOutputScope&) = delete;
   DeviceOutputScope& operator=(const DeviceOutputScope&) = delete;
 
  private:
   c10::DeviceIndex previous_;
-  int previous_left_;
+  bool previous_first_;
 };
 void install_host_routing_allocator();
+// The planner's bound on host memory: from now on a host (CPU) allocation made outside an operator
+// kernel that would take the live ones past `bytes` raises, naming the model built on host tensors
+// it most likely is, instead of the host swapping or killing the process.
+void limit_host_tensors(size_t bytes);
 // Moves the memory of a host storage into a device DataPtr when that memory came from
-// `device`'s pool; returns an empty DataPtr (and leaves the storage alone) otherwise.
+// `device`'s pool, and counts it as the card's (commit_block); returns an empty DataPtr (and
+// leaves the storage alone) otherwise.
 c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device);
 
 }  // namespace supa

@@ -1,0 +1,69 @@
+// The planner's shapes mode: operators on supa tensors take their results' sizes, strides and
+// dtypes from PyTorch's shape rules (the Meta dispatch key: C++ meta functions, Python meta
+// registrations, composite kernels run on meta tensors) and allocate them on the card as their
+// kernels' results would be (fallback.cpp), without running the kernels. What still runs its
+// kernel, and why, is decided here; the operators whose outputs depend on values, and those
+// without a shape rule, are noted with the first call site for the planner's report.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/Storage.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch {
+struct CapturedTraceback;
+}
+
+namespace supa {
+
+constexpr c10::DispatchKeySet kMetaKeys{c10::DispatchKey::Meta};
+
+// Set once, when the devices are created.
+void set_shapes_mode(bool on);
+bool shapes_mode();
+
+// How one call is carried out in shapes mode.
+// Operators tagged dynamic_output_shape (nonzero, masked_select, index with a mask, ...) try their
+// shape rule first: where it needs the values it fails, and the call is value-dependent.
+enum class ShapesRoute {
+  kKernel,               // its kernel runs: small operands, values read (.item()), sparse, no shape rule known
+  kShapeRule,            // its results come from the shape rule
+  kShapeRuleElseKernel,  // the shape rule; where it needs the values, the kernel (value-dependent)
+  kKernelAfterRule,      // small operands: the kernel, after the shape rule told whether it is value-dependent
+};
+ShapesRoute shapes_route(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+
+// Why a call ran its kernel in shapes mode, for the report.
+enum class KernelReason { kValueDependent, kNoShapeRule };
+void note_kernel_ran(const c10::OperatorHandle& op, KernelReason reason);
+
+struct ShapesNote {
+  std::string kind;  // "value-dependent" | "no shape rule"
+  std::string op;
+  int64_t count;
+  std::shared_ptr<torch::CapturedTraceback> first_site;
+};
+std::vector<ShapesNote> shapes_notes();
+
+// Whether the host moves `nbytes` of card data from one place on the card to another (a copy
+// between supa tensors, the bytes a grown storage keeps): always, except in shapes mode, where
+// only small amounts are moved. Copies from and to the host always move their bytes.
+bool card_bytes_move(uint64_t nbytes);
+
+// A meta storage of `nbytes`: what a supa storage is to a shape rule (views of one supa storage
+// share one, so the rule sees them alias).
+c10::Storage meta_storage(size_t nbytes);
+// The card tensor a shape rule's new result stands for: a fresh block of its storage's size on
+// `device`, with its geometry. It reads as zeros (the kernel that would write it did not run).
+at::Tensor card_result(const at::Tensor& meta, c10::DeviceIndex device);
+// Gives a supa storage the size a shape rule gave its meta storage (out= and resize_ grow them):
+// a fresh block, no bytes copied.
+void resize_card_storage(c10::StorageImpl* storage, size_t nbytes, c10::DeviceIndex device);
+
+}  // namespace supa

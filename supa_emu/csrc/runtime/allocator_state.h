@@ -1,0 +1,51 @@
+// The caching allocator's state, shared by its two halves and by nothing else:
+// caching_allocator.cpp (the blocks the card counts: statistics, history, settings, snapshots)
+// and provisional_blocks.cpp (an operator kernel's allocations, counted only once handed back as
+// results). One mutex guards all of it.
+#pragma once
+
+#include "card_memory.h"
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace torch {
+struct CapturedTraceback;
+}
+
+namespace supa::allocator_state {
+
+using Stack = std::shared_ptr<torch::CapturedTraceback>;
+
+// A card and the statistics PyTorch keeps for it.
+struct DeviceMemory {
+  DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing);
+  CardMemory card;
+  c10::CachingDeviceAllocator::DeviceStats stats;
+};
+
+extern std::mutex g_mutex;
+extern std::vector<std::unique_ptr<DeviceMemory>> g_devices;
+extern std::unordered_map<void*, CardBlock*> g_blocks;  // the allocated blocks, by address
+extern BlockPolicy g_policy;                            // `_set_allocator_settings`
+
+// The rest under g_mutex unless said otherwise.
+DeviceMemory& memory_of(c10::DeviceIndex device);
+[[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error);
+// The block size that serves a request; raises for a request no card could hold (takes g_mutex).
+size_t block_size(size_t nbytes, c10::DeviceIndex device);
+// Counts a block the card handed out for a request of `nbytes` as allocated.
+CardBlock* count_placed(DeviceMemory& mem, c10::DeviceIndex device, const Placement& placed, size_t nbytes,
+                        const Stack& stack);
+// A block for a request of `nbytes` on `stream`, counted as allocated.
+CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes, const c10::MempoolId_t& pool,
+                       c10::StreamId stream, const Stack& stack);
+// A block handed out or returned, for the GPU trace (without g_mutex).
+void report_block(void* ptr, bool allocated);
+
+}  // namespace supa::allocator_state

@@ -1,0 +1,228 @@
+"""The planner's shapes mode (SUPA_PLAN_MODE=shapes; supa_emu/shapes.py, supa_emu/csrc/aten/shape_only.h):
+operators on supa tensors take their results from PyTorch's shape rules and allocate them on the card as
+their kernels' results, without running the kernels.
+
+The reference is compute mode, the emulator as it always runs: the same program runs in a fresh
+interpreter in each mode and the card's allocation history (every block and segment, in order) and
+statistics must be the same, to the byte. What shapes mode does not compute is checked for what it is
+documented to be: copies from the host write their bytes, a skipped kernel's result reads zeros,
+operators whose output shape depends on values run on the values the card holds and are named.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+from harness import ROOT, run, run_function
+
+pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
+pytestmark = pytest.mark.emulation_only
+
+MODES = ("compute", "shapes")
+
+
+def recorded(body, mode: str, *args) -> dict:
+    """What `body(dev, out, *args)` leaves in `out`, with the card's history and figures, run in a
+    fresh interpreter in `mode`."""
+    return run_function(_record, body.__name__, *args,
+                        env={"SUPA_PLAN_MODE": mode, "SUPA_EMU_DEVICE_COUNT": "1"}).value
+
+
+def _record(body_name: str, *args) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    dev = torch.device("supa", 0)
+    out = {}
+    torch.supa.memory._record_memory_history("all", context=None, stacks="python")
+    globals()[body_name](dev, out, *args)
+    trace = torch.supa.memory._snapshot()["device_traces"][0]
+    out["events"] = [(e["action"], e["size"]) for e in trace if e["action"] != "free_requested"]
+    stats = torch.supa.memory_stats(dev)
+    out["figures"] = [stats[k] for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak",
+                                         "allocated_bytes.all.current", "allocation.all.allocated",
+                                         "segment.all.allocated")]
+    return out
+
+
+def _training(dev, out, dtype_name):
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+
+    class Block(torch.nn.Module):
+        def __init__(self, d, heads, kv_heads):
+            super().__init__()
+            self.heads, self.kv_heads = heads, kv_heads
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.q = torch.nn.Linear(d, d)
+            self.kv = torch.nn.Linear(d, 2 * d * kv_heads // heads, bias=False)
+            self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            h = self.ln1(x)
+            q = self.q(h).view(b, t, self.heads, -1).transpose(1, 2)
+            k, v = self.kv(h).view(b, t, 2 * self.kv_heads, -1).transpose(1, 2).chunk(2, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+            x = x + self.drop(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    vocab, d = 512, 128
+    embed = torch.nn.Embedding(vocab, d).to(dev, dtype)
+    blocks = torch.nn.ModuleList(Block(d, 8, kv) for kv in (8, 2)).to(dev, dtype)
+    head = torch.nn.Linear(d, vocab, bias=False).to(dev, dtype)
+    params = [*embed.parameters(), *blocks.parameters(), *head.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    for step in range(2):
+        tokens = torch.randint(0, vocab, (4, 65), generator=torch.Generator().manual_seed(step)).to(dev)
+        h = embed(tokens[:, :-1])
+        for block in blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        loss = F.cross_entropy(head(h).float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    out["loss_is_finite"] = bool(torch.isfinite(loss))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_training_step_allocates_the_same_blocks_in_both_modes(dtype):
+    # Linear layers (BLAS workspaces), layer norm, fused attention with and without grouped-query heads,
+    # dropout, activation checkpointing, a float32 loss over bf16 logits, gradient clipping and AdamW.
+    compute, shapes = (recorded(_training, mode, dtype) for mode in MODES)
+    assert len(compute["events"]) > 500
+    assert shapes["events"] == compute["events"]
+    assert shapes["figures"] == compute["figures"]
+    # Small operators (the loss, the clipping norm) run in shapes mode too: the program keeps its path.
+    assert shapes["loss_is_finite"] and compute["loss_is_finite"]
+
+
+def _aliasing(dev, out):
+    import torch
+
+    x = torch.empty(64, 1024, device=dev)
+    y = x.view(1024, 64)
+    t = x.t()
+    out["view_shares"] = y.data_ptr() == x.data_ptr() and t.untyped_storage().data_ptr() == x.data_ptr()
+    out["in_place_returns_self"] = x.add_(1) is x and x.mul_(y.view(64, 1024)) is x
+    grown = torch.empty(0, device=dev)
+    result = torch.add(x, x, out=grown)
+    out["out_is_the_argument"] = result is grown and tuple(grown.shape) == (64, 1024)
+    out["out_grew"] = grown.untyped_storage().nbytes()
+    parts = torch.empty(4, 4096, device=dev).unbind(0)
+    out["results_share_storage"] = len({p.untyped_storage().data_ptr() for p in parts})
+    cat = torch.cat([x, x], dim=1)
+    out["cat"] = [list(cat.shape), list(cat.stride()), cat.untyped_storage().nbytes()]
+    strided = x.t().contiguous()
+    out["contiguous_copy"] = [list(strided.stride()), strided.data_ptr() != x.data_ptr()]
+
+
+def test_views_in_place_and_out_operators_keep_their_aliasing():
+    compute, shapes = (recorded(_aliasing, mode) for mode in MODES)
+    assert shapes["view_shares"] and shapes["in_place_returns_self"] and shapes["out_is_the_argument"]
+    assert shapes["out_grew"] == 64 * 1024 * 4 and shapes["results_share_storage"] == 1
+    assert shapes["cat"] == [[64, 2048], [2048, 1], 64 * 2048 * 4]
+    assert shapes["contiguous_copy"] == [[64, 1], True]
+    assert shapes == compute
+
+
+def _values(dev, out):
+    import torch
+    from supa_emu import shapes
+
+    out["mode"] = shapes.mode()
+    out["from_host"] = torch.tensor([1.5, -2.0, 3.25]).to(dev).tolist()
+    big = torch.ones(1 << 20, device=dev)  # its fill is a kernel over 4 MiB: skipped in shapes mode
+    out["big"] = [big[:3].tolist(), big.sum().item(), big.cpu()[-2:].tolist()]
+    small = torch.arange(4, device=dev, dtype=torch.float32) * 2 + 1  # small operands: their kernels run
+    out["small"] = small.tolist()
+    mask = torch.tensor([True, False, False, True] * 50000).to(dev)  # copied from the host: real values
+    values = torch.arange(200000, device=dev, dtype=torch.float32)
+    out["selected"] = list(values[mask].shape)
+    out["nonzero"] = list(mask.nonzero().shape)
+    out["notes"] = [(n["kind"], n["op"], n["frames"][0]["filename"] if n["frames"] else None) for n in shapes.notes()]
+
+
+def test_shapes_mode_values_host_copies_are_real_and_skipped_kernels_read_zeros():
+    compute, shapes = (recorded(_values, mode) for mode in MODES)
+    assert compute["mode"] == "compute" and shapes["mode"] == "shapes"
+    assert compute["big"] == [[1.0, 1.0, 1.0], float(1 << 20), [1.0, 1.0]]
+    assert shapes["big"] == [[0.0, 0.0, 0.0], 0.0, [0.0, 0.0]]
+    for result in (compute, shapes):
+        assert result["from_host"] == [1.5, -2.0, 3.25]
+        assert result["small"] == [1.0, 3.0, 5.0, 7.0]
+        assert result["selected"] == [100000] and result["nonzero"] == [100000, 1]
+    assert compute["notes"] == []
+    # Indexing with a mask and nonzero ran on the mask the card held, each named with its call site.
+    assert sorted(shapes["notes"]) == [["value-dependent", "aten::index.Tensor", __file__],
+                                       ["value-dependent", "aten::nonzero", __file__]]
+
+
+def _gru_cell(dev, out):
+    import torch
+    from supa_emu import shapes
+
+    cell = torch.nn.GRUCell(256, 256).to(dev)
+    h = cell(torch.randn(128, 256, device=dev), torch.randn(128, 256, device=dev))
+    out["notes"] = [(n["kind"], n["op"], n["count"]) for n in shapes.notes()]
+    out["shape"] = list(h.shape)
+
+
+def test_an_operator_without_a_shape_rule_runs_its_kernel_and_is_named():
+    # PyTorch has no Meta kernel for the fused GRU cell GRUCell calls on a GPU (and on supa).
+    compute, shapes = (recorded(_gru_cell, mode) for mode in MODES)
+    assert shapes["notes"] == [["no shape rule", "aten::_thnn_fused_gru_cell", 1]]
+    assert shapes["events"] == compute["events"] and shapes["shape"] == [128, 256]
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def _untouched(dev, out):
+    import torch
+
+    # The same operators on 4 MiB operands first: what their first call loads is not the card's memory.
+    w = torch.empty(1024, 1024, device=dev)
+    torch.nn.functional.gelu(w @ w) + w
+    before = _resident_mib()
+    a = torch.empty(16384, 16384, device=dev)  # 1 GiB each: a product of 8.8 TFLOP, a plan's worth of memory
+    b = torch.empty(16384, 16384, device=dev)
+    c = a @ b
+    d = torch.nn.functional.gelu(c) + c
+    del c
+    out["allocated"] = torch.supa.memory_allocated(dev)
+    out["rss_growth_mib"] = _resident_mib() - before
+
+
+def test_card_memory_no_kernel_writes_costs_no_host_memory():
+    result = recorded(_untouched, "shapes")
+    block = 1 << 30  # 1 GiB requests, a whole number of the card allocator's 512-byte blocks
+    assert result["allocated"] == 3 * block + (4 << 20) + (32 << 20)  # a, b, d, w and the BLAS workspace
+    assert result["rss_growth_mib"] < 16  # of 3 GiB on the card
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+def test_planning_the_llama_fine_tune_gives_the_same_figures_in_both_modes(tmp_path, engine):
+    # examples/finetune_llama.py at its tiny shape: a HF Llama (grouped-query attention, RMSNorm,
+    # rotary embeddings) built under zero.Init (ZeRO-3) or on the meta device (FSDP2), 8 cards.
+    reports = {}
+    for mode in MODES:
+        out = tmp_path / f"{mode}.json"
+        run([sys.executable, "-m", "supa_emu.plan", "--world-size", "8", "--mode", mode, "--json", out, "--",
+             ROOT / "examples" / "finetune_llama.py", "--engine", engine], timeout=900, check=True)
+        reports[mode] = json.loads(out.read_text())
+    assert reports["shapes"]["mode"] == "shapes"
+    for rank in ("0", "7"):
+        compute, shapes = reports["compute"]["ranks"][rank], reports["shapes"]["ranks"][rank]
+        assert shapes["failure"] is None and compute["failure"] is None
+        for figure in ("peak_allocated", "peak_reserved", "peak_phase", "collectives"):
+            assert shapes[figure] == compute[figure], (rank, figure)
+        assert shapes["value_dependent"] == shapes["no_shape_rule"] == []
