@@ -315,6 +315,17 @@ void CardMemory::give_back(CardBlock* block) {
   merge_free(block);  // its age is the free block's it came from
 }
 
+Placement CardMemory::place_after_give_back(CardBlock* taken, size_t size, const PoolId& pool,
+                                            const BlockPolicy& policy, int64_t stream) {
+  give_back(taken);
+  Placement placed;
+  if (CardBlock* block = find_free(size, pool, stream, policy)) {
+    ++changes_;
+    hand_out(block, size, policy, placed);
+  }
+  return placed;
+}
+
 // Splits `block` (free, out of the free lists) to `size` where the rules allow.
 void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& policy, Placement& placed) {
   const PoolId pool = block->pool;

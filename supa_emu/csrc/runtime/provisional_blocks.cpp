@@ -99,6 +99,7 @@ void* commit_block(void* ptr) {
   const c10::MempoolId_t pool = allocation_pool(device);
   const c10::StreamId stream = current_stream_id(device);
   void* committed = nullptr;
+  Placement placed;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_provisional.find(ptr);
@@ -108,13 +109,26 @@ void* commit_block(void* ptr) {
     if (provisional.taken.block != nullptr && provisional.changes == mem.card.changes()) {
       // The card is as it was when the block was taken: placing the request now gives this block.
       committed = count_placed(mem, device, provisional.taken, provisional.requested, stack)->ptr;
+    } else if (provisional.taken.block != nullptr && mem.card.backing() == Backing::kHeap &&
+               (placed = mem.card.place_after_give_back(provisional.taken.block, provisional.size, pool, g_policy,
+                                                        stream)).block != nullptr) {
+      // The card changed meanwhile: placed anew among its free blocks, where nothing wrote the
+      // given-back bytes, which move within the card's memory if the block is elsewhere.
+      committed = count_placed(mem, device, placed, provisional.requested, stack)->ptr;
+      if (committed != ptr) {
+        std::memmove(committed, ptr, provisional.requested);
+      }
     } else {
+      // Placed anew, possibly reserving or releasing memory: the bytes of a block taken from the
+      // card go to the side first (in shapes mode giving it back also returns its pages).
       std::vector<char> bytes;
       const void* source = ptr;
-      if (provisional.taken.block != nullptr) {  // the card changed meanwhile: placed anew
+      if (provisional.taken.block != nullptr) {
         bytes.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + provisional.requested);
         source = bytes.data();
-        mem.card.give_back(provisional.taken.block);
+        if (mem.card.backing() != Backing::kHeap) {  // under heap backing place_after_give_back gave it back
+          mem.card.give_back(provisional.taken.block);
+        }
       }
       committed = place_block(mem, device, provisional.requested, pool, stream, stack)->ptr;
       std::memcpy(committed, source, provisional.requested);
