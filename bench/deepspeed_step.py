@@ -11,6 +11,13 @@ the warm-up ones. The table gives the median over rounds and the supa/cpu ratio 
 Machines are noisy: read the ratios; the load average at start and end is printed with them.
 Single steps vary 2-3x on a 2-core machine (gloo's all_reduce time does, on both sides), hence
 40 measured steps per stage and job by default: with 10, the same code gave stage ratios 0.1 apart.
+
+    python bench/deepspeed_step.py --against /tmp/base      # e.g. git worktree add /tmp/base 13904d9
+
+adds a third side: the emulated supa job run from another checkout of this project (its supa_emu,
+accelerator and op builders, and the native core built from its sources), in the same rotation,
+with the columns base and supa/base: two commits side by side in one run. Each job reports which
+checkout it ran, and the driver refuses a mix-up.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from harness import load
 
@@ -85,6 +93,7 @@ def _worker(args) -> None:
         if rank == 0:
             print(MARK + json.dumps({"stage": stage, "median_s": statistics.median(measured),
                                      "accelerator": accelerator.device_name(),
+                                     "checkout": _checkout_of(type(accelerator)),
                                      "backend": accelerator.communication_backend_name(),
                                      "loss": float(loss)}), flush=True)
         engine.destroy()
@@ -92,8 +101,21 @@ def _worker(args) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _checkout_of(accelerator_class) -> str | None:
+    """The checkout whose supa_emu and accelerator this job runs (None on DeepSpeed's own accelerators)."""
+    import importlib.util
+    import inspect
+
+    spec = importlib.util.find_spec("supa_emu")
+    if spec is None or not accelerator_class.__module__.startswith("supa_deepspeed"):
+        return None
+    roots = {pathlib.Path(os.path.realpath(spec.origin)).parents[1],
+             pathlib.Path(os.path.realpath(inspect.getfile(accelerator_class))).parents[1]}
+    return str(roots.pop()) if len(roots) == 1 else f"mixed: {sorted(map(str, roots))}"
+
+
 # ------------------------------------------------------------------------------------------------
-# The driver: alternating jobs on both sides
+# The driver: alternating jobs on each side
 # ------------------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -101,7 +123,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _side_env(side: str) -> dict:
+def _side_env(side: str, against: pathlib.Path | None) -> dict:
     env = dict(os.environ)
     if side == "cpu":
         env.pop("SUPA_EMULATE", None)
@@ -109,8 +131,28 @@ def _side_env(side: str) -> dict:
     else:
         env["SUPA_EMULATE"] = "1"
         env["DS_ACCELERATOR"] = "supa"
+    if side == "base":
+        # The other checkout's supa_emu first on the path, and its accelerator/ and op_builder/
+        # under the names they install as (this checkout's editable install maps them here).
+        shim = _base_shim(against)
+        env["PYTHONPATH"] = os.pathsep.join([str(against), str(shim), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def _base_shim(against: pathlib.Path) -> pathlib.Path:
+    shim = pathlib.Path(tempfile.gettempdir()) / f"deepspeed_step_base_{os.getpid()}"
+    package = shim / "supa_deepspeed"
+    if not package.exists():
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        for folder in ("accelerator", "op_builder"):
+            (package / folder).symlink_to(against / folder, target_is_directory=True)
+    return shim
+
+
+def _expected_checkout(side: str, against: pathlib.Path | None) -> str | None:
+    return {"cpu": None, "supa": str(ROOT), "base": str(against)}[side]
 
 
 def _run_job(side: str, args) -> dict[int, float]:
@@ -119,7 +161,7 @@ def _run_job(side: str, args) -> dict[int, float]:
                str(pathlib.Path(__file__).resolve()), "--worker",
                "--stages", *map(str, args.stages), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch)]
-    result = subprocess.run(command, cwd=ROOT, env=_side_env(side), capture_output=True, text=True,
+    result = subprocess.run(command, cwd=ROOT, env=_side_env(side, args.against), capture_output=True, text=True,
                             timeout=JOB_TIMEOUT_S)
     rows = [json.loads(line[len(MARK):]) for line in result.stdout.splitlines() if line.startswith(MARK)]
     if len(rows) != len(args.stages):
@@ -136,6 +178,9 @@ def _run_job(side: str, args) -> dict[int, float]:
         expected = "cpu" if side == "cpu" else "supa"
         if row["accelerator"] != expected:
             raise SystemExit(f"the {side} job ran on DeepSpeed's {row['accelerator']!r} accelerator")
+        if row["checkout"] != _expected_checkout(side, args.against):
+            raise SystemExit(f"the {side} job ran the checkout {row['checkout']}, "
+                             f"not {_expected_checkout(side, args.against)}")
     return {row["stage"]: row["median_s"] for row in rows}
 
 
@@ -148,26 +193,52 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=16, help="micro batch per rank")
+    parser.add_argument("--against", type=pathlib.Path, metavar="CHECKOUT",
+                        help="another checkout of this project: its emulated job as a third side")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         _worker(args)
         return
+    if args.against is not None:
+        args.against = args.against.resolve()
+        if not (args.against / "supa_emu" / "__init__.py").is_file() or not (args.against / "accelerator").is_dir():
+            parser.error(f"--against {args.against}: not a checkout of this project (no supa_emu/ and accelerator/)")
+        if args.against == ROOT:
+            parser.error(f"--against {args.against}: that is this checkout")
+    sides = ("cpu", "supa") + (("base",) if args.against else ())
     print(f"{WORLD} ranks, {args.layers}x{args.width} MLP, bf16, Adam, micro batch {args.batch}; "
           f"median of {args.steps} steps after {args.warmup}, {args.rounds} rounds per side")
+    if args.against:
+        print(f"supa: {ROOT} ({_commit(ROOT)}); base: {args.against} ({_commit(args.against)})")
     print(f"at start: {load()}")
-    times = {"cpu": {s: [] for s in args.stages}, "supa": {s: [] for s in args.stages}}
+    times = {side: {s: [] for s in args.stages} for side in sides}
     for round_index in range(args.rounds):
-        order = ("cpu", "supa") if round_index % 2 == 0 else ("supa", "cpu")
-        for side in order:
+        shift = round_index % len(sides)  # each side goes first in turn: a load drift hits all alike
+        for side in sides[shift:] + sides[:shift]:
             for stage, seconds in _run_job(side, args).items():
                 times[side][stage].append(seconds)
-    print(f"{'ZeRO stage':<12}{'cpu accel':>12}{'emulated supa':>16}{'supa/cpu':>10}   per-round supa/cpu")
+    median = {side: {s: statistics.median(times[side][s]) for s in args.stages} for side in sides}
+    header = f"{'ZeRO stage':<12}{'cpu accel':>12}{'emulated supa':>16}{'supa/cpu':>10}"
+    if args.against:
+        header += f"{'base':>12}{'supa/base':>11}   per-round supa/base"
+    else:
+        header += "   per-round supa/cpu"
+    print(header)
     for stage in args.stages:
-        cpu, supa = statistics.median(times["cpu"][stage]), statistics.median(times["supa"][stage])
-        rounds = " ".join(f"{s / c:.2f}" for c, s in zip(times["cpu"][stage], times["supa"][stage]))
-        print(f"{stage:<12}{cpu * 1e3:>9.2f} ms{supa * 1e3:>13.2f} ms{supa / cpu:>9.2f}x   {rounds}")
+        cpu, supa = median["cpu"][stage], median["supa"][stage]
+        line = f"{stage:<12}{cpu * 1e3:>9.2f} ms{supa * 1e3:>13.2f} ms{supa / cpu:>9.2f}x"
+        reference = "base" if args.against else "cpu"
+        if args.against:
+            line += f"{median['base'][stage] * 1e3:>9.2f} ms{supa / median['base'][stage]:>10.2f}x"
+        rounds = " ".join(f"{s / r:.2f}" for r, s in zip(times[reference][stage], times["supa"][stage]))
+        print(f"{line}   {rounds}")
     print(f"at end: {load()}")
+
+
+def _commit(checkout: pathlib.Path) -> str:
+    result = subprocess.run(["git", "-C", str(checkout), "log", "-1", "--format=%h"], capture_output=True, text=True)
+    return result.stdout.strip() or "not a git checkout"
 
 
 if __name__ == "__main__":
