@@ -49,14 +49,6 @@ std::string device_name(const c10::Device& d) {
   return d.str();
 }
 
-// Whether the op returns exactly one tensor that is none of its operands: its kernel's first
-// allocation is then most likely that result, which the card can hold from the start.
-bool one_new_tensor(const c10::FunctionSchema& schema) {
-  const auto& returns = schema.returns();
-  return returns.size() == 1 && returns[0].alias_info() == nullptr &&
-         returns[0].type()->kind() == c10::TypeKind::TensorType;
-}
-
 bool is_layout(const c10::TypePtr& type) {
   if (type->kind() == c10::TypeKind::OptionalType) {
     return is_layout(type->castRaw<c10::OptionalType>()->getElementType());
@@ -144,7 +136,7 @@ class FallbackCall {
       sync_written_operands();
     } else {
       CurrentDeviceScope guard(device_);
-      DeviceOutputScope route_outputs(device_, kernel_ == nullptr && !full_dispatch_ && one_new_tensor(schema));
+      DeviceOutputScope route_outputs(device_, /*take_from_card=*/kernel_ == nullptr && !full_dispatch_);
       if (kernel_ != nullptr) {
         kernel_(op_, &stack_);
       } else if (full_dispatch_) {

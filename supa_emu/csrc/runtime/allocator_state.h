@@ -39,9 +39,12 @@ DeviceMemory& memory_of(c10::DeviceIndex device);
 [[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error);
 // The block size that serves a request; raises for a request no card could hold (takes g_mutex).
 size_t block_size(size_t nbytes, c10::DeviceIndex device);
-// Counts a block the card handed out for a request of `nbytes` as allocated.
+// The free blocks of split segments ("inactive_split"), as the card reports their change.
+void count_inactive_split(c10::CachingDeviceAllocator::DeviceStats& stats, bool small, int blocks, int64_t bytes);
+// Counts a block the card handed out for a request of `nbytes` as allocated (`split_counted`: the
+// free blocks' change was counted when it was handed out, as a taken block's is).
 CardBlock* count_placed(DeviceMemory& mem, c10::DeviceIndex device, const Placement& placed, size_t nbytes,
-                        const Stack& stack);
+                        const Stack& stack, bool split_counted = false);
 // A block for a request of `nbytes` on `stream`, counted as allocated.
 CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes, const c10::MempoolId_t& pool,
                        c10::StreamId stream, const Stack& stack);

@@ -79,11 +79,6 @@ void count_block(StatArray& stat, bool small, bool increase) {
   update(stat, small, increase ? 1 : -1);
 }
 
-// The free blocks of split segments ("inactive_split"), as the card reports their change.
-void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t bytes) {
-  update(stats.inactive_split, small, blocks);
-  update(stats.inactive_split_bytes, small, bytes);
-}
 
 // A segment the card gives back to the host (called by the card, under g_mutex).
 void segment_released(DeviceMemory& mem, const CardSegment& segment) {
@@ -111,6 +106,11 @@ std::atomic<bool> g_report_blocks{false};
 }  // namespace
 
 namespace allocator_state {
+
+void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t bytes) {
+  update(stats.inactive_split, small, blocks);
+  update(stats.inactive_split_bytes, small, bytes);
+}
 
 DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing)
     : card(device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }, backing) {}
@@ -151,7 +151,7 @@ size_t block_size(size_t nbytes, c10::DeviceIndex device) {
 
 // Counts a block the card handed out for a request of `nbytes` as allocated (under g_mutex).
 CardBlock* count_placed(DeviceMemory& mem, c10::DeviceIndex device, const Placement& placed, size_t nbytes,
-                        const Stack& stack) {
+                        const Stack& stack, bool split_counted) {
   CardBlock* block = placed.block;
   const bool small = block->small;
   if (const CardSegment* segment = placed.segment) {
@@ -163,7 +163,9 @@ CardBlock* count_placed(DeviceMemory& mem, c10::DeviceIndex device, const Placem
       mem.stats.oversize_segments.increase(1);
     }
   }
-  count_inactive_split(mem.stats, small, placed.inactive_split, placed.inactive_split_bytes);
+  if (!split_counted) {
+    count_inactive_split(mem.stats, small, placed.inactive_split, placed.inactive_split_bytes);
+  }
   g_blocks.emplace(block->ptr, block);
   block->allocated = true;
   block->requested = nbytes;

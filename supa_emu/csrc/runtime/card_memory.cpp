@@ -309,15 +309,15 @@ Placement CardMemory::take_free(size_t size, const PoolId& pool, const BlockPoli
   return placed;
 }
 
-void CardMemory::give_back(CardBlock* block) {
+Release CardMemory::give_back(CardBlock* block) {
   block->allocated = false;
   block->requested = 0;
-  merge_free(block);  // its age is the free block's it came from
+  return merge_free(block);  // its age is the free block's it came from
 }
 
 Placement CardMemory::place_after_give_back(CardBlock* taken, size_t size, const PoolId& pool,
-                                            const BlockPolicy& policy, int64_t stream) {
-  give_back(taken);
+                                            const BlockPolicy& policy, int64_t stream, Release& given_back) {
+  given_back = give_back(taken);
   Placement placed;
   if (CardBlock* block = find_free(size, pool, stream, policy)) {
     ++changes_;

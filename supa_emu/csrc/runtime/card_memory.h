@@ -179,13 +179,13 @@ class CardMemory {
   // while the card is otherwise as it was (caching_allocator.cpp). give_back() undoes it exactly
   // under the same condition.
   Placement take_free(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream);
-  void give_back(CardBlock* block);
+  Release give_back(CardBlock* block);  // the free blocks' change, as cache() reports it
   // Gives back a taken block, then places a request of rounded `size` as place() would when a
   // free block fits (a change), without reserving or releasing anything: no block when none fits.
   // Under heap backing nothing writes the given-back memory, so its bytes stay readable until the
   // caller moves them (the new block may overlap them).
   Placement place_after_give_back(CardBlock* taken, size_t size, const PoolId& pool, const BlockPolicy& policy,
-                                  int64_t stream);
+                                  int64_t stream, Release& given_back);
   // Counts the calls that change the card (place, cache, release_cached).
   uint64_t changes() const { return changes_; }
   // Returns the whole free segments (only `pool`'s when given) to the host.

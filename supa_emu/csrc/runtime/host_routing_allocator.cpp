@@ -27,7 +27,7 @@ namespace supa {
 namespace {
 
 thread_local c10::DeviceIndex t_output_device = -1;
-thread_local bool t_first_from_card = false;
+thread_local bool t_take_from_card = false;
 c10::Allocator* g_base_cpu_allocator = nullptr;
 
 // The planner's bound on host tensors (limit_host_tensors): the live host allocations made
@@ -83,9 +83,7 @@ class HostRoutingAllocator final : public c10::Allocator {
       }
       return g_base_cpu_allocator->allocate(nbytes);
     }
-    const bool from_card = t_first_from_card;
-    t_first_from_card = false;
-    void* ptr = allocate_provisional(nbytes, t_output_device, from_card);
+    void* ptr = allocate_provisional(nbytes, t_output_device, t_take_from_card);
     return {ptr, ptr, &delete_device_ptr, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
@@ -100,15 +98,18 @@ HostRoutingAllocator g_routing_allocator;
 
 }  // namespace
 
-DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device, bool first_from_card)
-    : previous_(t_output_device), previous_first_(t_first_from_card) {
+DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device, bool take_from_card)
+    : previous_(t_output_device), previous_take_(t_take_from_card) {
   t_output_device = device;
-  t_first_from_card = first_from_card && device >= 0;
+  t_take_from_card = take_from_card && device >= 0;
+  if (t_take_from_card) {
+    begin_operator_allocations();
+  }
 }
 
 DeviceOutputScope::~DeviceOutputScope() {
   t_output_device = previous_;
-  t_first_from_card = previous_first_;
+  t_take_from_card = previous_take_;
 }
 
 c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device) {

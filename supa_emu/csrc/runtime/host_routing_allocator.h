@@ -10,18 +10,19 @@ namespace supa {
 // While alive on a thread, host (CPU) allocations of that thread come from the given
 // device's pool, provisionally (caching_allocator.h). The operator fallback uses it so that the
 // outputs CPU kernels allocate already live in device memory and can be handed back without a
-// copy. A negative device sends them to the host. `first_from_card`: the first allocation is a
-// free block of the card (allocate_provisional's from_card), for a kernel with one result.
+// copy. A negative device sends them to the host. `take_from_card`: each allocation is a free
+// block of the card where one fits (allocate_provisional's from_card), so that results need no
+// copy; for a CPU kernel's call only (nothing else may place on the card meanwhile).
 class DeviceOutputScope {
  public:
-  explicit DeviceOutputScope(c10::DeviceIndex device, bool first_from_card = false);
+  explicit DeviceOutputScope(c10::DeviceIndex device, bool take_from_card = false);
   ~DeviceOutputScope();
   DeviceOutputScope(const DeviceOutputScope&) = delete;
   DeviceOutputScope& operator=(const DeviceOutputScope&) = delete;
 
  private:
   c10::DeviceIndex previous_;
-  bool previous_first_;
+  bool previous_take_;
 };
 void install_host_routing_allocator();
 // The planner's bound on host memory: from now on a host (CPU) allocation made outside an operator

@@ -12,9 +12,13 @@ namespace supa {
 // commit_block() (a result the operator hands back); freed before that (the kernel's own
 // scratch) it leaves the card's statistics, history and cache as they were. Only the results of
 // an operator thus reach the card's figures, placed in the order they are committed.
-// `from_card`: the block the card would hand out now, if a free one fits (no copy when it is
-// committed before the card changes: an operator's one result); otherwise host memory.
+// `from_card`: the block the card would hand out now, if a free one fits (committed without a
+// copy when placing its request then hands out the same block; see provisional_blocks.cpp);
+// otherwise host memory.
 void* allocate_provisional(size_t nbytes, c10::DeviceIndex device, bool from_card = false);
+// The calling thread starts an operator call: its blocks taken from now on are that call's (those
+// set aside when one of its results must be placed anew).
+void begin_operator_allocations();
 // Places a provisional block on the card as a request made now and returns the card's block: the
 // block itself when it was taken from the card and the card has not changed since; otherwise a
 // block its bytes move to, and the provisional memory goes back (the caller drops `ptr` without
