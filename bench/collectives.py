@@ -2,6 +2,7 @@
 then torch.supa.bccl.all_reduce in one process over 2 and 8 cards against torch.stack(...).sum(0).
 
     SUPA_EMULATE=1 python bench/collectives.py [--max-mib 64] [--world 2] [--part all|ranks|cards]
+    SUPA_EMULATE=1 python bench/collectives.py --against CHECKOUT [--rounds 3]
 
 Each rank runs both sides in the same process (bccl as the default group, a gloo group from
 new_group). The two sides take turns call by call (up to 400 calls each per size), and rank 0's
@@ -20,12 +21,21 @@ second reference stacks and sums into buffers allocated once (`out=`). The sides
 by call in this process, on one thread (as each rank above: with a thread team, an overloaded
 2-core machine times the scheduler, not the copies); ratio = reference time / bccl time (above 1:
 bccl is faster).
+
+--against CHECKOUT runs the ranks part from this checkout and from another one (its supa_emu first
+on the path, as bench/deepspeed_step.py --against does), in fresh interpreters, jobs alternating,
+and prints bccl's bandwidth per side (median over jobs) and supa/base (above 1: this checkout is
+faster); then bccl over gloo within each job, where the two took turns call by call, per side and
+their ratio: the same comparison with the machine's drift between jobs divided out.
 """
 
 import argparse
+import json
 import os
+import pathlib
 import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -33,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import load
+from harness import ROOT, checkout_argument, checkout_env, commit, load, running_checkout
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 SECONDS_PER_SIZE = 1.2  # per collective and size, both sides together
@@ -160,37 +170,102 @@ def _print_single_process(rows) -> None:
               f"{out_s * 1e3:>10.3f}{out_s / bccl_s:>8.2f}")
 
 
+def _ranks_rows(world: int, max_mib: int) -> list:
+    """(collective, bytes, bccl B/s, gloo B/s) per collective and size, as rank 0 measured them."""
+    sizes, nbytes = [], 1 << 10
+    while nbytes <= max_mib << 20:
+        sizes.append(nbytes)
+        nbytes *= 4
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world, port, sizes, queue), nprocs=world)
+    return queue.get()
+
+
+def _print_ranks(rows, world: int) -> None:
+    print(f"bus bandwidth, {world} ranks, torch {torch.__version__} "
+          f"(bccl: supa tensors; gloo: CPU tensors; median of interleaved calls, rank 0)")
+    print(f"{'collective':<24}{'size':>9}{'bccl GB/s':>12}{'gloo GB/s':>12}{'ratio':>8}")
+    for name, size, bccl_bw, gloo_bw in rows:
+        print(f"{name:<24}{_size_label(size):>9}{bccl_bw / 1e9:>12.3f}{gloo_bw / 1e9:>12.3f}{bccl_bw / gloo_bw:>8.2f}")
+
+
+# ------------------------------------------------------------------------------------------------
+# --against: the ranks part run from this checkout and from another one, jobs alternating
+# ------------------------------------------------------------------------------------------------
+MARK = "COLLECTIVES_ROWS "  # a --job's result line starts with this
+
+
+def _job(side: str, args) -> dict:
+    """One run of the ranks part in a fresh interpreter; bccl from `side`'s checkout."""
+    env = dict(os.environ)
+    if side == "base":
+        env = checkout_env(env, args.against)
+    command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--job",
+               "--world", str(args.world), "--max-mib", str(args.max_mib)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line[len(MARK):] for line in result.stdout.splitlines() if line.startswith(MARK)]
+    if result.returncode != 0 or len(lines) != 1:
+        sys.stderr.write(result.stdout[-4000:] + result.stderr[-8000:])
+        raise SystemExit(f"the {side} job failed (exit code {result.returncode})")
+    job = json.loads(lines[0])
+    expected = str(args.against if side == "base" else ROOT)
+    if job["checkout"] != expected:
+        raise SystemExit(f"the {side} job ran the checkout {job['checkout']}, not {expected}")
+    return {(name, size): (bccl_bw, gloo_bw) for name, size, bccl_bw, gloo_bw in job["rows"]}
+
+
+def _compare(args) -> None:
+    sides = ("supa", "base")
+    print(f"bccl bus bandwidth, {args.world} ranks: this checkout (supa) against another (base), "
+          f"{args.rounds} jobs per side, alternating")
+    print(f"supa: {ROOT} ({commit(ROOT)}); base: {args.against} ({commit(args.against)})")
+    print(f"at start: {load()}")
+    jobs = {side: [] for side in sides}
+    for round_index in range(args.rounds):
+        for side in sides if round_index % 2 == 0 else reversed(sides):  # a load drift hits both alike
+            jobs[side].append(_job(side, args))
+    print(f"{'collective':<24}{'size':>9}{'supa GB/s':>11}{'base GB/s':>11}{'supa/base':>11}"
+          f"{'bccl/gloo: supa':>17}{'base':>7}{'ratio':>8}")
+    for name, size in jobs["supa"][0]:
+        bccl = {side: statistics.median(job[name, size][0] for job in jobs[side]) for side in sides}
+        # bccl over gloo in each job (the two took turns call by call there), median over jobs
+        to_gloo = {side: statistics.median(job[name, size][0] / job[name, size][1] for job in jobs[side])
+                   for side in sides}
+        print(f"{name:<24}{_size_label(size):>9}{bccl['supa'] / 1e9:>11.3f}{bccl['base'] / 1e9:>11.3f}"
+              f"{bccl['supa'] / bccl['base']:>10.2f}x{to_gloo['supa']:>17.2f}{to_gloo['base']:>7.2f}"
+              f"{to_gloo['supa'] / to_gloo['base']:>7.2f}x")
+    print(f"at end: {load()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-mib", type=int, default=64)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--part", choices=("all", "ranks", "cards"), default="all",
                         help="ranks: bccl vs gloo across processes; cards: torch.supa.bccl in one process")
+    parser.add_argument("--against", type=pathlib.Path, metavar="CHECKOUT",
+                        help="another checkout of this project: the ranks part from both, side by side")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: jobs per side (alternating)")
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.against = checkout_argument(parser, args.against)
+    if args.job:
+        print(MARK + json.dumps({"checkout": running_checkout(), "rows": _ranks_rows(args.world, args.max_mib)}))
+        return
+    if args.against is not None:
+        if args.part != "all":
+            parser.error("--against compares the ranks part; leave --part out")
+        _compare(args)
+        return
     if args.part != "ranks" and torch.supa.device_count() < max(CARD_COUNTS):
         sys.exit(f"the single-process part needs {max(CARD_COUNTS)} cards (SUPA_EMU_DEVICE_COUNT)")
-    if args.part == "cards":
-        print(f"at start: {load()}")
-        _print_single_process(_single_process_rows(args.max_mib))
-        print(f"at end: {load()}")
-        return
-    sizes, nbytes = [], 1 << 10
-    while nbytes <= args.max_mib << 20:
-        sizes.append(nbytes)
-        nbytes *= 4
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     print(f"at start: {load()}")
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(args.world, port, sizes, queue), nprocs=args.world)
-    rows = queue.get()
-    print(f"bus bandwidth, {args.world} ranks, torch {torch.__version__} "
-          f"(bccl: supa tensors; gloo: CPU tensors; median of interleaved calls, rank 0)")
-    print(f"{'collective':<24}{'size':>9}{'bccl GB/s':>12}{'gloo GB/s':>12}{'ratio':>8}")
-    for name, size, bccl_bw, gloo_bw in rows:
-        print(f"{name:<24}{_size_label(size):>9}{bccl_bw / 1e9:>12.3f}{gloo_bw / 1e9:>12.3f}{bccl_bw / gloo_bw:>8.2f}")
-    if args.part == "all":
+    if args.part != "cards":
+        _print_ranks(_ranks_rows(args.world, args.max_mib), args.world)
+    if args.part != "ranks":
         _print_single_process(_single_process_rows(args.max_mib))
     print(f"at end: {load()}")
 

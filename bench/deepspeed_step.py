@@ -30,11 +30,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from harness import load
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from harness import ROOT, checkout_argument, checkout_env, commit, load, running_checkout
+
 WORLD = 2
 MARK = "DEEPSPEED_STEP "  # rank 0's result lines start with this
 JOB_TIMEOUT_S = 900
@@ -103,15 +102,13 @@ def _worker(args) -> None:
 
 def _checkout_of(accelerator_class) -> str | None:
     """The checkout whose supa_emu and accelerator this job runs (None on DeepSpeed's own accelerators)."""
-    import importlib.util
     import inspect
 
-    spec = importlib.util.find_spec("supa_emu")
-    if spec is None or not accelerator_class.__module__.startswith("supa_deepspeed"):
+    checkout = running_checkout()
+    if checkout is None or not accelerator_class.__module__.startswith("supa_deepspeed"):
         return None
-    roots = {pathlib.Path(os.path.realpath(spec.origin)).parents[1],
-             pathlib.Path(os.path.realpath(inspect.getfile(accelerator_class))).parents[1]}
-    return str(roots.pop()) if len(roots) == 1 else f"mixed: {sorted(map(str, roots))}"
+    accelerator_root = str(pathlib.Path(os.path.realpath(inspect.getfile(accelerator_class))).parents[1])
+    return checkout if accelerator_root == checkout else f"mixed: {sorted({checkout, accelerator_root})}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,23 +129,9 @@ def _side_env(side: str, against: pathlib.Path | None) -> dict:
         env["SUPA_EMULATE"] = "1"
         env["DS_ACCELERATOR"] = "supa"
     if side == "base":
-        # The other checkout's supa_emu first on the path, and its accelerator/ and op_builder/
-        # under the names they install as (this checkout's editable install maps them here).
-        shim = _base_shim(against)
-        env["PYTHONPATH"] = os.pathsep.join([str(against), str(shim), *filter(None, [env.get("PYTHONPATH")])])
+        env = checkout_env(env, against)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
-
-
-def _base_shim(against: pathlib.Path) -> pathlib.Path:
-    shim = pathlib.Path(tempfile.gettempdir()) / f"deepspeed_step_base_{os.getpid()}"
-    package = shim / "supa_deepspeed"
-    if not package.exists():
-        package.mkdir(parents=True)
-        (package / "__init__.py").write_text("")
-        for folder in ("accelerator", "op_builder"):
-            (package / folder).symlink_to(against / folder, target_is_directory=True)
-    return shim
 
 
 def _expected_checkout(side: str, against: pathlib.Path | None) -> str | None:
@@ -200,17 +183,12 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    if args.against is not None:
-        args.against = args.against.resolve()
-        if not (args.against / "supa_emu" / "__init__.py").is_file() or not (args.against / "accelerator").is_dir():
-            parser.error(f"--against {args.against}: not a checkout of this project (no supa_emu/ and accelerator/)")
-        if args.against == ROOT:
-            parser.error(f"--against {args.against}: that is this checkout")
+    args.against = checkout_argument(parser, args.against)
     sides = ("cpu", "supa") + (("base",) if args.against else ())
     print(f"{WORLD} ranks, {args.layers}x{args.width} MLP, bf16, Adam, micro batch {args.batch}; "
           f"median of {args.steps} steps after {args.warmup}, {args.rounds} rounds per side")
     if args.against:
-        print(f"supa: {ROOT} ({_commit(ROOT)}); base: {args.against} ({_commit(args.against)})")
+        print(f"supa: {ROOT} ({commit(ROOT)}); base: {args.against} ({commit(args.against)})")
     print(f"at start: {load()}")
     times = {side: {s: [] for s in args.stages} for side in sides}
     for round_index in range(args.rounds):
@@ -234,11 +212,6 @@ def main() -> None:
         rounds = " ".join(f"{s / r:.2f}" for r, s in zip(times[reference][stage], times["supa"][stage]))
         print(f"{line}   {rounds}")
     print(f"at end: {load()}")
-
-
-def _commit(checkout: pathlib.Path) -> str:
-    result = subprocess.run(["git", "-C", str(checkout), "log", "-1", "--format=%h"], capture_output=True, text=True)
-    return result.stdout.strip() or "not a git checkout"
 
 
 if __name__ == "__main__":

@@ -96,9 +96,11 @@ def _release_finished() -> None:
     while _held and use_count(_held[0]) == 1:
         _companions.pop(id(_held.popleft()), None)
     if len(_held) >= _FULL_SCAN_AT:
-        still_used = [work for work in _held if use_count(work) > 1]
+        still_used = []
         for work in _held:
-            if use_count(work) == 1:
+            if use_count(work) > 1:
+                still_used.append(work)
+            else:
                 _companions.pop(id(work), None)
         _held.clear()
         _held.extend(still_used)
