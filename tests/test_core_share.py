@@ -31,6 +31,7 @@ def host_threads() -> int:
     return count
 
 
+@pytest.mark.slow  # three fresh interpreters each
 @pytest.mark.parametrize("variable", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])  # torchrun / the deepspeed launcher
 def test_a_rank_takes_its_share_when_the_launcher_says_how_many_run_here(host_threads, variable):
     assert threads(**{variable: "2"}) == host_threads // 2

@@ -90,7 +90,8 @@ def _training(dev, out, dtype_name):
     out["loss_is_finite"] = bool(torch.isfinite(loss))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+# The fast tier runs float32; the other tests here, two fresh interpreters doing real work each, are slow.
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.slow), "float32"])
 def test_a_training_step_allocates_the_same_blocks_in_both_modes(dtype):
     # Linear layers (BLAS workspaces), layer norm, fused attention with and without grouped-query heads,
     # dropout, activation checkpointing, a float32 loss over bf16 logits, gradient clipping and AdamW.
@@ -122,6 +123,7 @@ def _aliasing(dev, out):
     out["contiguous_copy"] = [list(strided.stride()), strided.data_ptr() != x.data_ptr()]
 
 
+@pytest.mark.slow
 def test_views_in_place_and_out_operators_keep_their_aliasing():
     compute, shapes = (recorded(_aliasing, mode) for mode in MODES)
     assert shapes["view_shares"] and shapes["in_place_returns_self"] and shapes["out_is_the_argument"]
@@ -148,6 +150,7 @@ def _values(dev, out):
     out["notes"] = [(n["kind"], n["op"], n["frames"][0]["filename"] if n["frames"] else None) for n in shapes.notes()]
 
 
+@pytest.mark.slow
 def test_shapes_mode_values_host_copies_are_real_and_skipped_kernels_read_zeros():
     compute, shapes = (recorded(_values, mode) for mode in MODES)
     assert compute["mode"] == "compute" and shapes["mode"] == "shapes"
@@ -173,6 +176,7 @@ def _gru_cell(dev, out):
     out["shape"] = list(h.shape)
 
 
+@pytest.mark.slow
 def test_an_operator_without_a_shape_rule_runs_its_kernel_and_is_named():
     # PyTorch has no Meta kernel for the fused GRU cell GRUCell calls on a GPU (and on supa).
     compute, shapes = (recorded(_gru_cell, mode) for mode in MODES)
