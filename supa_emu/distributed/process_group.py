@@ -65,6 +65,7 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, options: "ProcessGroupBCCL.Options"):
         super().__init__(rank, size)
+        self._rank, self._size = rank, size
         self.options = options
         self._store = store
         self._label = repr(options.group_name or "default")
@@ -73,6 +74,15 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         self._init_backend_state()
 
     # ---- identity ----------------------------------------------------------------------------
+    # c10d's binding of rank() and size() lets go of the GIL on every call: with gloo's threads
+    # waiting for it, that costs microseconds on each collective. A group's rank and size never
+    # change, so the group answers them itself (C++ callers read the same values from c10d).
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
     # c10d keeps a group's name in its c10d Backends, which this whole-group plugin has none of;
     # without these, `group.group_name` (read by DeviceMesh and FSDP) raises "name not set".
     @property
