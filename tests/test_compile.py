@@ -431,20 +431,27 @@ def test_second_process_reuses_the_on_disk_compile_cache(tmp_path):
 # DeepSpeed: engine.compile() on two cards
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def compiled_jobs(tmp_path_factory):
-    """compiled_jobs(stage) -> the finished 2-rank job of examples/train_gpt.py --compile."""
-    from test_deepspeed_training import WORLD, launch
+def compiled_jobs(request, tmp_path_factory):
+    """compiled_jobs(stage) -> the finished 2-rank run of examples/train_gpt.py --compile: the
+    stages the selected tests ask for run one after the other in one job (tests/script_sequence.py)."""
+    from test_deepspeed_training import WORLD, example_command, launch_in_sequence
 
     if torch.supa.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} SUPA cards")
-    # One Inductor cache for the jobs: hermetic, and stages 1 and 2 compile the same graphs.
+    selected = sorted({item.callspec.params["stage"] for item in request.session.items if item.module is request.module
+                       and item.originalname == test_deepspeed_engine_compile_trains_like_eager.__name__})
+    # One Inductor cache for the runs: hermetic, and stages 1 and 2 compile the same graphs.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
-    cache = {}
+    runs = {}
 
     def job(stage):
-        if stage not in cache:
-            cache[stage] = launch(f"zero{stage}.json", "--steps", 4, "--compile", env=env).require_success()
-        return cache[stage]
+        if stage not in runs:
+            stages = [other for other in selected if other not in runs] if stage in selected else [stage]
+            done = launch_in_sequence(
+                {f"zero{other}": example_command(f"zero{other}.json", "--steps", 4, "--compile") for other in stages},
+                env=env)
+            runs.update({other: done[f"zero{other}"] for other in stages})
+        return runs[stage].require_success()
 
     return job
 

@@ -1,8 +1,11 @@
 """DeepSpeed training on two SUPA cards: ZeRO stages, mixed precision, offload, checkpoints, memory.
 
-Every scenario is a real 2-rank job (torchrun, or the deepspeed launcher for the quick-start
-command) running examples/train_gpt.py, which prints one JSON object per line. Start-up dominates
-a job's time, so each job runs once per module and several tests read its output.
+Every scenario is a real run of examples/train_gpt.py on 2 ranks, which prints one JSON object per
+line. Start-up dominates a run's time, so each scenario runs once per module and several tests
+read its output. The scenarios the selected tests read (their `scenarios` marks) run one after
+the other in one torchrun job (tests/script_sequence.py), except those whose memory figures are
+read (a fresh process each: see script_sequence.py) and the quick-start command (the deepspeed
+launcher), which run in jobs of their own.
 
 The reference is independent of DeepSpeed and of the card: the same model and data on the CPU in
 this process, trained with torch.optim.AdamW on the whole global batch at once.
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 import harness
+import script_sequence
 from harness import Finished, deepspeed_command, torchrun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -86,9 +90,14 @@ def _model_args(cfg: GPTConfig):
             "--heads", cfg.heads]
 
 
+def example_command(config, *args, model=SMALL) -> list:
+    """The example's command line (script first) for `config` and `model`."""
+    return [EXAMPLE, "--config", CONFIGS / config, "--seed", SEED, "--log-format", "json", *_model_args(model), *args]
+
+
 def launch(config, *args, model=SMALL, launcher="torchrun", env=None) -> Job:
     """Runs the example on WORLD ranks and collects its JSON lines."""
-    example = [EXAMPLE, "--config", CONFIGS / config, "--seed", SEED, "--log-format", "json", *_model_args(model), *args]
+    example = example_command(config, *args, model=model)
     if launcher == "deepspeed":
         return Job(harness.launch(lambda port: deepspeed_command(*example, num_gpus=WORLD, port=port),
                                   env=env, timeout=JOB_TIMEOUT_S))
@@ -96,32 +105,63 @@ def launch(config, *args, model=SMALL, launcher="torchrun", env=None) -> Job:
                               env=env, timeout=JOB_TIMEOUT_S))
 
 
+def launch_in_sequence(scenarios: dict, env=None) -> dict:
+    """name -> Job of each scenario (name -> example command), all run in one torchrun job."""
+    runner = [pathlib.Path(script_sequence.__file__),
+              json.dumps([[name, *map(str, command)] for name, command in scenarios.items()])]
+    finished = harness.launch(lambda port: torchrun_command(*runner, nproc=WORLD, port=port),
+                              env=env, timeout=JOB_TIMEOUT_S + 120 * len(scenarios))
+    return {name: Job(part) for name, part in script_sequence.outputs(finished, scenarios, WORLD).items()}
+
+
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("checkpoints")
 
 
+QUICK_START = "zero2"  # the README's quick start: the deepspeed launcher
+# Scenarios whose memory figures a test reads (the ZeRO stages' peaks) run in fresh processes.
+OWN_JOB = {"zero0", "zero1", QUICK_START, "zero3"}
+
+
 @pytest.fixture(scope="module")
-def jobs(checkpoint_dir):
+def jobs(request, checkpoint_dir):
     """jobs(name) -> the finished Job of that scenario, run at most once per module."""
     scenarios = {
-        # The README's quick start, with the deepspeed launcher.
-        "zero2": lambda: launch("zero2.json", "--steps", 6, model=PARAMETER_HEAVY, launcher="deepspeed"),
-        "zero0": lambda: launch("zero0.json", "--steps", 6, model=PARAMETER_HEAVY),
-        "zero1": lambda: launch("zero1.json", "--steps", 6, model=PARAMETER_HEAVY),
-        "zero3": lambda: launch("zero3.json", "--steps", 6, model=PARAMETER_HEAVY),
-        "zero3_first_half": lambda: launch("zero3.json", "--steps", 3, "--checkpoint-dir", checkpoint_dir,
-                                           model=PARAMETER_HEAVY),
-        "zero3_resumed": lambda: launch("zero3.json", "--steps", 6, "--checkpoint-dir", checkpoint_dir,
-                                        "--resume", model=PARAMETER_HEAVY),
-        "bf16": lambda: launch("bf16.json", "--steps", 8),
-        "fp16": lambda: launch("fp16.json", "--steps", 8),
-        "grad_accumulation": lambda: launch("grad_accumulation.json", "--steps", 8),
-        "activation_checkpointing": lambda: launch("zero3.json", "--steps", 8, "--activation-checkpointing"),
-        "zero2_offload_optimizer": lambda: launch("zero2_offload_optimizer.json", "--steps", 8),
-        "zero3_offload_param": lambda: launch("zero3_offload_param.json", "--steps", 8),
+        QUICK_START: example_command("zero2.json", "--steps", 6, model=PARAMETER_HEAVY),
+        "zero0": example_command("zero0.json", "--steps", 6, model=PARAMETER_HEAVY),
+        "zero1": example_command("zero1.json", "--steps", 6, model=PARAMETER_HEAVY),
+        "zero3": example_command("zero3.json", "--steps", 6, model=PARAMETER_HEAVY),
+        # In this order: the second half resumes from the first half's checkpoint.
+        "zero3_first_half": example_command("zero3.json", "--steps", 3, "--checkpoint-dir", checkpoint_dir,
+                                            model=PARAMETER_HEAVY),
+        "zero3_resumed": example_command("zero3.json", "--steps", 6, "--checkpoint-dir", checkpoint_dir, "--resume",
+                                         model=PARAMETER_HEAVY),
+        "bf16": example_command("bf16.json", "--steps", 8),
+        "fp16": example_command("fp16.json", "--steps", 8),
+        "grad_accumulation": example_command("grad_accumulation.json", "--steps", 8),
+        "zero2_offload_optimizer": example_command("zero2_offload_optimizer.json", "--steps", 8),
+        "zero3_offload_param": example_command("zero3_offload_param.json", "--steps", 8),
+        "activation_checkpointing": example_command("zero3.json", "--steps", 8, "--activation-checkpointing"),
     }
-    return functools.cache(lambda name: scenarios[name]())
+    selected = {name for item in request.session.items if item.module is request.module
+                for mark in item.iter_markers("scenarios") for name in mark.args}
+    finished = {}
+
+    def job(name):
+        if name not in finished:
+            if name == QUICK_START:
+                finished[name] = Job(harness.launch(
+                    lambda port: deepspeed_command(*scenarios[name], num_gpus=WORLD, port=port), timeout=JOB_TIMEOUT_S))
+            elif name in OWN_JOB:
+                finished[name] = Job(harness.launch(
+                    lambda port: torchrun_command(*scenarios[name], nproc=WORLD, port=port), timeout=JOB_TIMEOUT_S))
+            else:  # with every other scenario the selected tests read and that has not run yet
+                batch = [other for other in scenarios if other == name or (
+                    other in selected and other not in OWN_JOB and other not in finished)]
+                finished.update(launch_in_sequence({other: scenarios[other] for other in batch}))
+        return finished[name]
+    return job
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,6 +210,7 @@ def assert_learns_like_reference(job, config_name, cfg, tolerance, skipped=()):
 # ------------------------------------------------------------------------------------------------
 # Tests
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.scenarios("zero2")
 def test_quick_start_runs_each_rank_on_its_own_card(jobs):
     job = jobs("zero2").require_success()
     start = job.event("start")
@@ -204,11 +245,13 @@ def test_text_log_reads_as_a_table_for_people(capsys):
     assert lines[4].split()[2:4] == ["5.00", "MiB"]
 
 
+@pytest.mark.scenarios("zero0", "zero1", "zero2", "zero3")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_matches_reference(jobs, stage):
     assert_learns_like_reference(jobs(f"zero{stage}"), f"zero{stage}.json", PARAMETER_HEAVY, FP32_TOLERANCE)
 
 
+@pytest.mark.scenarios("zero0", "zero1", "zero2", "zero3")
 def test_peak_memory_per_card_falls_with_each_zero_stage(jobs):
     # Training peaks (the job resets the peak after deepspeed.initialize, which briefly holds the
     # whole model on the card at every stage).
@@ -217,10 +260,12 @@ def test_peak_memory_per_card_falls_with_each_zero_stage(jobs):
     assert peak[3] < peak[2] <= peak[1] < peak[0], mib
 
 
+@pytest.mark.scenarios("bf16")
 def test_bf16_matches_reference(jobs):
     assert_learns_like_reference(jobs("bf16"), "bf16.json", SMALL, BF16_TOLERANCE)
 
 
+@pytest.mark.scenarios("fp16")
 def test_fp16_dynamic_loss_scale_skips_overflowing_steps_and_grows_back(jobs):
     job = jobs("fp16").require_success()
     config = json.loads((CONFIGS / "fp16.json").read_text())["fp16"]
@@ -243,26 +288,31 @@ def test_fp16_dynamic_loss_scale_skips_overflowing_steps_and_grows_back(jobs):
                                **FP16_TOLERANCE)
 
 
+@pytest.mark.scenarios("grad_accumulation")
 def test_gradient_accumulation_matches_reference(jobs):
     job = jobs("grad_accumulation").require_success()
     assert job.event("start")["accumulation"] == 2
     assert_learns_like_reference(job, "grad_accumulation.json", SMALL, FP32_TOLERANCE)
 
 
+@pytest.mark.scenarios("activation_checkpointing")
 def test_activation_checkpointing_matches_reference(jobs):
     assert_learns_like_reference(jobs("activation_checkpointing"), "zero3.json", SMALL, FP32_TOLERANCE)
 
 
+@pytest.mark.scenarios("zero2_offload_optimizer")
 def test_zero2_optimizer_offload_to_cpu_matches_reference(jobs):
     assert jobs("zero2_offload_optimizer").require_success().event("start")["optimizer"] == "DeepSpeedCPUAdam"
     assert_learns_like_reference(jobs("zero2_offload_optimizer"), "zero2_offload_optimizer.json", SMALL,
                                  FP32_TOLERANCE)
 
 
+@pytest.mark.scenarios("zero3_offload_param")
 def test_zero3_parameter_offload_matches_reference(jobs):
     assert_learns_like_reference(jobs("zero3_offload_param"), "zero3_offload_param.json", SMALL, FP32_TOLERANCE)
 
 
+@pytest.mark.scenarios("zero3", "zero3_first_half", "zero3_resumed")
 def test_resumed_run_continues_with_the_losses_of_an_uninterrupted_one(jobs):
     uninterrupted = jobs("zero3").require_success()
     first_half = jobs("zero3_first_half").require_success()
@@ -274,6 +324,7 @@ def test_resumed_run_continues_with_the_losses_of_an_uninterrupted_one(jobs):
     assert resumed.losses == uninterrupted.losses[3:]
 
 
+@pytest.mark.scenarios("zero3_first_half")
 def test_zero3_checkpoint_holds_the_reference_weights(jobs, checkpoint_dir):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -286,7 +337,7 @@ def test_zero3_checkpoint_holds_the_reference_weights(jobs, checkpoint_dir):
 
 
 @pytest.mark.emulation_only
-def test_too_small_card_fails_with_out_of_memory(jobs):
+def test_too_small_card_fails_with_out_of_memory():
     # ZeRO-0 keeps the whole model, its gradients and both Adam moments on every card: ~52 MiB here.
     job = launch("zero0.json", "--steps", 2, model=PARAMETER_HEAVY, env={"SUPA_EMU_MEMORY": "40MiB"})
     assert job.returncode != 0

@@ -12,6 +12,7 @@ import warnings
 import pytest
 
 import harness
+import script_sequence
 from harness import run_function, run_python, torchrun_command
 from ranks import distributed_test
 import torch
@@ -254,22 +255,30 @@ def test_opinfo_under_the_checker_is_silent():
     assert passed and int(passed.group(1)) >= 40, result.stdout[-2000:]
 
 
+DEEPSPEED_CONFIGS = ["zero3.json", "zero3_offload_param.json", "zero2_offload_optimizer.json", "bf16.json"]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_jobs():
+    """(the job, config -> its run's output): examples/train_gpt.py with each config, one after the
+    other in one strict-checked 2-rank job (each rank is this file: see the end)."""
+    scripts = [[name, str(ROOT / "examples" / "train_gpt.py"), "--config", str(ROOT / "examples" / "configs" / name),
+                "--steps", "2", "--log-format", "json", "--vocab", "256", "--seq-len", "16", "--dim", "128",
+                "--layers", "2", "--heads", "4"] for name in DEEPSPEED_CONFIGS]
+    job = harness.launch(lambda port: torchrun_command(__file__, json.dumps(scripts), nproc=2, port=port),
+                         env={"SUPA_EMU_SANITIZE": "memory-strict"}, timeout=900)
+    return job, script_sequence.outputs(job, DEEPSPEED_CONFIGS, 2)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config_name", ["zero3.json", "zero3_offload_param.json", "zero2_offload_optimizer.json",
-                                         "bf16.json"])
-def test_deepspeed_jobs_are_silent(tmp_path, config_name):
-    config_json = json.loads((ROOT / "examples" / "configs" / config_name).read_text())
-    (tmp_path / "config.json").write_text(json.dumps(config_json))
-    # Each rank is this file: it runs the script, then says how many operators it checked (below).
-    script = [__file__, ROOT / "examples" / "train_gpt.py", "--config", tmp_path / "config.json",
-              "--steps", 2, "--log-format", "json", "--vocab", 256, "--seq-len", 16, "--dim", 128, "--layers", 2,
-              "--heads", 4]
-    result = harness.launch(lambda port: torchrun_command(*script, nproc=2, port=port),
-                            env={"SUPA_EMU_SANITIZE": "memory-strict"}, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "SUPA memory checker" not in result.stderr
-    counts = [int(line.rsplit(" ", 1)[1]) for line in result.stderr.splitlines() if "operators checked:" in line]
-    assert len(counts) == 2 and min(counts) > 500, result.stderr[-4000:]  # both ranks, the whole job
+@pytest.mark.parametrize("config_name", DEEPSPEED_CONFIGS)
+def test_deepspeed_jobs_are_silent(deepspeed_jobs, config_name):
+    job, runs = deepspeed_jobs
+    assert runs[config_name].returncode == 0, job.stderr[-4000:]
+    assert "SUPA memory checker" not in job.stderr, job.stderr[-4000:]
+    counts = [int(line.rsplit(" ", 1)[1]) for line in job.stderr.splitlines()
+              if line.startswith(f"memory checker: {config_name} operators checked:")]
+    assert len(counts) == 2 and min(counts) > 500, job.stderr[-4000:]  # both ranks, the whole run
 
 
 # ---- the switch ----------------------------------------------------------------------------------
@@ -326,9 +335,17 @@ def test_off_by_default_nothing_is_imported_or_changed():
     assert result.stdout.split("\n")[:2] == ["2.0", "[] [] 0"], result
 
 
-if __name__ == "__main__":  # a torchrun rank of test_deepspeed_jobs_are_silent: the script, then its count
-    try:
-        harness.run_as_main(sys.argv[1:])
-    finally:
-        # One write per rank: print() writes its parts separately, and the ranks share the stderr pipe.
-        harness.print_line(f"memory checker: operators checked: {_memcheck.memory_checker.checked}", sys.stderr)
+if __name__ == "__main__":  # a torchrun rank of deepspeed_jobs: the scripts in turn, each followed by its count
+    import contextlib
+
+    @contextlib.contextmanager
+    def _counted(name):
+        before = _memcheck.memory_checker.checked
+        try:
+            yield
+        finally:
+            # One write per rank: print() writes its parts separately, and the ranks share the stderr pipe.
+            harness.print_line(f"memory checker: {name} operators checked: {_memcheck.memory_checker.checked - before}",
+                               sys.stderr)
+
+    script_sequence.run(json.loads(sys.argv[1]), around=_counted)

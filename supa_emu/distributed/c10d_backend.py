@@ -55,6 +55,24 @@ class Options:
         return fresh
 
 
+class FixedIdentity:
+    """rank() and size() of a Python process group, answered in Python from `_rank` and `_size`.
+
+    c10d's binding of ProcessGroup.rank() and size() lets go of the GIL on every call: with gloo's
+    threads waiting for it, that costs microseconds on each collective. A group's rank and size
+    never change, so the group answers them itself (C++ callers read the same values from c10d).
+    """
+
+    _rank: int
+    _size: int
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
 def closed_error(label: str, rank: int, how: str) -> dist.DistBackendError:
     return dist.DistBackendError(
         f"bccl: the communicator of group {label} was {how} on rank {rank}; "

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from supa_emu.supa import _sanitizer_switch as _sanitizer
 
 from . import collective, host_memory, profiling
-from .c10d_backend import C10dBackend
+from .c10d_backend import C10dBackend, FixedIdentity
 from .collective import POINT_TO_POINT, Collective
 from .gloo_transport import GlooTransport
 from .transport import Factory
@@ -59,7 +59,7 @@ def announce_group(rank: int) -> None:
         watcher.group_created(rank)
 
 
-class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
+class ProcessGroupBCCL(FixedIdentity, C10dBackend, dist.ProcessGroup):
     """A whole process group (not a c10d Backend): torch calls these methods directly (the
     backend attributes c10d reads come from C10dBackend)."""
 
@@ -74,15 +74,6 @@ class ProcessGroupBCCL(C10dBackend, dist.ProcessGroup):
         self._init_backend_state()
 
     # ---- identity ----------------------------------------------------------------------------
-    # c10d's binding of rank() and size() lets go of the GIL on every call: with gloo's threads
-    # waiting for it, that costs microseconds on each collective. A group's rank and size never
-    # change, so the group answers them itself (C++ callers read the same values from c10d).
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
     # c10d keeps a group's name in its c10d Backends, which this whole-group plugin has none of;
     # without these, `group.group_name` (read by DeviceMesh and FSDP) raises "name not set".
     @property

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from supa_emu.distributed.c10d_backend import Options
+from supa_emu.distributed.c10d_backend import FixedIdentity, Options
 from supa_emu.distributed.collective import check_reduction, premultiplied, reduce_kind
 from supa_emu.plan import call_record, uniform_transport, world
 
@@ -29,11 +29,12 @@ def _done(result=None) -> dist.Work:
     return _create_work_from_future(future)
 
 
-class UniformHostGroup(dist.ProcessGroup):
+class UniformHostGroup(FixedIdentity, dist.ProcessGroup):
     """The planned world's stand-in for a gloo group (a whole process group, as bccl's is)."""
 
     def __init__(self, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
+        self._rank, self._size = rank, size
         self.options = Options()  # what c10d sets and reads: timeout, group name, global ranks
         self.options._timeout = timeout
         self._sequence = 0

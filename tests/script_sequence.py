@@ -1,0 +1,87 @@
+"""Several scripts run one after the other in one process, each as it would run in a fresh one.
+
+    python tests/script_sequence.py '[[name, script, *args], ...]'
+
+A multi-process job then pays the fixed cost of its processes (torchrun's, and each rank's imports
+of torch, DeepSpeed, transformers: seconds each) once for all its scripts rather than once per
+script (test_deepspeed_training's and test_plan's jobs). Between two scripts the process is put
+back as a fresh one would find it: no process group (and new group names, see `run`), no cached
+card memory, peak statistics at zero, torch.compile's caches and counters empty.
+
+What a process cannot be put back to is the card memory earlier scripts left allocated: DeepSpeed's
+engines hold their parameters in reference cycles through autograd's C++ nodes, which Python's
+collector cannot see (so on a real card too), and some of it goes later, when the next script
+replaces what held it. Memory figures of a script after the first are not a fresh process's:
+run a script whose memory figures are read in a job of its own.
+
+Every rank prints `SCRIPT-START <name> <rank>` before a script and `SCRIPT-END <name> <rank>` after
+it returned, each on a line of its own; `outputs` splits a finished job by them.
+"""
+
+import gc
+import json
+import os
+import runpy
+import sys
+
+import harness
+
+START, END = "SCRIPT-START ", "SCRIPT-END "
+
+
+def run(scripts, around=None) -> None:
+    """Runs each [name, script, *args] of `scripts` as `python script *args` would, in turn;
+    `around(name)`, where given, is a context manager each script runs in."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    rank = os.environ.get("RANK", "0")
+    for index, (name, script, *args) in enumerate(scripts):
+        # destroy_process_group restarts group names at 0, and a rendezvous under a used name would
+        # read the previous script's peers from the job's store: each script's groups get new names.
+        distributed_c10d._world.group_count = 1000 * index
+        sys.argv = [script, *args]
+        harness.print_line(f"{START}{name} {rank}")
+        with around(name) if around is not None else contextlib.nullcontext():
+            runpy.run_path(script, run_name="__main__")
+        harness.print_line(f"{END}{name} {rank}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        if "torch._dynamo" in sys.modules:  # compiled code and its counters belong to the script
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+        torch.supa.empty_cache()
+        for device in range(torch.supa.device_count()):
+            torch.supa.reset_peak_memory_stats(device)
+
+
+def outputs(finished: harness.Finished, names, ranks: int) -> dict:
+    """name -> Finished of each script of a finished sequence job on `ranks` ranks: its stdout is
+    what rank 0 printed from that script's start to the next one's (the job's stdout, where one
+    rank prints); stderr is the whole job's. A script succeeded (returncode 0) when every rank got
+    past it; a script the job never reached has returncode None."""
+    lines, ended, current = {}, {}, None
+    for line in finished.stdout.splitlines(keepends=True):
+        if line.startswith(START):
+            name, rank = line[len(START):].split()
+            if rank == "0":  # the other ranks may start the next script before rank 0 ends this one
+                current = name
+                lines.setdefault(current, [])
+        elif line.startswith(END):
+            name = line[len(END):].split()[0]
+            ended[name] = ended.get(name, 0) + 1
+        elif current is not None:
+            lines[current].append(line)
+    results = {}
+    for name in names:
+        code = None if name not in lines else 0 if ended.get(name) == ranks else (finished.returncode or 1)
+        results[name] = harness.Finished(finished.command, code, "".join(lines.get(name, [])), finished.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    run(json.loads(sys.argv[1]))
