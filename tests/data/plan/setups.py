@@ -2,28 +2,18 @@
 
     setups.py '[[name, script, *args], ...]'
 
-Every setup in one job: the fixed cost of a rank process (importing torch, DeepSpeed, transformers)
-is paid once per job rather than once per setup (tests/test_plan.py's exactness jobs).
+Every setup in one job (tests/script_sequence.py): the fixed cost of a rank process (importing
+torch, DeepSpeed, transformers) is paid once per job rather than once per setup (tests/test_plan.py's
+exactness jobs). What earlier setups leave allocated is left alike in the real job and the plan.
 """
-import gc
 import json
-import runpy
+import pathlib
 import sys
 
-import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # tests/, for script_sequence
 
-from supa_emu.plan import section
+import script_sequence  # noqa: E402
 
-for index, (name, script, *args) in enumerate(json.loads(sys.argv[1])):
-    # destroy_process_group restarts group names at 0, and a rendezvous under a used name would
-    # read the previous script's peers from the job's store: each script's groups get new names.
-    distributed_c10d._world.group_count = 1000 * index
-    sys.argv = [script, *args]
-    with section(name):
-        runpy.run_path(script, run_name="__main__")
-    if dist.is_initialized():  # the next script starts, as in a fresh process, with no group
-        dist.destroy_process_group()
-    gc.collect()
-    torch.supa.empty_cache()
+from supa_emu.plan import section  # noqa: E402
+
+script_sequence.run(json.loads(sys.argv[1]), around=section)
