@@ -14,8 +14,10 @@ collector cannot see (so on a real card too), and some of it goes later, when th
 replaces what held it. Memory figures of a script after the first are not a fresh process's:
 run a script whose memory figures are read in a job of its own.
 
-Every rank prints `SCRIPT-START <name> <rank>` before a script and `SCRIPT-END <name> <rank>` after
-it returned, each on a line of its own; `outputs` splits a finished job by them.
+Rank 0 prints `SCRIPT-START <name>` before a script and `SCRIPT-END <name>` after it returned, each
+on a line of its own, and `outputs` splits a finished job's stdout by them. Only rank 0 does: the
+ranks share the job's pipes, and a line another rank wrote could land inside one of rank 0's (a
+print() with PYTHONUNBUFFERED writes its text and its newline apart).
 """
 
 import gc
@@ -38,16 +40,18 @@ def run(scripts, around=None) -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    rank = os.environ.get("RANK", "0")
+    rank_zero = os.environ.get("RANK", "0") == "0"
     for index, (name, script, *args) in enumerate(scripts):
         # destroy_process_group restarts group names at 0, and a rendezvous under a used name would
         # read the previous script's peers from the job's store: each script's groups get new names.
         distributed_c10d._world.group_count = 1000 * index
         sys.argv = [script, *args]
-        harness.print_line(f"{START}{name} {rank}")
+        if rank_zero:
+            harness.print_line(START + name)
         with around(name) if around is not None else contextlib.nullcontext():
             runpy.run_path(script, run_name="__main__")
-        harness.print_line(f"{END}{name} {rank}")
+        if rank_zero:
+            harness.print_line(END + name)
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
@@ -59,26 +63,25 @@ def run(scripts, around=None) -> None:
             torch.supa.reset_peak_memory_stats(device)
 
 
-def outputs(finished: harness.Finished, names, ranks: int) -> dict:
-    """name -> Finished of each script of a finished sequence job on `ranks` ranks: its stdout is
-    what rank 0 printed from that script's start to the next one's (the job's stdout, where one
-    rank prints); stderr is the whole job's. A script succeeded (returncode 0) when every rank got
-    past it; a script the job never reached has returncode None."""
-    lines, ended, current = {}, {}, None
+def outputs(finished: harness.Finished, names) -> dict:
+    """name -> Finished of each script of a finished sequence job: its stdout is what rank 0 printed
+    from that script's start to its end; stderr is the whole job's (all ranks, all scripts). A
+    script rank 0 got past has returncode 0, the one it was in when the job ended the job's, one it
+    never reached None. (A rank other than 0 that fails a script rank 0 has already got past fails
+    the next one: rank 0 waits for it there.)"""
+    lines, ended, current = {}, set(), None
     for line in finished.stdout.splitlines(keepends=True):
         if line.startswith(START):
-            name, rank = line[len(START):].split()
-            if rank == "0":  # the other ranks may start the next script before rank 0 ends this one
-                current = name
-                lines.setdefault(current, [])
+            current = line[len(START):].strip()
+            lines[current] = []
         elif line.startswith(END):
-            name = line[len(END):].split()[0]
-            ended[name] = ended.get(name, 0) + 1
+            ended.add(line[len(END):].strip())
+            current = None
         elif current is not None:
             lines[current].append(line)
     results = {}
     for name in names:
-        code = None if name not in lines else 0 if ended.get(name) == ranks else (finished.returncode or 1)
+        code = 0 if name in ended else None if name not in lines else (finished.returncode or 1)
         results[name] = harness.Finished(finished.command, code, "".join(lines.get(name, [])), finished.stderr)
     return results
 

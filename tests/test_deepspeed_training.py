@@ -111,7 +111,7 @@ def launch_in_sequence(scenarios: dict, env=None) -> dict:
               json.dumps([[name, *map(str, command)] for name, command in scenarios.items()])]
     finished = harness.launch(lambda port: torchrun_command(*runner, nproc=WORLD, port=port),
                               env=env, timeout=JOB_TIMEOUT_S + 120 * len(scenarios))
-    return {name: Job(part) for name, part in script_sequence.outputs(finished, scenarios, WORLD).items()}
+    return {name: Job(part) for name, part in script_sequence.outputs(finished, scenarios).items()}
 
 
 @pytest.fixture(scope="module")

@@ -152,3 +152,26 @@ def test_shared_functions_of_one_environment_run_in_one_interpreter_and_fail_alo
     assert (first["sum"], second["sum"], second["variable"]) == (2, 3, "shared")
     with pytest.raises(AssertionError, match="ValueError: the function disagrees"):
         _RAISES.result()
+
+
+# ---- several scripts in one process (script_sequence.py) -----------------------------------------
+
+def test_scripts_in_sequence_start_as_in_a_fresh_process_and_split_by_script(tmp_path):
+    import script_sequence
+
+    first = tmp_path / "first.py"
+    first.write_text("import sys, torch\n"
+                     "keep = torch.empty(1 << 20, device='supa')\n"  # left allocated after the script
+                     "print('first', sys.argv[1:])\n")
+    second = tmp_path / "second.py"
+    second.write_text("import torch\n"
+                      "print('second sees peak', torch.supa.max_memory_allocated(0) - torch.supa.memory_allocated(0))\n"
+                      "raise SystemExit(3)\n")
+    scripts = [["one", str(first), "--x", "1"], ["two", str(second)], ["three", str(first)]]
+    job = harness.run([sys.executable, script_sequence.__file__, json.dumps(scripts)], timeout=120)
+    assert job.returncode == 3, job.describe()
+    parts = script_sequence.outputs(job, ["one", "two", "three"])
+    assert (parts["one"].returncode, parts["one"].stdout) == (0, "first ['--x', '1']\n")
+    # The peak statistics start again at what is allocated; the failing script fails alone.
+    assert (parts["two"].returncode, parts["two"].stdout) == (3, "second sees peak 0\n")
+    assert (parts["three"].returncode, parts["three"].stdout) == (None, "")

@@ -19,6 +19,20 @@ import torch
 import supa_deepspeed.op_builder.supa as supa_builders
 from supa_deepspeed.op_builder.supa import supa_kernels
 
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_asked_once():
+    """DeepSpeed's builders ask py-cpuinfo for the CPU's architecture and SIMD width on every flag
+    list, and each answer takes py-cpuinfo a second of timing the clock; the machine does not change
+    while this file runs, so its tests (in this process) get the first answer again."""
+    import functools
+
+    import cpuinfo  # DeepSpeed's requirement
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpuinfo, "get_cpu_info", functools.cache(cpuinfo.get_cpu_info))
+        yield
+
+
 # Builder class -> DeepSpeed op name (deepspeed 0.19.8's op_builder tree).
 DEEPSPEED_NAMES = {
     'AsyncIOBuilder': 'async_io',
