@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -430,6 +431,25 @@ def print_line(text: str, stream=None) -> None:
     stream = stream or sys.stdout
     stream.flush()
     os.write(stream.fileno(), (text + "\n").encode())
+
+
+@contextlib.contextmanager
+def cpu_asked_once():
+    """Within it, py-cpuinfo answers every question after the first from the first answer.
+
+    DeepSpeed's op builders and its CPU Adam ask py-cpuinfo about the CPU (architecture, SIMD
+    width) on every flag list and optimizer, and py-cpuinfo takes a second for each answer (it times
+    the clock in a child process). The machine does not change while a test or a job runs."""
+    import functools
+
+    import cpuinfo  # DeepSpeed's requirement
+
+    asked = cpuinfo.get_cpu_info
+    cpuinfo.get_cpu_info = functools.cache(asked)
+    try:
+        yield
+    finally:
+        cpuinfo.get_cpu_info = asked
 
 
 def import_test_file(source: str):

@@ -41,26 +41,29 @@ def run(scripts, around=None) -> None:
     from torch.distributed import distributed_c10d
 
     rank_zero = os.environ.get("RANK", "0") == "0"
-    for index, (name, script, *args) in enumerate(scripts):
-        # destroy_process_group restarts group names at 0, and a rendezvous under a used name would
-        # read the previous script's peers from the job's store: each script's groups get new names.
-        distributed_c10d._world.group_count = 1000 * index
-        sys.argv = [script, *args]
-        if rank_zero:
-            harness.print_line(START + name)
-        with around(name) if around is not None else contextlib.nullcontext():
-            runpy.run_path(script, run_name="__main__")
-        if rank_zero:
-            harness.print_line(END + name)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()
-        if "torch._dynamo" in sys.modules:  # compiled code and its counters belong to the script
-            torch._dynamo.reset()
-            torch._dynamo.utils.counters.clear()
-        torch.supa.empty_cache()
-        for device in range(torch.supa.device_count()):
-            torch.supa.reset_peak_memory_stats(device)
+    with contextlib.ExitStack() as job:
+        job.enter_context(harness.cpu_asked_once())  # DeepSpeed asks again for each CPU optimizer
+        for index, (name, script, *args) in enumerate(scripts):
+            # destroy_process_group restarts group names at 0, and a rendezvous under a used name would
+            # read the previous script's peers from the job's store: each script's groups get new names.
+            distributed_c10d._world.group_count = 1000 * index
+            sys.argv = [script, *args]
+            if rank_zero:
+                harness.print_line(START + name)
+            with around(name) if around is not None else contextlib.nullcontext():
+                runpy.run_path(script, run_name="__main__")
+            if rank_zero:
+                harness.print_line(END + name)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            gc.collect()
+            gc.freeze()  # what is left now stays: later collections need not look through it again
+            if "torch._dynamo" in sys.modules:  # compiled code and its counters belong to the script
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+            torch.supa.empty_cache()
+            for device in range(torch.supa.device_count()):
+                torch.supa.reset_peak_memory_stats(device)
 
 
 def outputs(finished: harness.Finished, names) -> dict:

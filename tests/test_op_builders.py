@@ -13,6 +13,7 @@ import pkgutil
 
 import pytest
 
+import harness
 from harness import run_function
 import torch
 
@@ -21,15 +22,8 @@ from supa_deepspeed.op_builder.supa import supa_kernels
 
 @pytest.fixture(scope="module", autouse=True)
 def _cpu_asked_once():
-    """DeepSpeed's builders ask py-cpuinfo for the CPU's architecture and SIMD width on every flag
-    list, and each answer takes py-cpuinfo a second of timing the clock; the machine does not change
-    while this file runs, so its tests (in this process) get the first answer again."""
-    import functools
-
-    import cpuinfo  # DeepSpeed's requirement
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpuinfo, "get_cpu_info", functools.cache(cpuinfo.get_cpu_info))
+    """Each builder's flags ask py-cpuinfo twice, a second each (harness.cpu_asked_once)."""
+    with harness.cpu_asked_once():
         yield
 
 
