@@ -77,6 +77,16 @@ os.environ.setdefault("BRTB_TRANSFER_SILENCE", "1")
 import torch  # noqa: E402,F401  (activates the emulator under SUPA_EMULATE=1, as in user code)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_asked_once():
+    """In this process, py-cpuinfo answers once (harness.cpu_asked_once): DeepSpeed asks it twice
+    for each op builder's flags, a second each."""
+    import harness
+
+    with harness.cpu_asked_once():
+        yield
+
+
 def _emulated() -> bool:
     try:
         from supa_emu import process_state
@@ -90,9 +100,9 @@ def _emulated() -> bool:
 # file started last would keep one worker busy after the other ran out of work. The order changes
 # nothing but when a file starts.
 LONGEST_FIRST = ("test_plan.py", "test_deepspeed_training.py", "test_compile.py", "test_fidelity.py",
-                 "test_shapes.py", "test_torch_distributed.py", "test_two_hosts.py", "test_memcheck.py",
-                 "test_hf_trainer.py", "test_native_build.py", "test_sanitizer.py", "test_op_builders.py",
-                 "test_activation.py", "test_transfer.py", "test_core_share.py", "test_memory.py", "test_bccl.py")
+                 "test_torch_distributed.py", "test_hf_trainer.py", "test_two_hosts.py", "test_native_build.py",
+                 "test_shapes.py", "test_activation.py", "test_sanitizer.py", "test_memcheck.py", "test_bccl.py",
+                 "test_transfer.py", "test_core_share.py", "test_c10d_backend.py", "test_op_builders.py")
 
 
 def pytest_collection_modifyitems(config, items):

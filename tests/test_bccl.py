@@ -542,7 +542,7 @@ def test_peer_dying_inside_gloo_fails_the_survivor(rank, world):
 @pytest.mark.slow  # waits out the group's timeout
 @distributed_test(backend=None)
 def test_stalled_peer_times_out(rank, world):
-    _init_group(rank, world, timeout_s=10)
+    _init_group(rank, world, timeout_s=5)
     store = rank_store()  # served by rank 0: it waits for rank 1 to leave first
     if rank == 1:  # alive, but never joins: lives on until rank 0 is done
         store.wait(["rank 0 done"])

@@ -13,19 +13,11 @@ import pkgutil
 
 import pytest
 
-import harness
 from harness import run_function
 import torch
 
 import supa_deepspeed.op_builder.supa as supa_builders
 from supa_deepspeed.op_builder.supa import supa_kernels
-
-@pytest.fixture(scope="module", autouse=True)
-def _cpu_asked_once():
-    """Each builder's flags ask py-cpuinfo twice, a second each (harness.cpu_asked_once)."""
-    with harness.cpu_asked_once():
-        yield
-
 
 # Builder class -> DeepSpeed op name (deepspeed 0.19.8's op_builder tree).
 DEEPSPEED_NAMES = {
