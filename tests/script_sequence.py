@@ -41,8 +41,7 @@ def run(scripts, around=None) -> None:
     from torch.distributed import distributed_c10d
 
     rank_zero = os.environ.get("RANK", "0") == "0"
-    with contextlib.ExitStack() as job:
-        job.enter_context(harness.cpu_asked_once())  # DeepSpeed asks again for each CPU optimizer
+    with harness.cpu_asked_once():  # DeepSpeed asks again for each CPU optimizer
         for index, (name, script, *args) in enumerate(scripts):
             # destroy_process_group restarts group names at 0, and a rendezvous under a used name would
             # read the previous script's peers from the job's store: each script's groups get new names.
@@ -64,6 +63,20 @@ def run(scripts, around=None) -> None:
             torch.supa.empty_cache()
             for device in range(torch.supa.device_count()):
                 torch.supa.reset_peak_memory_stats(device)
+
+
+def batched(selected, run_together):
+    """get(name) -> what `run_together` gave for `name`, run at most once: the first request of a
+    name in `selected` (a list, in running order) runs it with every name of `selected` not run yet,
+    in one call of run_together(names) -> {name: result}; a name outside `selected` runs alone.
+    (A fixture runs the scripts of the selected tests in one job, a single test's in a short one.)"""
+    results = {}
+
+    def get(name):
+        if name not in results:
+            results.update(run_together([n for n in selected if n not in results] if name in selected else [name]))
+        return results[name]
+    return get
 
 
 def outputs(finished: harness.Finished, names) -> dict:

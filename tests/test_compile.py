@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+import script_sequence
 from harness import run_function, run_python
 import torch
 import torch.nn as nn
@@ -442,18 +443,15 @@ def compiled_jobs(request, tmp_path_factory):
                        and item.originalname == test_deepspeed_engine_compile_trains_like_eager.__name__})
     # One Inductor cache for the runs: hermetic, and stages 1 and 2 compile the same graphs.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
-    runs = {}
 
-    def job(stage):
-        if stage not in runs:
-            stages = [other for other in selected if other not in runs] if stage in selected else [stage]
-            done = launch_in_sequence(
-                {f"zero{other}": example_command(f"zero{other}.json", "--steps", 4, "--compile") for other in stages},
-                env=env)
-            runs.update({other: done[f"zero{other}"] for other in stages})
-        return runs[stage].require_success()
+    def run_together(stages):
+        done = launch_in_sequence(
+            {f"zero{stage}": example_command(f"zero{stage}.json", "--steps", 4, "--compile") for stage in stages},
+            env=env)
+        return {stage: done[f"zero{stage}"] for stage in stages}
 
-    return job
+    runs = script_sequence.batched(selected, run_together)
+    return lambda stage: runs(stage).require_success()
 
 
 @pytest.mark.slow

@@ -97,7 +97,11 @@ def example_command(config, *args, model=SMALL) -> list:
 
 def launch(config, *args, model=SMALL, launcher="torchrun", env=None) -> Job:
     """Runs the example on WORLD ranks and collects its JSON lines."""
-    example = example_command(config, *args, model=model)
+    return launch_command(example_command(config, *args, model=model), launcher, env)
+
+
+def launch_command(example, launcher="torchrun", env=None) -> Job:
+    """Runs the example command `example` on WORLD ranks with `launcher` (torchrun or deepspeed)."""
     if launcher == "deepspeed":
         return Job(harness.launch(lambda port: deepspeed_command(*example, num_gpus=WORLD, port=port),
                                   env=env, timeout=JOB_TIMEOUT_S))
@@ -144,24 +148,14 @@ def jobs(request, checkpoint_dir):
         "zero3_offload_param": example_command("zero3_offload_param.json", "--steps", 8),
         "activation_checkpointing": example_command("zero3.json", "--steps", 8, "--activation-checkpointing"),
     }
-    selected = {name for item in request.session.items if item.module is request.module
-                for mark in item.iter_markers("scenarios") for name in mark.args}
-    finished = {}
-
-    def job(name):
-        if name not in finished:
-            if name == QUICK_START:
-                finished[name] = Job(harness.launch(
-                    lambda port: deepspeed_command(*scenarios[name], num_gpus=WORLD, port=port), timeout=JOB_TIMEOUT_S))
-            elif name in OWN_JOB:
-                finished[name] = Job(harness.launch(
-                    lambda port: torchrun_command(*scenarios[name], nproc=WORLD, port=port), timeout=JOB_TIMEOUT_S))
-            else:  # with every other scenario the selected tests read and that has not run yet
-                batch = [other for other in scenarios if other == name or (
-                    other in selected and other not in OWN_JOB and other not in finished)]
-                finished.update(launch_in_sequence({other: scenarios[other] for other in batch}))
-        return finished[name]
-    return job
+    read = {name for item in request.session.items if item.module is request.module
+            for mark in item.iter_markers("scenarios") for name in mark.args}
+    alone = script_sequence.batched([], lambda names: {
+        name: launch_command(scenarios[name], "deepspeed" if name == QUICK_START else "torchrun") for name in names})
+    together = script_sequence.batched(
+        [name for name in scenarios if name in read and name not in OWN_JOB],
+        lambda names: launch_in_sequence({name: scenarios[name] for name in names}))
+    return lambda name: (alone if name in OWN_JOB else together)(name)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -63,8 +63,9 @@ class FixedIdentity:
     never change, so the group answers them itself (C++ callers read the same values from c10d).
     """
 
-    _rank: int
-    _size: int
+    def __init__(self, rank: int, size: int, *args, **kwargs):
+        super().__init__(rank, size, *args, **kwargs)
+        self._rank, self._size = rank, size
 
     def rank(self) -> int:
         return self._rank

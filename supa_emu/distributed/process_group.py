@@ -65,7 +65,6 @@ class ProcessGroupBCCL(FixedIdentity, C10dBackend, dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, options: "ProcessGroupBCCL.Options"):
         super().__init__(rank, size)
-        self._rank, self._size = rank, size
         self.options = options
         self._store = store
         self._label = repr(options.group_name or "default")

@@ -34,7 +34,6 @@ class UniformHostGroup(FixedIdentity, dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
-        self._rank, self._size = rank, size
         self.options = Options()  # what c10d sets and reads: timeout, group name, global ranks
         self.options._timeout = timeout
         self._sequence = 0
