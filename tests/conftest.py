@@ -74,7 +74,24 @@ _compile_the_checkout_once()
 # stderr of every test's subprocess; the tests of the banner itself unset this.
 os.environ.setdefault("BRTB_TRANSFER_SILENCE", "1")
 
-import torch  # noqa: E402,F401  (activates the emulator under SUPA_EMULATE=1, as in user code)
+
+def pytest_collectstart(collector):
+    # torch is imported (which activates the emulator under SUPA_EMULATE=1, as in user code) before
+    # the first test file, in the processes that collect tests: not in xdist's controller, which
+    # only hands out files and would make every worker start a second later.
+    import torch  # noqa: F401
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    # pytest keeps the test files it rewrote (their asserts, a second or two of every collection)
+    # as bytecode beside them, unless PYTHONDONTWRITEBYTECODE is set; as for the rest of the
+    # checkout (_compile_the_checkout_once), it keeps them here anyway.
+    keep, sys.dont_write_bytecode = sys.dont_write_bytecode, False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = keep
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -87,11 +87,21 @@ class Finished:
 
 
 def start(command, *, env: dict | None = None, cwd=ROOT, checkout_first: bool = False, stdin=None,
-          stderr=subprocess.PIPE) -> subprocess.Popen:
-    """Starts `command` in a session of its own with its output captured; see `wait`."""
-    proc = subprocess.Popen([str(part) for part in command], cwd=cwd, env=child_env(env, checkout_first=checkout_first),
-                            stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+          stderr=subprocess.PIPE, forked: bool = False) -> subprocess.Popen:
+    """Starts `command` in a session of its own with its output captured; see `wait`.
+
+    With `forked`, a command `python script ...` whose script begins by importing torch may be
+    forked from an interpreter of the same environment that imported it already (fork_server.py).
+    """
+    command, full_env = [str(part) for part in command], child_env(env, checkout_first=checkout_first)
+    server = _FORK_SERVERS.server_for(command, full_env) if forked else None
+    if server is not None:
+        command = server.client_command(command)
+    proc = subprocess.Popen(command, cwd=cwd, env=full_env, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr,
+                            text=True, start_new_session=True)
     _LIVE_GROUPS.add(proc.pid)
+    if server is not None:
+        server.clients.append(proc)
     return proc
 
 
@@ -129,6 +139,83 @@ def kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.wait()
     _LIVE_GROUPS.discard(proc.pid)
+
+
+class _ForkServer:
+    """A fork_server.py process for one environment, and the clients it has served."""
+
+    SCRIPT = pathlib.Path(__file__).with_name("fork_server.py")
+
+    def __init__(self, env: dict):
+        self.directory = tempfile.mkdtemp(prefix="supa_emu-fork-server-")
+        self.address = os.path.join(self.directory, "socket")
+        self.clients: list[subprocess.Popen] = []
+        self.proc = subprocess.Popen([sys.executable, self.SCRIPT, "serve", self.address], cwd=ROOT, env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)  # ended by close(), at exit at the latest
+
+    def client_command(self, command: list) -> list:
+        # -I -S: the client needs the standard library only, and starts in a few milliseconds.
+        return [sys.executable, "-I", "-S", self.SCRIPT, "run", self.address, json.dumps(command[1:])]
+
+    def idle(self) -> bool:
+        return all(client.poll() is not None for client in self.clients)
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it died already (its clients ran their commands themselves)
+            pass
+        self.proc.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class _ForkServers:
+    """This process's fork servers: one for each environment that forked commands ask for a second
+    time (a server for a command asked for once would cost what that command's own start does), at
+    most LIMIT at a time (each holds an interpreter with torch imported); the least recently used
+    idle one makes room."""
+
+    LIMIT = 2
+    _VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes with every test; not part of what a child imports with
+
+    def __init__(self):
+        self.asked: dict[tuple, int] = {}
+        self.servers: dict[tuple, _ForkServer] = {}  # least recently used first
+
+    def server_for(self, command: list, env: dict) -> _ForkServer | None:
+        if len(command) < 2 or command[0] != sys.executable or command[1].startswith("-"):
+            return None  # interpreter options, -m or -c: not a script that can be run in a forked child
+        key = tuple(sorted((k, v) for k, v in env.items() if k not in self._VOLATILE))
+        self.asked[key] = self.asked.get(key, 0) + 1
+        server = self.servers.pop(key, None)
+        if server is not None and server.proc.poll() is not None:  # it died: another takes its place
+            server.close()
+            server = None
+        if server is None and self.asked[key] >= 2 and self._make_room():
+            server = _ForkServer(dict(key))
+        if server is not None:
+            self.servers[key] = server
+        return server
+
+    def _make_room(self) -> bool:
+        if len(self.servers) < self.LIMIT:
+            return True
+        for key, server in self.servers.items():
+            if server.idle():
+                server.close()
+                del self.servers[key]
+                return True
+        return False
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+        self.servers.clear()
+
+
+_FORK_SERVERS = _ForkServers()
+atexit.register(_FORK_SERVERS.close)
 
 
 @atexit.register
@@ -189,7 +276,7 @@ def start_function(fn, *args, env: dict | None = None, cwd=ROOT, checkout_first:
     """As run_function, without waiting for it (see `start`; `Returned(...)` of what `wait` gives
     reads its value)."""
     command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, pickled(args)]
-    return start(command, env=env, cwd=cwd, checkout_first=checkout_first)
+    return start(command, env=env, cwd=cwd, checkout_first=checkout_first, forked=True)
 
 
 def pickled(value) -> str:
@@ -319,7 +406,9 @@ class _SharedInterpreter:
         timeout = sum(self.cases[name][2] for name in names) + 60
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cases_file:
             json.dump([(name, *case, limit) for name in names for _, case, limit in [self.cases[name]]], cases_file)
-        proc = start([sys.executable, __file__, "shared", cases_file.name], env=self.env)
+        # Functions only: a snippet of code may be about what happens before torch is imported.
+        functions_only = all(self.cases[name][1][0] == "call" for name in names)
+        proc = start([sys.executable, __file__, "shared", cases_file.name], env=self.env, forked=functions_only)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:  # a hang the driver could not end; its output says which snippet

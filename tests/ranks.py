@@ -113,7 +113,7 @@ class _RankPool:
         self.errors = [tempfile.TemporaryFile("w+") for _ in range(self.world)]
         self.procs = [harness.start([sys.executable, __file__, rank, self.world, port],
                                     env={"SUPA_EMULATE": "1", **(self.env or {})}, checkout_first=True,
-                                    stdin=subprocess.PIPE, stderr=self.errors[rank])
+                                    stdin=subprocess.PIPE, stderr=self.errors[rank], forked=True)
                       for rank in range(self.world)]
         self.readers = [threading.Thread(target=self._read, args=(rank, proc), daemon=True)
                         for rank, proc in enumerate(self.procs)]
