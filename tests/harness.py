@@ -155,8 +155,7 @@ class _ForkServer:
                                      start_new_session=True)  # ended by close(), at exit at the latest
 
     def client_command(self, command: list) -> list:
-        # -I -S: the client needs the standard library only, and starts in a few milliseconds.
-        return [sys.executable, "-I", "-S", self.SCRIPT, "run", self.address, json.dumps(command[1:])]
+        return fork_client_command(self.address, command)
 
     def idle(self) -> bool:
         return all(client.poll() is not None for client in self.clients)
@@ -168,6 +167,13 @@ class _ForkServer:
             pass
         self.proc.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def fork_client_command(address: str, command: list) -> list:
+    """What starts `command` (`python ...`) forked by the fork server at `address`, or as itself
+    where none answers there."""
+    # -I -S: the client needs the standard library only, and starts in a few milliseconds.
+    return [sys.executable, "-I", "-S", _ForkServer.SCRIPT, "run", address, json.dumps(command[1:])]
 
 
 class _ForkServers:

@@ -201,48 +201,44 @@ def _exits_with(how: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _fresh_servers(monkeypatch) -> harness._ForkServers:
-    servers = harness._ForkServers()
-    monkeypatch.setattr(harness, "_FORK_SERVERS", servers)
-    return servers
+@pytest.fixture(scope="module")
+def _servers():
+    """Fork servers of these tests' own (shared by them), ended after the last."""
+    servers, kept = harness._ForkServers(), harness._FORK_SERVERS
+    harness._FORK_SERVERS = servers
+    yield servers
+    harness._FORK_SERVERS = kept
+    servers.close()
 
 
 @pytest.mark.emulation_only
-def test_forked_interpreters_are_as_fresh_ones_of_their_environment(monkeypatch, tmp_path):
-    servers = _fresh_servers(monkeypatch)
+def test_forked_interpreters_are_as_fresh_ones_of_their_environment(_servers, tmp_path):
     # SUPA_EMU_MEMORY beyond the host makes activation warn at `import torch`: each interpreter,
     # forked or not, must show that warning in its own stderr, as a fresh one does.
     env = {"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB", "HARNESS_FORK_MARKER": "m"}
-    try:
-        results = [harness.run_function(_interpreter_facts, f"call {n}", env=env, cwd=tmp_path) for n in range(3)]
-        assert len(servers.servers) == 1  # the first ran fresh; the second started the server
-        facts = [result.value for result in results]
-        assert len({fact["pid"] for fact in facts}) == 3
-        for n, (result, fact) in enumerate(zip(results, facts)):
-            assert result.stdout == f"stdout of call {n}\n"
-            assert "RuntimeWarning: SUPA_EMU_MEMORY='99999TiB'" in result.stderr
-            assert result.stderr.endswith(f"stderr of call {n}\n")
-            assert fact["cwd"] == str(tmp_path) and fact["argv0"] == str(harness.ROOT / "tests" / "harness.py")
-            assert fact["path0"] == str(harness.ROOT / "tests") and fact["marker"] == "m"
-            assert fact["test"] == os.environ["PYTEST_CURRENT_TEST"] and fact["session_leader"]
-            assert fact["card"] == "supa:0"
-        assert facts[1]["random"] != facts[2]["random"]  # each child seeds its own
-    finally:
-        servers.close()
+    results = [harness.run_function(_interpreter_facts, f"call {n}", env=env, cwd=tmp_path) for n in range(3)]
+    assert len(_servers.servers) == 1  # the first ran fresh; the second started the server
+    facts = [result.value for result in results]
+    assert len({fact["pid"] for fact in facts}) == 3
+    for n, (result, fact) in enumerate(zip(results, facts)):
+        assert result.stdout == f"stdout of call {n}\n"
+        assert "RuntimeWarning: SUPA_EMU_MEMORY='99999TiB'" in result.stderr
+        assert result.stderr.endswith(f"stderr of call {n}\n")
+        assert fact["cwd"] == str(tmp_path) and fact["argv0"] == str(harness.ROOT / "tests" / "harness.py")
+        assert fact["path0"] == str(harness.ROOT / "tests") and fact["marker"] == "m"
+        assert fact["test"] == os.environ["PYTEST_CURRENT_TEST"] and fact["session_leader"]
+        assert fact["card"] == "supa:0"
+    assert facts[1]["random"] != facts[2]["random"]  # each child seeds its own
 
 
 @pytest.mark.emulation_only
 @pytest.mark.parametrize("how, code, says", [("raise", 1, "RuntimeError: raised in the child"), ("exit", 3, ""),
                                              ("signal", -15, "")])
-def test_a_forked_interpreter_exits_as_a_fresh_one(monkeypatch, how, code, says):
-    servers = _fresh_servers(monkeypatch)
-    try:
-        results = [harness.run_function(_exits_with, how, check=False) for _ in range(2)]
-        assert servers.servers, "the second was not forked"
-        for result in results:
-            assert result.returncode == code and says in result.stderr
-    finally:
-        servers.close()
+def test_a_forked_interpreter_exits_as_a_fresh_one(_servers, how, code, says):
+    results = [harness.run_function(_exits_with, how, check=False) for _ in range(2)]
+    assert _servers.servers, "the second was not forked"
+    for result in results:
+        assert result.returncode == code and says in result.stderr
 
 
 def _sleeps() -> None:
@@ -253,23 +249,27 @@ def _children(pid: int) -> list[int]:
     return [int(child) for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+@pytest.mark.slow  # waits out a time limit
 @pytest.mark.emulation_only
-def test_a_hung_forked_interpreter_is_killed_and_a_dead_server_falls_back_to_a_fresh_one(monkeypatch):
-    servers = _fresh_servers(monkeypatch)
-    try:
-        for _ in range(2):
-            harness.run_function(_interpreter_facts, "warm-up")
-        [server] = servers.servers.values()
-        hung = harness.start_function(_sleeps)
-        deadline = time.monotonic() + 30
-        while not _children(server.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        [child] = _children(server.proc.pid)
-        with pytest.raises(AssertionError, match="hung"):
-            harness.wait([hung], timeout=2)
-        assert _gone_soon(child), "the hung child outlived its client"
-        server.proc.kill()
-        server.proc.wait()
-        assert harness.run_function(_interpreter_facts, "after the server died").value["card"] == "supa:0"
-    finally:
-        servers.close()
+def test_a_hung_forked_interpreter_is_killed_and_a_dead_server_is_replaced(_servers):
+    for _ in range(2):
+        harness.run_function(_interpreter_facts, "warm-up")
+    server = list(_servers.servers.values())[-1]  # the one the warm-up used (most recently used last)
+    hung = harness.start_function(_sleeps)
+    deadline = time.monotonic() + 30
+    while not _children(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [child] = _children(server.proc.pid)
+    with pytest.raises(AssertionError, match="hung"):
+        harness.wait([hung], timeout=2)
+    assert _gone_soon(child), "the hung child outlived its client"
+    server.proc.kill()
+    server.proc.wait()
+    assert harness.run_function(_interpreter_facts, "after the server died").value["card"] == "supa:0"
+    assert server not in _servers.servers.values()  # a dead server is replaced
+
+
+def test_a_client_that_finds_no_server_runs_the_command_itself(tmp_path):
+    result = harness.run(harness.fork_client_command(str(tmp_path / "no-server-here"),
+                                                     [sys.executable, "-c", "print('ran')"]))
+    assert (result.returncode, result.stdout) == (0, "ran\n")
