@@ -211,12 +211,15 @@ def _servers():
     servers.close()
 
 
+# SUPA_EMU_MEMORY beyond the host makes activation warn at `import torch`: each interpreter,
+# forked or not, must show that warning in its own stderr, as a fresh one does.
+_FORKED_ENV = {"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB", "HARNESS_FORK_MARKER": "m"}
+
+
 @pytest.mark.emulation_only
 def test_forked_interpreters_are_as_fresh_ones_of_their_environment(_servers, tmp_path):
-    # SUPA_EMU_MEMORY beyond the host makes activation warn at `import torch`: each interpreter,
-    # forked or not, must show that warning in its own stderr, as a fresh one does.
-    env = {"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB", "HARNESS_FORK_MARKER": "m"}
-    results = [harness.run_function(_interpreter_facts, f"call {n}", env=env, cwd=tmp_path) for n in range(3)]
+    results = [harness.run_function(_interpreter_facts, f"call {n}", env=_FORKED_ENV, cwd=tmp_path)
+               for n in range(3)]
     assert len(_servers.servers) == 1  # the first ran fresh; the second started the server
     facts = [result.value for result in results]
     assert len({fact["pid"] for fact in facts}) == 3
@@ -235,7 +238,7 @@ def test_forked_interpreters_are_as_fresh_ones_of_their_environment(_servers, tm
 @pytest.mark.parametrize("how, code, says", [("raise", 1, "RuntimeError: raised in the child"), ("exit", 3, ""),
                                              ("signal", -15, "")])
 def test_a_forked_interpreter_exits_as_a_fresh_one(_servers, how, code, says):
-    results = [harness.run_function(_exits_with, how, check=False) for _ in range(2)]
+    results = [harness.run_function(_exits_with, how, env=_FORKED_ENV, check=False) for _ in range(2)]
     assert _servers.servers, "the second was not forked"
     for result in results:
         assert result.returncode == code and says in result.stderr
