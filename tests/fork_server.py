@@ -41,10 +41,10 @@ _FORKED, _EXITED = "forked", "exited"
 
 
 # ---- the server ---------------------------------------------------------------------------------
-def serve(address: str) -> None:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(64)  # clients may connect before torch is imported; they wait in the backlog
+def serve(listening_fd: int) -> None:
+    """Serves on the listening socket `listening_fd` (the harness binds it before it starts the
+    server, so that clients may connect at once: they wait in its backlog until torch is imported)."""
+    listener = socket.socket(fileno=listening_fd)
     import_output = _import_torch()
     gc.collect()
     gc.freeze()  # what the import built stays shared with the children: their collections skip it
@@ -217,6 +217,6 @@ def run(address: str, argv_json: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        serve(sys.argv[2])
+        serve(int(sys.argv[2]))
     elif sys.argv[1] == "run":
         run(sys.argv[2], sys.argv[3])

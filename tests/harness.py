@@ -150,9 +150,14 @@ class _ForkServer:
         self.directory = tempfile.mkdtemp(prefix="supa_emu-fork-server-")
         self.address = os.path.join(self.directory, "socket")
         self.clients: list[subprocess.Popen] = []
-        self.proc = subprocess.Popen([sys.executable, self.SCRIPT, "serve", self.address], cwd=ROOT, env=env,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)  # ended by close(), at exit at the latest
+        # Bound here, before the server starts: a client started next finds it (and waits in its backlog).
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(self.address)
+            listener.listen(64)
+            self.proc = subprocess.Popen([sys.executable, self.SCRIPT, "serve", str(listener.fileno())], cwd=ROOT,
+                                         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, pass_fds=[listener.fileno()],
+                                         start_new_session=True)  # ended by close(), at exit at the latest
 
     def client_command(self, command: list) -> list:
         return fork_client_command(self.address, command)
