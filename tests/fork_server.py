@@ -61,8 +61,19 @@ def serve(listening_fd: int) -> None:
         for key, _ in selector.select():
             if key.fileobj is listener:
                 client, _ = listener.accept()
-                request, fds = _receive(client)
-                pid = os.fork()
+                # A client that died while asking, or a fork that failed: no child. A client still
+                # there reads no "forked" line and runs its command itself (see `run`).
+                try:
+                    request, fds = _receive(client)
+                except (OSError, ValueError, struct.error):
+                    client.close()
+                    continue
+                try:
+                    pid = os.fork()
+                except OSError:
+                    _close_all(fds)
+                    client.close()
+                    continue
                 if pid == 0:
                     selector.close()
                     for fd in (wakeup_read, wakeup_write):
@@ -71,8 +82,7 @@ def serve(listening_fd: int) -> None:
                         sock.close()
                     _become(request, fds, import_output)
                     return  # the child ran the command and exits as its interpreter
-                for fd in fds:
-                    os.close(fd)
+                _close_all(fds)
                 children[pid] = client
                 selector.register(client, selectors.EVENT_READ, pid)
                 _send_line(client, f"{_FORKED} {pid}")
@@ -113,15 +123,28 @@ def _import_torch() -> tuple[bytes, bytes]:
 
 
 def _receive(client: socket.socket):
+    """The command a client sent, and its stdin, stdout and stderr (closed here if the rest fails:
+    held by the server, a dead client's pipes would never reach end-of-file for the harness)."""
     data, fds, _, _ = socket.recv_fds(client, 1 << 16, 3)
-    (size,) = _HEADER.unpack_from(data)
-    payload = bytearray(data[_HEADER.size:])
-    while len(payload) < size:
-        chunk = client.recv(size - len(payload))
-        if not chunk:
-            raise ConnectionError("the client ended while sending its command")
-        payload += chunk
-    return json.loads(payload), fds
+    try:
+        if len(fds) != 3:
+            raise ConnectionError("the client sent no stdin, stdout and stderr")
+        (size,) = _HEADER.unpack_from(data)
+        payload = bytearray(data[_HEADER.size:])
+        while len(payload) < size:
+            chunk = client.recv(size - len(payload))
+            if not chunk:
+                raise ConnectionError("the client ended while sending its command")
+            payload += chunk
+        return json.loads(payload), fds
+    except BaseException:
+        _close_all(fds)
+        raise
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _reap(children: dict, selector) -> None:

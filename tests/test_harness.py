@@ -244,6 +244,21 @@ def test_a_forked_interpreter_exits_as_a_fresh_one(_servers, how, code, says):
         assert result.returncode == code and says in result.stderr
 
 
+@pytest.mark.emulation_only
+def test_a_client_that_dies_while_asking_leaves_the_server_serving(_servers):
+    import socket
+
+    for _ in range(2):
+        harness.run_function(_exits_with, "exit", env=_FORKED_ENV, check=False)
+    server = list(_servers.servers.values())[-1]
+    for message in (b"", b"\x00"):  # gone before a word, and in the middle of one
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(server.address)
+            client.sendall(message)
+    assert harness.run_function(_exits_with, "exit", env=_FORKED_ENV, check=False).returncode == 3
+    assert server.proc.poll() is None and list(_servers.servers.values())[-1] is server
+
+
 def _sleeps() -> None:
     time.sleep(600)
 
