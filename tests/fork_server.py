@@ -15,9 +15,12 @@ What makes a child the same as a fresh interpreter:
   directory, environment, sys.argv, sys.path[0], a process group and session of its own, a new
   seed for `random`, and exits as a fresh interpreter does (atexit, an uncaught exception's
   traceback and exit code 1);
-- what differs (torch and what it imports are in sys.modules before the script runs) is why only
-  callers whose command begins with `import torch` ask for it: ranks and test functions, not code
-  that a test writes out to check the order of imports.
+- what differs: torch and what it imports are in sys.modules before the script runs. So only
+  callers whose command begins with `import torch` ask for it (ranks and test functions, not code
+  that a test writes out to check the order of imports), and a check that compares what two
+  interpreters' own starts make asks for fresh ones (`run_function(..., fresh=True)`): pickle
+  names some torch objects after the first module in sys.modules that holds them, so the order of
+  sys.modules shows in Inductor's cache keys.
 
 A command reaches its server through a small client (`run`), started in the command's place: it
 stays the process the harness waits for and kills, and reports the child's exit code as its own.
@@ -107,8 +110,7 @@ def _import_torch() -> tuple[bytes, bytes]:
     try:
         for fd, file in zip((1, 2), files):
             os.dup2(file.fileno(), fd)
-        import torch  # noqa: F401  (activates the emulator as the command's own import would)
-        import torch.distributed  # noqa: F401  (ranks and most test functions use it next)
+        import torch  # noqa: F401  (activates the emulator as the command's own import would; nothing more)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -272,22 +272,29 @@ class Returned(Finished):
 
 
 def run_function(fn, *args, env: dict | None = None, timeout: float = 300, check: bool = True,
-                 cwd=ROOT, checkout_first: bool = False) -> Returned:
+                 cwd=ROOT, checkout_first: bool = False, fresh: bool = False) -> Returned:
     """Runs `fn(*args)`, a module-level function of a test file, in a fresh interpreter that imports
     that file first (so autoload and environment handling are exercised for real); a function that
     raises makes the interpreter exit with 1 and its traceback on stderr. `args` are pickled to it;
     what it returns must be JSON. `env`, `cwd` and `checkout_first` as for `run`.
+
+    The interpreter may be forked from one that imported torch already (see `start`); `fresh`
+    starts a new one, for a check that compares what two interpreters' own starts make: torch is
+    then imported after the test file, which changes the order of sys.modules, and with it the
+    module pickle names some torch objects by (torch.contiguous_format: Inductor's cache keys).
     """
-    [finished] = wait([start_function(fn, *args, env=env, cwd=cwd, checkout_first=checkout_first)], timeout)
+    [finished] = wait([start_function(fn, *args, env=env, cwd=cwd, checkout_first=checkout_first, fresh=fresh)],
+                      timeout)
     result = Returned(finished)
     return result.require_success() if check else result
 
 
-def start_function(fn, *args, env: dict | None = None, cwd=ROOT, checkout_first: bool = False) -> subprocess.Popen:
+def start_function(fn, *args, env: dict | None = None, cwd=ROOT, checkout_first: bool = False,
+                   fresh: bool = False) -> subprocess.Popen:
     """As run_function, without waiting for it (see `start`; `Returned(...)` of what `wait` gives
     reads its value)."""
     command = [sys.executable, __file__, "call", inspect.getsourcefile(fn), fn.__name__, pickled(args)]
-    return start(command, env=env, cwd=cwd, checkout_first=checkout_first, forked=True)
+    return start(command, env=env, cwd=cwd, checkout_first=checkout_first, forked=not fresh)
 
 
 def pickled(value) -> str:
