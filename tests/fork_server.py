@@ -17,8 +17,9 @@ What makes a child the same as a fresh interpreter:
   traceback and exit code 1);
 - what differs: torch and what it imports are in sys.modules before the script runs. So only
   callers whose command begins with `import torch` ask for it (ranks and test functions, not code
-  that a test writes out to check the order of imports), and a check that compares what two
-  interpreters' own starts make asks for fresh ones (`run_function(..., fresh=True)`): pickle
+  that a test writes out to check the order of imports), and a function that sets the environment
+  before it imports torch, or a check that compares what two interpreters' own starts make, asks
+  for fresh ones (`run_function(..., fresh=True)`): pickle
   names some torch objects after the first module in sys.modules that holds them, so the order of
   sys.modules shows in Inductor's cache keys.
 

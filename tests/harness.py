@@ -279,9 +279,10 @@ def run_function(fn, *args, env: dict | None = None, timeout: float = 300, check
     what it returns must be JSON. `env`, `cwd` and `checkout_first` as for `run`.
 
     The interpreter may be forked from one that imported torch already (see `start`); `fresh`
-    starts a new one, for a check that compares what two interpreters' own starts make: torch is
-    then imported after the test file, which changes the order of sys.modules, and with it the
-    module pickle names some torch objects by (torch.contiguous_format: Inductor's cache keys).
+    starts a new one, for a function that changes the environment before it imports torch (which
+    activation reads), and for a check that compares what two interpreters' own starts make (in a
+    fresh one the test file is imported before torch; the order of sys.modules decides the module
+    pickle names some torch objects by, e.g. torch.contiguous_format in Inductor's cache keys).
     """
     [finished] = wait([start_function(fn, *args, env=env, cwd=cwd, checkout_first=checkout_first, fresh=fresh)],
                       timeout)

@@ -33,9 +33,10 @@ def _run_base(tmp_path, names=()) -> dict:
     out = tmp_path / "outcomes.json"
     argv = ["--backend", "nccl", "--out", str(out), *names]
     # The driver's own process (not pytest's): torch's base reads BACKEND & co. at import, and the
-    # ranks are forked from a process that has not touched a card.
+    # ranks are forked from a process that has not touched a card. A new one (fresh=True): the
+    # driver sets BRTB_ENABLE_DTYPE_DEMOTION before it imports torch, whose activation reads it.
     result = run_function(torch_distributed_driver.main, argv, env={"SUPA_EMULATE": "1", "SUPA_EMU_TRANSFER": "1"},
-                          timeout=3600, check=False)
+                          timeout=3600, check=False, fresh=True)
     if not out.exists():
         raise AssertionError(f"the driver wrote no outcomes ({result.returncode}):\n{result.stdout}\n{result.stderr[-20000:]}")
     outcomes = json.loads(out.read_text())
