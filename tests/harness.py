@@ -142,7 +142,8 @@ def kill(proc: subprocess.Popen) -> None:
 
 
 class _ForkServer:
-    """A fork_server.py process for one environment, and the clients it has served."""
+    """A fork_server.py process for one environment, and its clients still running (as far as
+    idle() last looked)."""
 
     SCRIPT = pathlib.Path(__file__).with_name("fork_server.py")
 
@@ -163,7 +164,8 @@ class _ForkServer:
         return fork_client_command(self.address, command)
 
     def idle(self) -> bool:
-        return all(client.poll() is not None for client in self.clients)
+        self.clients = [client for client in self.clients if client.poll() is None]
+        return not self.clients
 
     def close(self) -> None:
         try:
