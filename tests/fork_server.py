@@ -4,7 +4,7 @@ Most of a test interpreter's start-up is `import torch` (1.2-1.5 s of CPU here, 
 activation included), and the suite starts several hundred: ranks of `ranks.distributed_test`,
 functions run by `harness.run_function`. A fork server imports torch once for an environment and
 forks a child for each such command; the child is what a fresh interpreter of that environment is
-once it has imported torch, and it runs the command's script or module as `__main__`.
+once it has imported torch, and it runs the command's script as `__main__`.
 
 What makes a child the same as a fresh interpreter:
 - the server's environment is the command's (harness starts one server per environment), so the
@@ -19,9 +19,9 @@ What makes a child the same as a fresh interpreter:
   callers whose command begins with `import torch` ask for it (ranks and test functions, not code
   that a test writes out to check the order of imports), and a function that sets the environment
   before it imports torch, or a check that compares what two interpreters' own starts make, asks
-  for fresh ones (`run_function(..., fresh=True)`): pickle
-  names some torch objects after the first module in sys.modules that holds them, so the order of
-  sys.modules shows in Inductor's cache keys.
+  for fresh ones (`run_function(..., fresh=True)`): pickle names some torch objects after the
+  first module in sys.modules that holds them, so the order of sys.modules shows in Inductor's
+  cache keys.
 
 A command reaches its server through a small client (`run`), started in the command's place: it
 stays the process the harness waits for and kills, and reports the child's exit code as its own.
