@@ -262,9 +262,10 @@ DEEPSPEED_CONFIGS = ["zero3.json", "zero3_offload_param.json", "zero2_offload_op
 def deepspeed_jobs():
     """(the job, config -> its run's output): examples/train_gpt.py with each config, one after the
     other in one strict-checked 2-rank job (each rank is this file: see the end)."""
-    scripts = [[name, str(ROOT / "examples" / "train_gpt.py"), "--config", str(ROOT / "examples" / "configs" / name),
-                "--steps", "2", "--log-format", "json", "--vocab", "256", "--seq-len", "16", "--dim", "128",
-                "--layers", "2", "--heads", "4"] for name in DEEPSPEED_CONFIGS]
+    from test_deepspeed_training import GPTConfig, example_command
+
+    model = GPTConfig(vocab=256, seq_len=16, dim=128, layers=2, heads=4)  # a few steps of it check > 500 operators
+    scripts = [[name, *map(str, example_command(name, "--steps", 2, model=model))] for name in DEEPSPEED_CONFIGS]
     job = harness.launch(lambda port: torchrun_command(__file__, json.dumps(scripts), nproc=2, port=port),
                          env={"SUPA_EMU_SANITIZE": "memory-strict"}, timeout=900)
     return job, script_sequence.outputs(job, DEEPSPEED_CONFIGS)
