@@ -54,13 +54,9 @@ def _options(kind: str, opts, reduce_op) -> object:
 
 
 def _gather_signature(call: Collective) -> List[int]:
-    if len(call.inputs) == 1:  # the hot call (every ZeRO-3 / FSDP parameter gather): no lists to build
-        numel_in = call.inputs[0].numel()
-        return signatures.make(call.op, call.inputs[0].dtype, numel_in=numel_in, numel_out=call.outputs[0].numel(),
-                               shape_digest=signatures.digest((numel_in,)))
-    return signatures.make(
-        call.op, call.inputs[0].dtype if call.inputs else None, numel_in=sum(numel(call.inputs)),
-        numel_out=sum(numel(call.outputs)), shape_digest=signatures.digest(numel(call.inputs)))
+    sizes_in = numel(call.inputs)
+    return signatures.make(call.op, call.inputs[0].dtype if call.inputs else None, numel_in=sum(sizes_in),
+                           numel_out=sum(numel(call.outputs)), shape_digest=signatures.digest(sizes_in))
 
 
 class GlooTransport(Transport):
