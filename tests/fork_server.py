@@ -160,7 +160,7 @@ def _reap(children: dict, selector) -> None:
             return
         client = children.pop(pid, None)
         if client is not None:
-            if _registered(selector, client):
+            if client in selector.get_map():  # not when its end was seen first (see serve)
                 selector.unregister(client)
             _send_line(client, f"{_EXITED} {os.waitstatus_to_exitcode(status)}")
             client.close()
@@ -171,14 +171,6 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _registered(selector, sock) -> bool:
-    try:
-        selector.get_key(sock)
-        return True
-    except KeyError:
-        return False
 
 
 def _send_line(client: socket.socket, line: str) -> None:
