@@ -156,6 +156,12 @@ def load(cache_dir: pathlib.Path, cache_dir_from_env: bool = True):
     """
     if MODULE_NAME in sys.modules:  # an extension module is loaded once per process
         return sys.modules[MODULE_NAME]
+    return _import_extension(ready_library(cache_dir, cache_dir_from_env))
+
+
+def ready_library(cache_dir: pathlib.Path, cache_dir_from_env: bool = True) -> pathlib.Path:
+    """The path of a valid build of the core in `cache_dir`, built (or relinked) first if there is
+    none; CacheDirError, before anything in it is read, if another user could have planted it."""
     root = cache_dir / "native"
     build_dir = root / build_key()
     library = build_dir / f"{MODULE_NAME}.so"
@@ -173,7 +179,7 @@ def load(cache_dir: pathlib.Path, cache_dir_from_env: bool = True):
                     log.warning("supa_emu: the cached native core in %s is damaged (%s); rebuilding it",
                                 build_dir, problem)
                 _build(root, build_dir, quiet_relink=damaged)
-    return _import_extension(library)
+    return library
 
 
 def _where(cache_dir: pathlib.Path, from_env: bool) -> str:

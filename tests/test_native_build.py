@@ -285,6 +285,15 @@ def _refused(result, path, found):
     assert f"{path} is {found}" in lines[0], lines
 
 
+def _refuses(cache: pathlib.Path, path, found) -> None:
+    """What activation does with `cache` before it loads anything from it (native.ready_library),
+    in this process: the error that becomes the one configuration line _refused reads."""
+    with pytest.raises(native.CacheDirError) as refusal:
+        native.ready_library(cache)
+    assert str(refusal.value).startswith("SUPA_EMU_CACHE_DIR="), refusal.value
+    assert f"{path} is {found}" in str(refusal.value), refusal.value
+
+
 # (what to weaken, how, the permission the refusal names)
 UNTRUSTED = {
     "world-writable cache dir": (lambda cache: cache, 0o777, "writable by group and others (mode 0777"),
@@ -295,21 +304,20 @@ UNTRUSTED = {
 }
 
 
+# The trust rules are checked in this process (native.ready_library, which activation calls before
+# it loads the library); test_nothing_is_built_into_a_refused_cache checks a refusal at `import torch`.
 @pytest.mark.emulation_only
 @pytest.mark.parametrize("what", list(UNTRUSTED))
 def test_a_cache_others_can_write_is_refused_before_loading(seeded_cache, what):
     where, mode, found = UNTRUSTED[what]
     path = where(seeded_cache)
     path.chmod(mode)
-    # Planted content must not even be read: a library that would crash the loader proves it.
+    # Planted content must not even be read: the refusal comes before the library is checked or rebuilt.
     library = _library(seeded_cache)
-    good = library.read_bytes()
     library.chmod(0o755 if path != library else mode)
     library.write_bytes(b"\x7fELF planted")
-    result = _run(seeded_cache)
-    _refused(result, path, found)
+    _refuses(seeded_cache, path, found)
     assert library.read_bytes() == b"\x7fELF planted", "the refused cache was rebuilt into"
-    library.write_bytes(good)
 
 
 @pytest.mark.emulation_only
@@ -319,8 +327,7 @@ def test_a_cache_owned_by_another_user_is_refused(seeded_cache, what):
             "manifest": _library(seeded_cache).parent / native.MANIFEST,
             "native dir": seeded_cache / "native"}[what]
     os.chown(path, _other_uid(), -1)
-    result = _run(seeded_cache)
-    _refused(result, path, f"owned by uid {_other_uid()} (this process runs as uid {os.geteuid()})")
+    _refuses(seeded_cache, path, f"owned by uid {_other_uid()} (this process runs as uid {os.geteuid()})")
 
 
 @pytest.mark.emulation_only
@@ -340,10 +347,12 @@ def test_an_owned_cache_under_a_sticky_world_writable_dir_is_used(seeded_cache, 
     shared.mkdir()
     shared.chmod(0o1777)
     shutil.move(str(seeded_cache), shared / "cache")
-    result = _run(shared / "cache")
-    assert result.returncode == 0 and result.stdout.strip() == "2.0", result.stderr
+    manifest = _library(shared / "cache").parent / native.MANIFEST
+    built = manifest.read_text()
+    assert native.ready_library(shared / "cache") == _library(shared / "cache")
+    assert manifest.read_text() == built  # the good build is used as it is, not rebuilt
     shared.chmod(0o777)  # without the sticky bit anyone could rename our cache away
-    _refused(_run(shared / "cache"), shared, "writable by group and others (mode 0777")
+    _refuses(shared / "cache", shared, "writable by group and others (mode 0777")
 
 
 def test_root_owned_read_only_cache_is_trusted_by_other_users(tmp_path):
