@@ -6,6 +6,7 @@ ZeRO-2 on two cards under torchrun and under the deepspeed launcher. The Trainer
 through torch.cuda, which transfer_to_supa points at SUPA.
 """
 
+import importlib.util
 import json
 import pathlib
 import sys
@@ -16,8 +17,11 @@ import torch
 import harness
 from harness import deepspeed_command, torchrun_command
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+# Found, not imported: the examples import them in their own processes, and importing them here
+# would cost every pytest process that collects this file most of a second.
+for _package in ("transformers", "accelerate"):
+    if importlib.util.find_spec(_package) is None:
+        pytest.skip(f"needs {_package}", allow_module_level=True)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_hf_trainer.py"
