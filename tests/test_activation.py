@@ -105,12 +105,12 @@ def test_stands_down_when_a_real_torch_supa_is_installed(tmp_path):
     assert result.stderr.count("stands down") == 1
 
 
+# Every variable is read by config.load() at activation (test_config.py holds each one's message
+# to this form); here, the way a bad value reaches the user: SUPA_EMULATE, which the start-up line
+# reads first, and one of the variables only activation reads.
 @pytest.mark.parametrize("variable, value", [
     ("SUPA_EMULATE", "maybe"),
     ("SUPA_EMU_DEVICE_COUNT", "two"),
-    ("SUPA_EMU_MEMORY", "lots"),
-    ("SUPA_VISIBLE_DEVICES", "0,0"),
-    ("SUPA_EMU_EXT", "2"),
 ])
 def test_bad_values_fail_at_activation_naming_the_variable(variable, value):
     env = {"SUPA_EMULATE": "1", variable: value}

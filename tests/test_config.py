@@ -75,6 +75,18 @@ def test_bad_values_name_the_variable(monkeypatch, name, raw):
         config.load()
 
 
+@pytest.mark.parametrize("name, raw", [("SUPA_EMULATE", "maybe"), ("SUPA_EMU_DEVICE_COUNT", "two"),
+                                       ("SUPA_EMU_MEMORY", "lots"), ("SUPA_VISIBLE_DEVICES", "0,0"),
+                                       ("SUPA_EMU_EXT", "2")])
+def test_a_bad_value_is_named_first_with_what_is_accepted(monkeypatch, name, raw):
+    # Activation prints this message after "supa_emu: configuration error: " as the user's first line
+    # (test_activation.py::test_bad_values_fail_at_activation_naming_the_variable).
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(config.ConfigError) as error:
+        config.load()
+    assert str(error.value).startswith(f"{name}={raw!r}") and "accepted" in str(error.value), error.value
+
+
 def test_memory_beyond_the_host_is_flagged_only_when_asked_for(monkeypatch):
     monkeypatch.setattr(config, "host_memory_bytes", lambda: 8 << 30)
     assert config.memory_beyond_host(config.load()) is None  # the profile's 32 GiB is only a ceiling

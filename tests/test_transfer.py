@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import free_port, launch, print_line, run_as_main, run_python, torchrun_command
+from harness import free_port, launch, print_line, run_as_main, run_python, shared_case, torchrun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -334,9 +334,12 @@ def _report(code, **env):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+_PLAIN_IMPORT = shared_case("test_transfer: plain import torch", _REPORT)
+
+
 @pytest.mark.emulation_only
 def test_plain_import_torch_applies_the_transfer():
-    report = _report(_REPORT)
+    report = json.loads(_PLAIN_IMPORT.result().stdout.strip().splitlines()[-1])
     assert report["cuda_available"] and report["cuda_tensor"] == "supa:0"
 
 
@@ -372,13 +375,17 @@ def test_banner_once_on_rank_zero_unless_silenced(env, shown):
     assert result.stderr.count("transfer_to_supa is active") == (1 if shown else 0)
 
 
+_EMULATOR_OFF = {"report": shared_case("test_transfer: emulator off, report", _REPORT, env={"SUPA_EMULATE": "0"}),
+                 "torch_supa": shared_case("test_transfer: emulator off, import torch_supa", "import torch_supa",
+                                           env={"SUPA_EMULATE": "0"})}
+
+
 @pytest.mark.emulation_only
 def test_emulator_off_means_no_torch_supa_and_no_transfer():
-    result = run_python(_REPORT, env={"SUPA_EMULATE": "0"})
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(_EMULATOR_OFF["report"].result().stdout.strip().splitlines()[-1])
     assert not report["supa"] and not report["cuda_available"]
-    result = run_python("import torch_supa", env={"SUPA_EMULATE": "0"}, check=False)
-    assert "No module named 'torch_supa'" in result.stderr
+    failed = _EMULATOR_OFF["torch_supa"].result(check=False)
+    assert failed.error is not None and "No module named 'torch_supa'" in failed.error, failed.describe()
 
 
 # ---- an unchanged CUDA-written DDP script on two cards ---------------------------------------
