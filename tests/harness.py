@@ -190,7 +190,12 @@ class _ForkServers:
     idle one makes room."""
 
     LIMIT = 2
-    _VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes with every test; not part of what a child imports with
+    # Not part of what a child imports torch with: pytest's name of the test, and what torch itself sets
+    # in this process once it compiled or profiled, and reads only then, after import (a child still
+    # gets them: the client passes its whole environment). With them in the key, one in-process compile
+    # would start a second server for the same environment.
+    _VOLATILE = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "DISABLE_CUPTI_LAZY_REINIT",
+                 "TEARDOWN_CUPTI")
 
     def __init__(self):
         self.asked: dict[tuple, int] = {}
