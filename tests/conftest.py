@@ -88,10 +88,14 @@ def pytest_collection(session):
     # as bytecode beside them, unless PYTHONDONTWRITEBYTECODE is set; as for the rest of the
     # checkout (_compile_the_checkout_once), it keeps them here anyway.
     keep, sys.dont_write_bytecode = sys.dont_write_bytecode, False
+    # What collection builds lives for the whole run (pytest_collection_finish collects once and
+    # freezes it): the collections that importing it would trigger (1-1.5 s) find nothing to free.
+    gc.disable()
     try:
         return (yield)
     finally:
         sys.dont_write_bytecode = keep
+        gc.enable()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -150,12 +154,22 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    # The ranks of ranks.distributed_test serve the tests of one file; the next file starts its own.
-    if nextitem is None or nextitem.path != item.path:
+    last_of_its_file = nextitem is None or nextitem.path != item.path
+    if last_of_its_file:  # the ranks of ranks.distributed_test serve the tests of one file
         import ranks
 
         ranks.close_rank_pools()
+    result = yield
+    if last_of_its_file and nextitem is not None:
+        # As after collection: what a finished file leaves alive (its module, the caches it filled) is
+        # moved out of the collector's reach once the file's fixtures are torn down, so that the
+        # gc.collect() calls of later files (test_attention, test_memory, torch.supa.graph) scan
+        # only their own objects.
+        gc.collect()
+        gc.freeze()
+    return result
 
 
 _CHILD_RUNS: list[str] = []
