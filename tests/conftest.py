@@ -79,14 +79,7 @@ def pytest_collectstart(collector):
     # torch is imported (which activates the emulator under SUPA_EMULATE=1, as in user code) before
     # the first test file, in the processes that collect tests: not in xdist's controller, which
     # only hands out files and would make every worker start a second later.
-    import torch
-
-    # Each xdist worker takes its share of the cores, as supa_emu/core_share.py has the ranks of a job
-    # do: with PyTorch's default (an OpenMP team as wide as the host in every worker) the workers'
-    # spinning threads take the cores the other worker and its children need.
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    import torch  # noqa: F401
 
 
 @pytest.hookimpl(wrapper=True)
@@ -160,6 +153,19 @@ def pytest_collection_finish(session):
     # the tests made, instead of ~450k objects for about a second each time.
     gc.collect()
     gc.freeze()
+    _take_this_workers_share_of_the_cores()
+
+
+def _take_this_workers_share_of_the_cores() -> None:
+    """Each xdist worker takes its share of the cores, as supa_emu/core_share.py has the ranks of a
+    job do: with PyTorch's default (an OpenMP team as wide as the host in every worker) the workers'
+    spinning threads take the cores the other worker and its children need. Children keep PyTorch's
+    default (and core_share's), as a user's processes have them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 @pytest.hookimpl(wrapper=True)
