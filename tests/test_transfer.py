@@ -329,9 +329,13 @@ print(json.dumps(report))
 """
 
 
+def _reported(finished) -> dict:
+    """What _REPORT printed, from a finished interpreter or shared case."""
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
 def _report(code, **env):
-    result = run_python(code, env={"BRTB_TRANSFER_SILENCE": "1", **env})
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return _reported(run_python(code, env={"BRTB_TRANSFER_SILENCE": "1", **env}))
 
 
 _PLAIN_IMPORT = shared_case("test_transfer: plain import torch", _REPORT)
@@ -339,7 +343,7 @@ _PLAIN_IMPORT = shared_case("test_transfer: plain import torch", _REPORT)
 
 @pytest.mark.emulation_only
 def test_plain_import_torch_applies_the_transfer():
-    report = json.loads(_PLAIN_IMPORT.result().stdout.strip().splitlines()[-1])
+    report = _reported(_PLAIN_IMPORT.result())
     assert report["cuda_available"] and report["cuda_tensor"] == "supa:0"
 
 
@@ -382,7 +386,7 @@ _EMULATOR_OFF = {"report": shared_case("test_transfer: emulator off, report", _R
 
 @pytest.mark.emulation_only
 def test_emulator_off_means_no_torch_supa_and_no_transfer():
-    report = json.loads(_EMULATOR_OFF["report"].result().stdout.strip().splitlines()[-1])
+    report = _reported(_EMULATOR_OFF["report"].result())
     assert not report["supa"] and not report["cuda_available"]
     failed = _EMULATOR_OFF["torch_supa"].result(check=False)
     assert failed.error is not None and "No module named 'torch_supa'" in failed.error, failed.describe()
