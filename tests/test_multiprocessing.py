@@ -20,6 +20,19 @@ from harness import run_function
 pytestmark = pytest.mark.skipif(not torch.supa.is_available() or torch.supa.device_count() < 2,
                                 reason="needs two supa devices")
 
+
+@pytest.fixture(autouse=True)
+def _the_cards_memory_as_found():
+    """Each test leaves the cards' memory as it found it: a shared block that no receiver took over
+    stays allocated (as with CUDA IPC), and the test process's later tests (test_memory.py's segment
+    layouts) would find it there."""
+    before = [torch.supa.memory_allocated(d) for d in range(torch.supa.device_count())]
+    yield
+    gc.collect()
+    torch.supa.ipc_collect()
+    assert [torch.supa.memory_allocated(d) for d in range(torch.supa.device_count())] == before
+
+
 # The parents below run in fresh interpreters (harness.run_function), their children in processes of
 # their own. Every blocking call has a timeout, so a lost message fails the test instead of hanging it.
 T = 60
@@ -270,3 +283,4 @@ def test_shared_device_memory_is_readable_and_writable_by_its_owner_only():
     _, fd, _ = x.untyped_storage()._share_supa_()
     info = os.fstat(fd)
     assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+    x.untyped_storage()._release_ipc_counter_supa()  # no receiver will take over the pending reference
