@@ -116,19 +116,15 @@ def _emulated() -> bool:
     return process_state.is_active()
 
 
-# The test files that take longest, longest first: every file of more than 3 s, in the order of a whole
-# run with cold caches (--junitxml, 2 cores, 2026-11-27), where DeepSpeed's host ops (test_op_builders.py:
-# four of them, a minute each) and Inductor's kernels (test_compile.py) are built in the run; warm, the
-# two are quicker and the order is nearly the same. The workers take whole files in this order, then the
-# rest by xdist's default (most tests first); a long file started last would keep one worker busy after
-# the other ran out of work. The order changes nothing but when a file starts.
-LONGEST_FIRST = ("test_plan.py", "test_op_builders.py", "test_compile.py", "test_fidelity.py", "test_two_hosts.py",
-                 "test_deepspeed_training.py", "test_torch_distributed.py", "test_hf_trainer.py", "test_shapes.py",
-                 "test_native_build.py", "test_activation.py", "test_sanitizer.py", "test_transfer.py",
-                 "test_memcheck.py", "test_core_share.py", "test_harness.py", "test_bccl.py", "test_c10d_backend.py",
-                 "test_torch_supa_ext.py", "test_accelerator.py", "test_random.py", "test_multiprocessing.py",
-                 "test_native_fuzz.py", "test_deepspeed_checkout.py", "test_memory.py", "test_ranks.py",
-                 "test_premul_sum.py", "test_blas_workspaces.py", "test_attention.py", "test_fused_optimizers.py")
+# The test files that take longest, longest first (measured: --junitxml of a whole run, 2 cores). The
+# workers take whole files in this order, then the rest by xdist's default (most tests first); a long
+# file started last would keep one worker busy after the other ran out of work. The order changes
+# nothing but when a file starts. test_op_builders.py is quick once DeepSpeed's host ops are built,
+# and builds four of them (3.5 min, one after the other) on a machine that has none yet: second.
+LONGEST_FIRST = ("test_plan.py", "test_op_builders.py", "test_deepspeed_training.py", "test_compile.py",
+                 "test_fidelity.py", "test_torch_distributed.py", "test_hf_trainer.py", "test_two_hosts.py",
+                 "test_native_build.py", "test_shapes.py", "test_activation.py", "test_sanitizer.py",
+                 "test_memcheck.py", "test_bccl.py", "test_transfer.py", "test_core_share.py", "test_c10d_backend.py")
 
 
 def pytest_collection_modifyitems(config, items):
