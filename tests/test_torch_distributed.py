@@ -20,7 +20,7 @@ import json
 import re
 
 import pytest
-from harness import Returned, run_function, start_function, wait
+from harness import run_function
 
 import torch_distributed_expectations as expectations
 import torch_distributed_driver
@@ -29,31 +29,19 @@ from torch_distributed_driver import GLOO_TABLE
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
 
-# The whole base runs in this many drivers at once. A driver spends half of each test waiting (torch's
-# base polls its ranks every 0.1 s, and they start and finish one group at a time), which left a core
-# idle for half a minute of every whole-suite run; the drivers share nothing (each has its own
-# TEMP_DIR, and the base's ranks meet through a file store of their test).
-SHARDS = 2
-
-
-def _run_base(tmp_path, names) -> dict:
-    """{test: outcome} of the named tests of the base, run by the driver (in SHARDS drivers when there
-    are many of them)."""
-    shards = [names[i::SHARDS] for i in range(SHARDS)] if len(names) > 10 * SHARDS else [names]
-    outs = [tmp_path / f"outcomes-{i}.json" for i in range(len(shards))]
+def _run_base(tmp_path, names=()) -> dict:
+    out = tmp_path / "outcomes.json"
+    argv = ["--backend", "nccl", "--out", str(out), *names]
     # The driver's own process (not pytest's): torch's base reads BACKEND & co. at import, and the
     # ranks are forked from a process that has not touched a card. A new one (fresh=True): the
     # driver sets BRTB_ENABLE_DTYPE_DEMOTION before it imports torch, whose activation reads it.
-    drivers = [start_function(torch_distributed_driver.main, ["--backend", "nccl", "--out", str(out), *shard],
-                              env={"SUPA_EMULATE": "1", "SUPA_EMU_TRANSFER": "1"}, fresh=True)
-               for out, shard in zip(outs, shards)]
-    outcomes = {}
-    for out, result in zip(outs, map(Returned, wait(drivers, timeout=3600, what="torch's distributed base"))):
-        if not out.exists():
-            raise AssertionError(f"the driver wrote no outcomes ({result.returncode}):\n{result.stdout}\n"
-                                 f"{result.stderr[-20000:]}")
-        outcomes.update(json.loads(out.read_text()))
-        print(*[line for line in result.stdout.splitlines() if line.startswith("torch distributed base")], sep="\n")
+    result = run_function(torch_distributed_driver.main, argv, env={"SUPA_EMULATE": "1", "SUPA_EMU_TRANSFER": "1"},
+                          timeout=3600, check=False, fresh=True)
+    if not out.exists():
+        raise AssertionError(f"the driver wrote no outcomes ({result.returncode}):\n{result.stdout}\n{result.stderr[-20000:]}")
+    outcomes = json.loads(out.read_text())
+    summary = [line for line in result.stdout.splitlines() if line.startswith("torch distributed base")]
+    print(*summary, sep="\n")
     return outcomes
 
 
