@@ -10,7 +10,7 @@ device thread once made the CPU side up to 3x slower too, which hid the cost. Ma
 noisy: read the ratios, not the absolute times; the load average at start and end is printed
 with them. Targets: <= 1.0x on the training steps and the large op, <= 1 us of emulation
 overhead per tiny op. The bf16 rows are far below 1.0x on a host without bf16 matrix instructions,
-where the CPU side's bfloat16 kernels are slow and supa's products run in float32.
+where the CPU side's bfloat16 kernels are slow and supa's products and convolutions run in float32.
 """
 
 from __future__ import annotations
@@ -171,6 +171,15 @@ def bf16_matrix_product(device: str):
     return run
 
 
+def bf16_convolution(device: str):
+    x = torch.randn(8, 32, 32, 32, device=device, dtype=torch.bfloat16)
+    w = torch.randn(32, 32, 3, 3, device=device, dtype=torch.bfloat16)
+
+    def run():
+        torch.nn.functional.conv2d(x, w, padding=1)
+    return run
+
+
 def tiny_inplace_ops(device: str):
     t = torch.zeros(16, device=device)
 
@@ -197,6 +206,7 @@ ROWS = [
     ("  the same, AdamW(foreach=False) on both sides", lstm_step_single_tensor_adamw, 5, "ms"),
     ("bf16 MLP train step (256-1024-256, batch 64)", bf16_mlp_step, 5, "ms"),
     ("bf16 matrix product (512x512x512)", bf16_matrix_product, 5, "ms"),
+    ("bf16 3x3 convolution (8x32x32x32, 32 filters)", bf16_convolution, 5, "ms"),
     ("100 tiny in-place ops (add_ on 16 floats)", tiny_inplace_ops, 20, "us/op"),
     ("large elementwise add (16M floats)", large_elementwise, 5, "ms"),
 ]

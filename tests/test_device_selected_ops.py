@@ -88,10 +88,23 @@ def test_functional_convolution_and_double_backward():
         torch.testing.assert_close(dev.cpu(), cpu)
 
 
-def test_bfloat16_convolution_matches_cpu():
+def test_bfloat16_convolution_is_the_float32_one_rounded_once():
+    # A card's convolutions accumulate in float32 and round once, and supa's do (docs/device_model.md#operators);
+    # the CPU's bfloat16 kernel rounds partial sums of the input's gradient. The reference: the module in float32.
     torch.manual_seed(4)
     module = torch.nn.Conv2d(3, 4, 3).to(torch.bfloat16)
-    _assert_module_matches_cpu(module, torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))
+    on_device, reference = copy.deepcopy(module).to(DEV), copy.deepcopy(module).float()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+    x_on_device, x_reference = x.to(DEV).requires_grad_(), x.float().requires_grad_()
+    got, expected = on_device(x_on_device), reference(x_reference)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu(), expected.to(torch.bfloat16), rtol=0, atol=0)
+    weights = torch.randn(expected.shape, dtype=torch.bfloat16)
+    (got * weights.to(DEV)).sum().backward()
+    (expected * weights.float()).sum().backward()
+    torch.testing.assert_close(x_on_device.grad.cpu(), x_reference.grad.to(torch.bfloat16), rtol=0, atol=0)
+    for (name, p), q in zip(reference.named_parameters(), on_device.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad.to(torch.bfloat16), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 RECURRENT = {

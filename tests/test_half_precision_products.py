@@ -1,8 +1,9 @@
-"""Half and bfloat16 matrix products on the emulated card accumulate in float32 and round once, as a
-card's BLAS library does, through the host's float32 GEMM (supa_emu/csrc/aten/blas_ops.cpp): the
-result equals the float32 product of the same operands rounded to their type, for every overload
-(out=, in-place, batched, matrix-vector, dot). The host's own half/bfloat16 kernels accumulate in
-another order, which the long inner dimension here makes visible."""
+"""Half and bfloat16 matrix products and convolutions on the emulated card accumulate in float32 and
+round once, as a card's BLAS and convolution libraries do, through the host's float32 kernels
+(supa_emu/csrc/aten/half_precision_products.cpp): the result equals the float32 product of the same
+operands rounded to their type, for every overload (out=, in-place, batched, matrix-vector, dot,
+convolution and its gradients). The host's own half/bfloat16 kernels accumulate in another order,
+which the long reductions here make visible."""
 
 import pytest
 import torch
@@ -105,3 +106,35 @@ def test_an_output_dtype_overload_keeps_the_host_kernel_s_answer():
     else:
         torch.testing.assert_close(torch.mm(a.to(DEV), b.to(DEV), out_dtype=torch.float32).cpu(), expected,
                                    rtol=0, atol=0)
+
+
+# ---- convolutions ---------------------------------------------------------------------------------
+CONV = dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_convolution_and_its_gradients_are_the_float32_ones_rounded_once(dtype):
+    # 256 input channels x 3x3: a reduction of 2304 products per output element.
+    x, w, b, grad = _operands(dtype, (2, 256, 8, 8), (16, 256, 3, 3), (16, ), (2, 16, 8, 8))
+    forward = lambda x, w, b: torch.ops.aten.convolution(x, w, b, **CONV)  # noqa: E731
+    torch.testing.assert_close(_on_card(forward, x, w, b), _in_float32(forward, x, w, b), rtol=0, atol=0)
+
+    def backward(grad, x, w):
+        return torch.ops.aten.convolution_backward(grad, x, w, [16], *CONV.values(), [True, True, True])
+
+    on_card = backward(grad.to(DEV), x.to(DEV), w.to(DEV))
+    in_float32 = backward(grad.float(), x.float(), w.float())
+    for got, expected in zip(on_card, in_float32, strict=True):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.cpu(), expected.to(dtype), rtol=0, atol=0)
+
+    # Unrequested gradients stay absent; a module's backward takes the same path.
+    grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+        grad.to(DEV), x.to(DEV), w.to(DEV), [16], *CONV.values(), [True, False, False])
+    assert grad_weight is None and grad_bias is None
+    torch.testing.assert_close(grad_input.cpu(), in_float32[0].to(dtype), rtol=0, atol=0)
+    conv = torch.nn.Conv2d(256, 16, 3, padding=1).to(DEV, dtype)
+    conv.weight.data.copy_(w.to(DEV))
+    conv.bias.data.copy_(b.to(DEV))
+    conv(x.to(DEV)).backward(grad.to(DEV))
+    torch.testing.assert_close(conv.weight.grad.cpu(), in_float32[1].to(dtype), rtol=0, atol=0)

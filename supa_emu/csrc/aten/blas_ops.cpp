@@ -5,23 +5,18 @@
 // a product to compute. matmul, linear, einsum and friends are composites that reach these.
 // The card's library needs nothing beyond the workspace; the CPU kernel's packing and conversion
 // buffers are its scratch, which the fallback keeps off the card's figures.
-//
-// Half and bfloat16 products accumulate in float32 and round once, as the card's library does and
-// as PyTorch's CPU kernels define them, but they run through the host's float32 GEMM: the CPU's
-// own half/bfloat16 kernels are fast only on hosts with bf16/fp16 matrix instructions, and on an
-// AVX2 host they run 5-80x slower than float32 (docs/device_model.md#operators).
+// Half and bfloat16 products take the host's float32 GEMM (half_precision_products.h).
 #include "blas_ops.h"
 
 #include "../runtime/blas_workspace.h"
 #include "../runtime/devices.h"
 #include "fallback.h"
+#include "half_precision_products.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <string>
-#include <utility>
-#include <vector>
 
 namespace supa {
 namespace {
@@ -100,85 +95,10 @@ BlasCall inspect(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
   return call;
 }
 
-// Whether the call multiplies half or bfloat16 operands only (every tensor of one of those types)
-// into a result of that type: overloads that name an output dtype keep their CPU kernel, and so
-// does addbmm, which rounds after each batch's product on a card too (CUDA's adds them one by one).
-bool multiplies_in_half_precision(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
-  if (op.schema().name() == "aten::addbmm" || op.schema().name() == "aten::addbmm_") {
-    return false;
-  }
-  const auto& arguments = op.schema().arguments();
-  auto args = torch::jit::last(stack, arguments.size());
-  c10::ScalarType type = c10::ScalarType::Undefined;
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    if (arguments[i].type()->kind() == c10::TypeKind::ScalarTypeType) {
-      return false;
-    }
-    if (!args[i].isTensor() || !args[i].toTensor().defined()) {
-      continue;
-    }
-    const c10::ScalarType operand = args[i].toTensor().scalar_type();
-    if (operand != c10::kHalf && operand != c10::kBFloat16) {
-      return false;
-    }
-    if (type != c10::ScalarType::Undefined && operand != type) {
-      return false;
-    }
-    type = operand;
-  }
-  return type != c10::ScalarType::Undefined;
-}
-
-// A host kernel (fallback.h): the call on float32 copies of its operands, then its results and
-// written operands rounded back to their type. Every return of these overloads is either new or
-// the one written operand.
-void multiply_in_float32(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const auto& schema = op.schema();
-  const size_t num_args = schema.arguments().size();
-  const size_t first = stack->size() - num_args;
-  c10::ScalarType type = c10::ScalarType::Undefined;
-  std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (operand, its float32 copy)
-  for (size_t i = 0; i < num_args; ++i) {
-    c10::IValue& value = (*stack)[first + i];
-    if (!value.isTensor() || !value.toTensor().defined()) {
-      continue;
-    }
-    at::Tensor operand = value.toTensor();
-    type = operand.scalar_type();
-    at::Tensor wide = operand.to(at::kFloat);
-    const auto* alias = schema.arguments()[i].alias_info();
-    if (alias != nullptr && alias->isWrite()) {
-      written.emplace_back(operand, wide);
-    }
-    value = std::move(wide);
-  }
-  op.redispatchBoxed(kCpuKeys, stack);
-  for (auto& [operand, wide] : written) {
-    if (operand.sizes() != wide.sizes()) {
-      operand.resize_(wide.sizes());  // out= of another shape: the kernel resized (and warned about) the copy
-    }
-    operand.copy_(wide);
-  }
-  const size_t first_return = stack->size() - schema.returns().size();
-  for (size_t j = 0; j < schema.returns().size(); ++j) {
-    c10::IValue& value = (*stack)[first_return + j];
-    if (schema.returns()[j].alias_info() != nullptr) {
-      TORCH_INTERNAL_ASSERT(written.size() == 1, "supa_emu: ", schema.operator_name(), " returns an unknown alias");
-      value = written.front().first;
-    } else if (value.isTensor()) {
-      value = value.toTensor().to(type);
-    }
-  }
-}
-
 void run_blas_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const BlasCall call = inspect(op, *stack);
   const bool lt = call.computes && takes_bias_epilogue(op, *stack);
-  if (multiplies_in_half_precision(op, *stack)) {
-    run_host_kernel(op, stack, &multiply_in_float32);
-  } else {
-    run_cpu_kernel(op, stack);
-  }
+  run_product_kernel(op, stack);
   if (call.computes && call.device >= 0) {
     ensure_blas_workspace(call.device, lt);
   }

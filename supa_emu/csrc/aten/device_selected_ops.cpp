@@ -4,7 +4,8 @@
 // - Convolutions: at::convolution / convolution_backward pick a backend (mkldnn, slow_conv,
 //   ...) from the device; for a non-CPU, non-CUDA device they pick convolution_overrideable.
 //   Making the fallback their supa kernel runs their CPU implementation on host views, so
-//   the CPU backend selection happens and autograd stays with the generated kernels.
+//   the CPU backend selection happens and autograd stays with the generated kernels. Half and
+//   bfloat16 convolutions run in float32, rounded once (half_precision_products.h).
 // - Recurrent cells: RNN.cpp gives CUDA, XPU and PrivateUse1 inputs to the fused cell ops
 //   (_thnn_fused_lstm_cell, _thnn_fused_gru_cell and their backward ops), which have GPU
 //   kernels only. They get host kernels here, run through the fallback machinery, that
@@ -14,6 +15,7 @@
 //   mkldnn_rnn_layer per layer and direction (a CPU kernel with its own autograd formula), so
 //   results are the CPU's bit for bit and a layer is one call instead of one per time step.
 #include "fallback.h"
+#include "half_precision_products.h"
 
 #include <ATen/ATen.h>
 #include <ATen/ops/lstm_native.h>
@@ -221,7 +223,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm(const Tensor& input, at::TensorList hx, 
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   for (const char* name : {"convolution", "convolution_backward", "_convolution", "_convolution.deprecated"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&run_cpu_kernel>());
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&run_product_kernel>());
   }
   m.impl("lstm.input", lstm);
   m.impl("_thnn_fused_lstm_cell", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&fused_lstm_cell>>());
