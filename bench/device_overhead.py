@@ -106,11 +106,16 @@ def _adamw_step(parameters, loss, **adamw_options):
     return step
 
 
-def mlp_step(device: str):
+def _mlp_step(device: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(device)
-    x, y = torch.randn(64, 256, device=device), torch.randn(64, 256, device=device)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    model = model.to(device, dtype)
+    x, y = (torch.randn(64, 256, device=device, dtype=dtype) for _ in range(2))
     return _adamw_step(model.parameters(), lambda: torch.nn.functional.mse_loss(model(x), y))
+
+
+def mlp_step(device: str):
+    return _mlp_step(device, torch.float32)
 
 
 def transformer_step(device: str):
@@ -156,11 +161,7 @@ def lstm_step_single_tensor_adamw(device: str):
 def bf16_mlp_step(device: str):
     # Half-precision products run through the host's float32 GEMM on supa (docs/device_model.md#operators);
     # on CPU tensors, PyTorch's bfloat16 kernels, which are slow on hosts without bf16 matrix instructions.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
-    model = model.to(device, torch.bfloat16)
-    x, y = (torch.randn(64, 256, device=device, dtype=torch.bfloat16) for _ in range(2))
-    return _adamw_step(model.parameters(), lambda: torch.nn.functional.mse_loss(model(x), y))
+    return _mlp_step(device, torch.bfloat16)
 
 
 def bf16_matrix_product(device: str):
