@@ -16,6 +16,7 @@ def test_capture_and_replay_reads_current_inputs():
     g = torch.supa.SUPAGraph()
     with torch.supa.graph(g):
         y = x * 2 + 1
+    g.replay()
     assert torch.equal(y.cpu(), torch.full((4,), 3.0))
     x.copy_(torch.full((4,), 5.0))
     g.replay()
@@ -115,6 +116,7 @@ def test_reset_allows_recapture():
     g = torch.supa.SUPAGraph()
     with torch.supa.graph(g):
         y = x + 1
+    g.replay()
     g.reset()
     with torch.supa.graph(g):
         z = x * 5
@@ -247,3 +249,217 @@ def test_graphed_dropout_masks_differ_per_replay():
     x = torch.randn(4, 16, device="supa")
     first, second = graphed(x).detach().cpu(), graphed(x).detach().cpu()
     assert not torch.equal(first == 0, second == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture records, it does not run; what a card refuses under capture is refused.
+
+def test_capture_changes_nothing_until_replay():
+    x = torch.zeros(3, device="supa")
+    buf = torch.zeros(3, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        x += 1
+        buf.copy_(x)
+    assert torch.equal(x.cpu(), torch.zeros(3)) and torch.equal(buf.cpu(), torch.zeros(3))
+    g.replay()
+    g.replay()
+    assert torch.equal(x.cpu(), torch.full((3,), 2.0)) and torch.equal(buf.cpu(), torch.full((3,), 2.0))
+
+
+def test_captured_random_calls_leave_their_operands_until_replay():
+    x = torch.zeros(1000, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        x.uniform_()
+    assert torch.count_nonzero(x).item() == 0
+    g.replay()
+    assert torch.count_nonzero(x).item() == 1000
+
+
+def test_work_on_another_stream_during_capture_runs_at_once():
+    x = torch.ones(2, device="supa")
+    other = torch.supa.Stream()
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        y = x * 3
+        with torch.supa.stream(other):
+            assert not torch.supa.is_current_stream_capturing()
+            z = x + 1
+    assert torch.equal(z.cpu(), torch.full((2,), 2.0))
+    g.replay()
+    assert torch.equal(y.cpu(), torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize("read", [lambda t: t.sum().item(), lambda t: t.nonzero(), lambda t: t[t > 0],
+                                  lambda t: t.cpu()], ids=["item", "nonzero", "mask", "to_pageable_host"])
+def test_reading_values_under_capture_is_refused_and_invalidates_the_capture(read):
+    x = torch.ones(4, device="supa")
+    g = torch.supa.SUPAGraph()
+    s = torch.supa.Stream()
+    with torch.supa.stream(s):
+        g.capture_begin()
+        with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
+            read(x)
+        with pytest.raises(RuntimeError, match="operation failed due to a previous error during capture"):
+            g.capture_end()
+    assert not torch.supa.is_current_stream_capturing()
+
+
+def test_copies_with_pinned_host_memory_are_captured():
+    host = torch.arange(4, dtype=torch.float32).pin_memory()
+    out = torch.zeros(4).pin_memory()
+    dev = torch.zeros(4, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        dev.copy_(host, non_blocking=True)
+        dev.mul_(2)
+        out.copy_(dev, non_blocking=True)
+    assert torch.equal(out, torch.zeros(4))
+    g.replay()
+    torch.supa.synchronize()
+    assert torch.equal(out, torch.arange(4, dtype=torch.float32) * 2)
+
+
+def test_capture_on_the_default_stream_is_refused():
+    g = torch.supa.SUPAGraph()
+    with pytest.raises(RuntimeError, match="SUPA graphs must be captured on a non-default stream"):
+        g.capture_begin()
+    assert not torch.supa.is_current_stream_capturing()
+
+
+def test_empty_capture_warns():
+    g = torch.supa.SUPAGraph()
+    with pytest.warns(UserWarning, match="The SUPA Graph is empty"):
+        with torch.supa.graph(g):
+            pass
+
+
+def test_instantiate_only_with_keep_graph():
+    x = torch.ones(2, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        x.add_(1)
+    with pytest.raises(RuntimeError, match="only when keep_graph=true"):
+        g.instantiate()
+    kept = torch.supa.SUPAGraph(keep_graph=True)
+    with torch.supa.graph(kept):
+        x.add_(1)
+    kept.instantiate()
+    kept.replay()
+    assert torch.equal(x.cpu(), torch.full((2,), 2.0))
+
+
+def test_replay_while_other_threads_compute():
+    import threading
+
+    x = torch.randn(64, 64, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        y = x @ x
+    expected = (x.cpu() @ x.cpu())
+    errors = []
+
+    def work():
+        try:
+            a = torch.randn(128, 128, device="supa")
+            for _ in range(20):
+                a = (a @ a.t()).tanh()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(20):
+        g.replay()
+    for t in threads:
+        t.join()
+    assert not errors
+    torch.testing.assert_close(y.cpu(), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Captured training steps equal eager ones.
+
+_CAPTURABLE = [
+    (torch.optim.Adam, {"capturable": True}), (torch.optim.Adam, {"capturable": True, "foreach": False}),
+    (torch.optim.Adam, {"fused": True}), (torch.optim.AdamW, {"capturable": True, "amsgrad": True}),
+    (torch.optim.AdamW, {"fused": True}), (torch.optim.SGD, {"momentum": 0.9}),
+    (torch.optim.SGD, {"momentum": 0.9, "fused": True}), (torch.optim.Adagrad, {"fused": True}),
+    (torch.optim.NAdam, {"capturable": True}), (torch.optim.RAdam, {"capturable": True}),
+    (torch.optim.Adamax, {"capturable": True}), (torch.optim.ASGD, {"capturable": True}),
+    (torch.optim.RMSprop, {"capturable": True, "momentum": 0.5}), (torch.optim.Adadelta, {"capturable": True}),
+]
+
+
+@pytest.mark.parametrize("opt_class,kwargs", _CAPTURABLE,
+                         ids=[f"{c.__name__}-{'-'.join(k)}" for c, k in _CAPTURABLE])
+def test_captured_optimizer_step_equals_eager(opt_class, kwargs):
+    steps = 5
+    torch.manual_seed(0)
+    params = [torch.randn(6, 5, device="supa") for _ in range(2)]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(steps)]
+    eager_params = [p.clone().requires_grad_() for p in params]
+    eager = opt_class(eager_params, lr=0.1, **kwargs)
+    for step_grads in grads:
+        for p, g in zip(eager_params, step_grads):
+            p.grad = g.clone()
+        eager.step()
+
+    # The graphed run: two eager steps create the optimizer's state, the capture changes nothing,
+    # then each replay is one step.
+    graphed_params = [p.clone().requires_grad_() for p in params]
+    opt = opt_class(graphed_params, lr=0.1, **kwargs)
+    for step_grads in grads[:2]:
+        for p, grad in zip(graphed_params, step_grads):
+            p.grad = grad.clone()
+        opt.step()
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        opt.step()
+    for step_grads in grads[2:]:
+        for p, grad in zip(graphed_params, step_grads):
+            p.grad.copy_(grad)
+        g.replay()
+    for a, b in zip(eager_params, graphed_params):
+        torch.testing.assert_close(a.detach().cpu(), b.detach().cpu())
+    state = next(iter(opt.state.values()))
+    if "step" in state:
+        assert int(state["step"]) == steps
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_captured_scaled_backward_with_grad_scaler_equals_eager(fused):
+    inputs = [torch.full((1,), v, device="supa") for v in (4.0, float("inf"), 2.0, 1.0)]
+
+    def run(graphed):
+        weight = torch.ones(1, device="supa", requires_grad=True)
+        opt = torch.optim.SGD([weight], lr=0.1, fused=fused)
+        scaler = torch.amp.GradScaler("supa", init_scale=4.0)
+        static_input = torch.ones_like(weight)
+        if graphed:
+            s = torch.supa.Stream()
+            with torch.supa.stream(s):  # warm-up: autograd's and the scaler's state
+                scaler.scale(weight * static_input).backward()
+            opt.zero_grad(set_to_none=False)
+            g = torch.supa.SUPAGraph()
+            with torch.supa.graph(g):
+                scaler.scale(weight * static_input).backward()
+        scales = []
+        for value in inputs:
+            static_input.copy_(value)
+            if graphed:
+                g.replay()
+            else:
+                scaler.scale(weight * static_input).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=False)
+            scales.append(scaler.get_scale())
+        return weight.detach().cpu(), scales
+
+    eager_weight, eager_scales = run(False)
+    graphed_weight, graphed_scales = run(True)
+    torch.testing.assert_close(graphed_weight, eager_weight)
+    assert graphed_scales == eager_scales

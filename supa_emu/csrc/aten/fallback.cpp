@@ -76,7 +76,7 @@ class FallbackCall {
     const size_t num_args = schema.arguments().size();
     const size_t first = stack_.size() - num_args;
     if (is_capturing()) {
-      recorded_inputs_.assign(stack_.begin() + first, stack_.end());
+      recorded_inputs_ = with_own_lists(torch::jit::last(stack_, num_args));  // before run() converts its lists
     }
     c10::SmallVector<size_t, 1> generators;  // positions of Generator? arguments
     for (size_t i = 0; i < num_args; ++i) {
@@ -350,22 +350,6 @@ class FallbackCall {
   std::vector<c10::IValue> recorded_inputs_;
 };
 
-// An argument list to run a call again with: lists copied, since a call replaces their tensors in place.
-std::vector<c10::IValue> saved_arguments(const torch::jit::Stack& stack, size_t num_args) {
-  std::vector<c10::IValue> saved;
-  saved.reserve(num_args);
-  for (const c10::IValue& value : torch::jit::last(stack, num_args)) {
-    if (value.isTensorList()) {
-      saved.emplace_back(value.toTensorList().copy());
-    } else if (value.isList()) {
-      saved.emplace_back(value.toList().copy());
-    } else {
-      saved.push_back(value);
-    }
-  }
-  return saved;
-}
-
 // Shapes mode: the call's shape rule where it tells the results; otherwise its kernel, noted.
 void run_in_shapes_mode(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
   const ShapesRoute route = shapes_route(op, *stack);
@@ -375,7 +359,7 @@ void run_in_shapes_mode(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   }
   const size_t num_args = op.schema().arguments().size();
   const size_t base = stack->size() - num_args;
-  std::vector<c10::IValue> arguments = saved_arguments(*stack, num_args);
+  std::vector<c10::IValue> arguments = with_own_lists(torch::jit::last(*stack, num_args));
   std::optional<KernelReason> reason;
   bool without_meta_kernel = false;
   try {
@@ -402,9 +386,88 @@ void run_in_shapes_mode(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   }
 }
 
+bool has_sparse_operand(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  auto sparse = [](const c10::IValue& v) { return v.isTensor() && v.toTensor().layout() != c10::kStrided; };
+  for (const c10::IValue& value : torch::jit::last(stack, op.schema().arguments().size())) {
+    if (sparse(value) || (value.isList() && std::any_of(value.toListRef().begin(), value.toListRef().end(), sparse))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The supa tensors a call writes (its `Tensor(a!)` arguments).
+std::vector<at::Tensor> written_operands(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  std::vector<at::Tensor> written;
+  const auto& arguments = op.schema().arguments();
+  auto add = [&](const c10::IValue& v) {
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kSupa &&
+        v.toTensor().layout() == c10::kStrided) {
+      written.push_back(v.toTensor());
+    }
+  };
+  const auto values = torch::jit::last(stack, arguments.size());
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    if (arguments[i].alias_info() == nullptr || !arguments[i].alias_info()->isWrite()) {
+      continue;
+    }
+    add(values[i]);
+    if (values[i].isList()) {
+      for (const c10::IValue& item : values[i].toListRef()) {
+        add(item);
+      }
+    }
+  }
+  return written;
+}
+
+// Graph capture: a call is recorded (graph.h) and its results are allocated from the graph's pool
+// with the sizes its shape rule gives, as a card records a kernel launch: nothing is computed and
+// no operand changes until replay. Random calls, sparse operands and ops without a shape rule run
+// their kernel so that their results' sizes and the generators' counters are those of the call,
+// and the operands they write are put back as they were.
+void run_in_capture(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
+  if (op.hasTag(at::Tag::data_dependent_output)) {
+    // .item(), equal(), is_nonzero(): the host would wait for the stream, which a capture forbids.
+    refuse_during_capture(op.schema().operator_name().name);
+  }
+  const bool seeded = op.hasTag(at::Tag::nondeterministic_seeded);
+  if (!seeded && !has_sparse_operand(op, *stack)) {
+    const size_t num_args = op.schema().arguments().size();
+    const size_t base = stack->size() - num_args;
+    std::vector<c10::IValue> arguments = with_own_lists(torch::jit::last(*stack, num_args));
+    try {
+      FallbackCall(op, stack, kernel, /*shape_rule=*/true).run();
+      return;
+    } catch (const std::exception&) {
+      if (op.hasTag(at::Tag::dynamic_output_shape)) {
+        // nonzero, masked_select, boolean-mask indexing: the result's size needs the values.
+        refuse_during_capture(op.schema().operator_name().name);
+      }
+      // No shape rule here (or the rule refused the call): the kernel tells, or raises the real error.
+    }
+    stack->resize(base);
+    stack->insert(stack->end(), arguments.begin(), arguments.end());
+  }
+  std::vector<at::Tensor> written = written_operands(op, *stack);
+  std::vector<at::Tensor> before;
+  before.reserve(written.size());
+  for (const at::Tensor& t : written) {
+    before.push_back(host_view(t).clone());
+  }
+  FallbackCall(op, stack, kernel).run();
+  for (size_t i = 0; i < written.size(); ++i) {
+    if (written[i].sizes() == before[i].sizes()) {  // a resized out= holds fresh memory: nothing to restore
+      host_view(written[i]).copy_(before[i]);
+    }
+  }
+}
+
 void run_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
   if (shapes_mode()) {
     run_in_shapes_mode(op, stack, kernel);
+  } else if (is_capturing() && !is_replaying()) {
+    run_in_capture(op, stack, kernel);
   } else {
     FallbackCall(op, stack, kernel).run();
   }

@@ -182,7 +182,7 @@ at::Tensor host_side(const at::Tensor& t) {
   return t.device().type() == kSupa ? host_view(t) : t;
 }
 
-at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   TORCH_CHECK(self.device().type() == kSupa || self.device().is_cpu(), "supa cannot copy from ", self.device());
   TORCH_CHECK(dst.device().type() == kSupa || dst.device().is_cpu(), "supa cannot copy to ", dst.device());
   at::Tensor src = host_side(self);
@@ -192,13 +192,21 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_b
     TORCH_WARN_ONCE(kNoDouble);
     src = src.to(at::kFloat);
   }
+  if (is_capturing() && !is_replaying()) {
+    // Captured as a copy node: it moves the bytes at each replay, not now. A card's driver refuses
+    // to capture a copy to or from pageable host memory.
+    for (const at::Tensor* t : {&self, &dst}) {
+      if (t->device().is_cpu() && t->numel() > 0 && !t->is_pinned()) {
+        refuse_during_capture("a copy between supa and pageable (not pinned) host memory");
+      }
+    }
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::_copy_from", "");
+    record_call(op, {self, dst, non_blocking}, {dst});
+    return dst;
+  }
   const bool card_to_card = self.device().type() == kSupa && dst.device().type() == kSupa;
   if (dst.numel() > 0 && (!card_to_card || card_bytes_move(dst.numel() * dst.dtype().itemsize()))) {
     host_side(dst).copy_(src);
-  }
-  if (is_capturing() && self.device().type() == kSupa && dst.device().type() == kSupa) {
-    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::_copy_from", "");
-    record_call(op, {self, dst, false}, {dst});
   }
   return dst;
 }

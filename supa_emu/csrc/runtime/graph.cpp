@@ -2,8 +2,9 @@
 // remembered with its operands and results; replay runs the calls again on the same tensors,
 // writing into the captured results, which is what a GPU graph replay does.
 //
-// Capture is process-wide (CUDA's "global" mode): autograd runs backward passes on its own
-// device thread, and those calls belong to the graph too.
+// A call is captured when it runs on the capturing stream: the current stream of its thread on the
+// capture's device. Autograd's device thread runs a backward pass on the streams its forward ran
+// on, so a captured forward's backward is captured too; work of other streams runs as usual.
 //
 // Random calls are graph-safe as on CUDA: the graph holds the generators' states (the current
 // device's default one and those registered with register_generator_state); a captured call keeps
@@ -12,6 +13,7 @@
 #include "graph.h"
 
 #include "caching_allocator.h"
+#include "device_guard.h"
 #include "devices.h"
 #include "generator.h"
 #include "host_alias.h"
@@ -74,11 +76,10 @@ void write_into(const c10::IValue& captured, const c10::IValue& fresh) {
 
 class SupaGraph final : public at::GraphImplInterface {
  public:
-  explicit SupaGraph(const at::GraphImplArgs& /*args*/) {}
+  explicit SupaGraph(const at::GraphImplArgs& args) : keep_graph_(args.keep_graph) {}
   ~SupaGraph() override {
     SupaGraph* self = this;
     if (g_capturing.compare_exchange_strong(self, nullptr)) {
-      set_capture_pool({0, 0});
       end_generator_capture();
     }
     if (pool_.first != 0 || pool_.second != 0) {
@@ -91,34 +92,57 @@ class SupaGraph final : public at::GraphImplInterface {
     TORCH_CHECK(g_capturing.load() == nullptr, "another SUPA graph is already capturing");
     TORCH_CHECK(!captured_, "This SUPAGraph instance already owns a captured graph. To capture a new graph, "
                 "create a new instance or call reset() first.");
+    TORCH_CHECK(current_stream_id(current_device()) != 0,
+                "SUPA graphs must be captured on a non-default stream. (However, after capture, it's ok to "
+                "replay them on the default stream.)");
     pool_ = (pool.first != 0 || pool.second != 0) ? pool : new_graph_pool_id();
+    device_ = current_device();
+    stream_ = current_stream_id(device_);
     calls_.clear();
+    invalidated_ = false;
     add_generator_state(philox_state_of(default_generator(current_device())));
     for (auto& [state, increment] : generator_states_) {
       capture_prologue(*state);
     }
     take_captured_draws();
-    set_capture_pool(pool_);
-    g_capturing = this;
+    g_capturing.store(this, std::memory_order_release);
   }
   void capture_end() override {
     TORCH_CHECK(g_capturing.load() == this, "capture_end() called on a graph that is not capturing");
-    set_capture_pool({0, 0});
     g_capturing = nullptr;
     end_generator_capture();
+    if (invalidated_) {
+      calls_.clear();
+      TORCH_CHECK(false, "SUPA error: operation failed due to a previous error during capture");
+    }
     captured_ = true;
+    if (calls_.empty()) {
+      TORCH_WARN("The SUPA Graph is empty. This usually means that the graph was attempted to be captured on "
+                 "wrong device or stream.");
+    }
+    if (!keep_graph_) {
+      instantiate();
+    }
   }
   void instantiate() override {
-    TORCH_CHECK(captured_, "instantiate() needs a captured graph");
+    TORCH_CHECK(captured_, "capture_end() must have been called before calling instantiate");
+    TORCH_CHECK(!instantiated_ || keep_graph_,
+                "instantiate() is intended to be called by the user only when keep_graph=true");
+    instantiated_ = true;
   }
   void replay() override {
     TORCH_CHECK(captured_, "Called SUPAGraph::replay without a preceding successful capture.");
+    if (!instantiated_) {
+      instantiate();  // keep_graph=True and not instantiated yet: the first replay does it, as on CUDA
+    }
     for (auto& [state, increment] : generator_states_) {
       replay_prologue(*state, increment);
     }
     ReplayScope replaying;
+    // One replay at a time: the recorded stacks are shared, and a card runs a graph's launches in order.
+    std::lock_guard<std::mutex> lock(replay_mutex_);
     for (const auto& call : calls_) {
-      std::vector<c10::IValue> stack = call.inputs;
+      std::vector<c10::IValue> stack = with_own_lists(call.inputs);
       std::optional<ReplayedDraws> draws;
       if (!call.draws.empty()) {
         draws.emplace(call.draws);
@@ -132,6 +156,7 @@ class SupaGraph final : public at::GraphImplInterface {
   void reset() override {
     calls_.clear();
     captured_ = false;
+    instantiated_ = false;
   }
   c10::MempoolId_t pool() const override {
     return pool_;
@@ -147,6 +172,14 @@ class SupaGraph final : public at::GraphImplInterface {
     std::vector<CapturedDraw> draws = take_captured_draws();
     std::lock_guard<std::mutex> lock(g_record_mutex);
     calls_.push_back({op, inputs, outputs, std::move(draws)});
+  }
+
+  bool captures_current_stream() const {
+    return current_stream_id(device_) == stream_;
+  }
+
+  void invalidate() {
+    invalidated_ = true;
   }
 
   // A generator whose state the graph keeps graph-safe; joining during capture starts its capture.
@@ -172,13 +205,40 @@ class SupaGraph final : public at::GraphImplInterface {
   std::vector<RecordedCall> calls_;
   std::vector<std::pair<PhiloxStatePtr, uint64_t>> generator_states_;  // state, offset increment per replay
   c10::MempoolId_t pool_{0, 0};
+  c10::DeviceIndex device_ = 0;  // the capturing stream
+  c10::StreamId stream_ = 0;
+  bool keep_graph_;
   bool captured_ = false;
+  bool instantiated_ = false;
+  std::atomic<bool> invalidated_{false};
+  std::mutex replay_mutex_;
 };
 
 }  // namespace
 
+std::vector<c10::IValue> with_own_lists(c10::ArrayRef<c10::IValue> arguments) {
+  std::vector<c10::IValue> copy;
+  copy.reserve(arguments.size());
+  for (const c10::IValue& value : arguments) {
+    if (value.isTensorList()) {
+      copy.emplace_back(value.toTensorList().copy());
+    } else if (value.isList()) {
+      copy.emplace_back(value.toList().copy());
+    } else {
+      copy.push_back(value);
+    }
+  }
+  return copy;
+}
+
 bool is_capturing() {
-  return g_capturing.load(std::memory_order_relaxed) != nullptr;
+  const SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
+  return graph != nullptr && graph->captures_current_stream();
+}
+
+c10::MempoolId_t capture_pool() {
+  const SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
+  return graph != nullptr && graph->captures_current_stream() ? graph->pool() : c10::MempoolId_t{0, 0};
 }
 
 bool is_replaying() {
@@ -190,6 +250,15 @@ void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& 
   if (SupaGraph* graph = g_capturing.load()) {
     graph->record(op, inputs, outputs);
   }
+}
+
+void refuse_during_capture(const std::string& what) {
+  if (SupaGraph* graph = g_capturing.load()) {
+    graph->invalidate();
+  }
+  TORCH_CHECK(false, "SUPA error: operation not permitted when stream is capturing (", what,
+              "). Capture records the stream's work without running it, so the host cannot wait for it or read "
+              "its results.");
 }
 
 void register_generator_with_capture(const at::Generator& generator) {

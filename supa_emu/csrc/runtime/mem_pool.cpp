@@ -2,13 +2,14 @@
 //
 // One counter per kind of pool, as PyTorch numbers them: graph pools are (n, 0), user pools
 // (MemPool) are (0, n), (0, 0) is a device's general pool. Allocations made inside
-// `use_mem_pool` (a per-thread stack) or while a graph captures (process-wide, like CUDA's
-// global capture mode) carry the pool id, and the caching allocator reuses a freed block only
+// `use_mem_pool` (a per-thread stack) or on a stream that a graph captures (graph.h) carry the
+// pool id, and the caching allocator reuses a freed block only
 // for a request of the same pool. The core also owns each user pool's use count and the
 // thread's active pool (MemPoolContext), so Python holds no copy of either.
 #include "mem_pool.h"
 
 #include "devices.h"
+#include "graph.h"
 
 #include <atomic>
 #include <map>
@@ -21,9 +22,6 @@ std::atomic<c10::CaptureId_t> g_next_graph_pool{1};
 std::atomic<c10::CaptureId_t> g_next_user_pool{1};
 
 thread_local std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>> t_pool_stack;
-
-std::mutex g_capture_mutex;
-c10::MempoolId_t g_capture_pool{0, 0};
 
 std::mutex g_use_mutex;
 std::map<c10::MempoolId_t, int64_t> g_use_counts;  // live user pools -> holders
@@ -87,19 +85,13 @@ void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
               ") is not receiving allocations on device ", static_cast<int>(device));
 }
 
-void set_capture_pool(c10::MempoolId_t pool) {
-  std::lock_guard<std::mutex> lock(g_capture_mutex);
-  g_capture_pool = pool;
-}
-
 c10::MempoolId_t allocation_pool(c10::DeviceIndex device) {
   for (auto it = t_pool_stack.rbegin(); it != t_pool_stack.rend(); ++it) {
     if (it->first == device) {
       return it->second;
     }
   }
-  std::lock_guard<std::mutex> lock(g_capture_mutex);
-  return g_capture_pool;
+  return capture_pool();
 }
 
 }  // namespace supa

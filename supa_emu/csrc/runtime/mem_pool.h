@@ -13,8 +13,6 @@ c10::MempoolId_t new_user_pool_id();   // (0, n)
 // use_mem_pool: this thread's allocations on `device` go to `pool` until the matching end.
 void begin_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool);
 void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool);
-// While a graph captures, every allocation goes to its pool; {0, 0} when capture ends.
-void set_capture_pool(c10::MempoolId_t pool);
 // The pool an allocation on `device` made now by this thread belongs to ({0, 0}: general).
 c10::MempoolId_t allocation_pool(c10::DeviceIndex device);
 // Holders of a user pool (the MemPool object, each active use_mem_pool); release returns what is left.
