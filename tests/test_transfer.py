@@ -229,6 +229,34 @@ def test_cuda_autocast_casts_supa_matmuls(enter):
     assert (a @ b).dtype == torch.float32
 
 
+def test_custom_fwd_for_cuda_casts_the_inputs_under_cuda_autocast():
+    class Seen(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(cast_inputs=torch.float16, device_type="cuda")
+        def forward(ctx, x):
+            ctx.seen = (x.dtype, torch.is_autocast_enabled("cuda"))
+            return x * 1
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cuda")
+        def backward(ctx, grad):
+            return grad
+
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    with torch.autocast("cuda"):
+        y = Seen.apply(x)
+    assert y.dtype == torch.float16 and y.grad_fn.seen == (torch.float16, False)
+    y.sum().backward()
+    assert x.grad.dtype == torch.float32
+
+
+def test_ops_cuda_autocast_bans_raise_cudas_error():
+    p = torch.rand(4, device="cuda")
+    with torch.autocast("cuda"), pytest.raises(RuntimeError, match="torch.nn.functional.binary_cross_entropy and "
+                                                                  "torch.nn.BCELoss are unsafe to autocast"):
+        torch.nn.functional.binary_cross_entropy(p, p)
+
+
 # ---- checkpoints ----------------------------------------------------------------------------
 
 def test_load_with_cuda_map_location_lands_on_that_card():
