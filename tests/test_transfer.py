@@ -299,6 +299,19 @@ def test_checkpoint_saved_on_a_cuda_machine_loads_onto_supa():
     torch.testing.assert_close(loaded.cpu(), torch.arange(4.0))
 
 
+def test_checkpoint_saved_on_a_cuda_card_this_host_lacks_raises_as_cuda_does():
+    count = torch.cuda.device_count()
+    if count > 9:
+        pytest.skip("the checkpoint names card 9")
+    buffer = io.BytesIO()
+    torch.save(torch.arange(4.0, device="cuda:0"), buffer)
+    saved_on_cuda = _retag(buffer.getvalue(), b"supa:0", b"cuda:9")  # same length: the pickle stays valid
+    with pytest.raises(RuntimeError, match=f"^Attempting to deserialize object on SUPA device 9 but "
+                                           f"torch.supa.device_count\\(\\) is {count}. Please use torch.load with "
+                                           "map_location to map your storages to an existing device.$"):
+        torch.load(io.BytesIO(saved_on_cuda))
+
+
 # ---- torch.distributed ----------------------------------------------------------------------
 
 
