@@ -77,6 +77,73 @@ def test_custom_fwd_casts_inputs_and_custom_bwd_runs():
     assert torch.equal(x.grad.float().cpu(), torch.full((3,), 2.0))
 
 
+def test_torch_amp_custom_fwd_casts_supa_inputs_to_cast_inputs():
+    class Seen(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(cast_inputs=torch.float16, device_type="supa")
+        def forward(ctx, x, y):
+            ctx.dtypes = (x.dtype, y.dtype, torch.is_autocast_enabled("supa"))
+            return x * 1
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="supa")
+        def backward(ctx, grad):
+            return grad, None
+
+    x = torch.ones(3, device="supa", requires_grad=True)
+    with torch.autocast("supa"):
+        y = Seen.apply(x, torch.ones(3, device="supa", dtype=torch.float64))
+    assert y.dtype == torch.float16  # float64 stays float64; autocast is off inside forward
+    assert y.grad_fn.dtypes == (torch.float16, torch.float64, False)
+    y.sum().backward()
+    assert x.grad.dtype == torch.float32
+
+
+# ---- CUDA's autocast policies on supa (its op lists, as test_cuda.py's autocast tests use them) --
+
+def _autocast_cases():
+    from torch.testing._internal.autocast_test_lists import AutocastTestLists
+
+    lists = AutocastTestLists(torch.device("supa"))
+    for name, namespace, dtype in (("torch_fp32", torch, torch.float32), ("nn_fp32", torch._C._nn, torch.float32),
+                                   ("torch_need_autocast_promote", torch, torch.float32)):
+        for i, (op, args, *rest) in enumerate(getattr(lists, name)):
+            yield pytest.param(namespace, op, args, rest[0] if rest else {}, dtype, id=f"{name}-{op}-{i}")
+
+
+@pytest.mark.filterwarnings("ignore:Using torch.cross without specifying the dim arg")
+@pytest.mark.parametrize("namespace, op, args, kwargs, dtype", _autocast_cases())
+def test_autocast_runs_cudas_float32_ops_in_float32(namespace, op, args, kwargs, dtype):
+    with torch.autocast("supa", dtype=torch.float16):
+        out = getattr(namespace, op)(*args, **kwargs)
+    assert (out if isinstance(out, torch.Tensor) else out[0]).dtype == dtype
+
+
+@pytest.mark.parametrize("op", [lambda x: torch.softmax(x, 0), lambda x: x.cumsum(0), lambda x: x.sum(),
+                                lambda x: x.prod(), lambda x: torch.norm(x), lambda x: torch.norm(x, 1, dim=0)],
+                         ids=["softmax", "cumsum", "sum", "prod", "norm", "norm-dim"])
+def test_autocast_reductions_of_float16_accumulate_in_float32(op):
+    x = (torch.rand(64) + 0.5).half()
+    with torch.autocast("supa", dtype=torch.float16):
+        out = op(x.to("supa"))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), op(x.float()))
+
+
+def test_binary_cross_entropy_is_banned_under_autocast_as_on_cuda():
+    p, target = torch.rand(4, 4, device="supa"), torch.rand(4, 4, device="supa")
+    with torch.autocast("supa"):
+        with pytest.raises(RuntimeError, match=r"(?s)torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss "
+                                               r"are unsafe to autocast.\n.*binary_cross_entropy_with_logits"):
+            torch.nn.functional.binary_cross_entropy(p, target)
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            torch.nn.BCELoss()(p, target)
+        with_logits = torch.nn.functional.binary_cross_entropy_with_logits(p.half(), target)
+    assert with_logits.dtype == torch.float32
+    expected = torch.nn.functional.binary_cross_entropy(p.cpu(), target.cpu())  # outside autocast: allowed
+    torch.testing.assert_close(torch.nn.functional.binary_cross_entropy(p, target).cpu(), expected)
+
+
 def test_grad_scaler_training_step():
     model = torch.nn.Linear(4, 1).to("supa")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

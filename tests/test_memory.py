@@ -146,6 +146,25 @@ def test_mem_get_info_reflects_capacity():
     assert 0 <= free <= total
 
 
+def test_a_device_without_index_means_the_current_device():
+    dev = last_device()
+    index_less = torch.device("supa")
+    with torch.supa.device(dev):
+        block = torch.empty(MiB, dtype=torch.uint8, device=index_less)
+        assert block.device.index == dev
+        free, total = torch.supa.mem_get_info(index_less)
+        assert total == torch.supa.get_device_properties(dev).total_memory
+        assert free == torch.supa.mem_get_info(dev)[0] < total
+        for query in (torch.supa.memory_allocated, torch.supa.memory_reserved, torch.supa.max_memory_allocated,
+                      torch.supa.max_memory_reserved):
+            assert query(index_less) == query(dev) == query("supa") > 0
+        assert torch.supa.memory_stats(index_less) == torch.supa.memory_stats(dev)
+        assert torch.supa.memory_summary(index_less) == torch.supa.memory_summary(dev)
+        torch.supa.reset_peak_memory_stats(index_less)
+        assert torch.supa.memory_stats(dev)["allocated_bytes.all.peak"] == torch.supa.memory_allocated(dev)
+        assert any(seg["address"] == block.data_ptr() for seg in torch.supa._snapshot(index_less)["segments"])
+
+
 def test_out_of_memory_error_and_recovery():
     dev = last_device()
     keep = torch.arange(16, dtype=torch.float32, device=f"supa:{dev}")

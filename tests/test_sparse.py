@@ -29,6 +29,24 @@ def test_conversions_keep_the_layout_and_the_device(layout):
     torch.testing.assert_close(back.to_dense().cpu(), d, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr])
+def test_sparse_tensors_live_on_a_card_other_than_the_current_one(layout):
+    """As on CUDA, a sparse tensor can be moved to or built on any card, whichever is current."""
+    if torch.supa.device_count() < 2:
+        pytest.skip("needs 2 SUPA cards")
+    d = _dense()
+    other = torch.device("supa", 1)
+    with torch.supa.device(0):
+        s = d.to_sparse(layout=layout)
+        for moved in (s.to(other), s.to(DEV).to(other)):
+            assert moved.device == other and moved.layout == layout
+            torch.testing.assert_close(moved.to_dense().cpu(), d, rtol=0, atol=0)
+        coo = d.to_sparse().coalesce()
+        built = torch.sparse_coo_tensor(coo.indices().to(other), coo.values().to(other), coo.shape)
+        assert built.device == other
+        torch.testing.assert_close((built + built).to_dense().cpu(), d * 2, rtol=0, atol=0)
+
+
 def test_coo_arithmetic_and_products_match_cpu():
     d = _dense()
     x = torch.randn(6, 3)

@@ -26,9 +26,21 @@ def _halves(shape, memory_format=torch.contiguous_format):
     return x, grad, x.to(DEVICE).chunk(2), grad.to(DEVICE).chunk(2)
 
 
+def _gather(parts, stats, running_mean, running_var, counts, op):
+    """The group's statistics by `op`: with the ranks' counts, or with the one count all ranks share."""
+    means, invstds = torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
+    if op == "with_counts":
+        return torch.batch_norm_gather_stats_with_counts(parts[0], means, invstds, running_mean, running_var,
+                                                         MOMENTUM, EPS, counts)
+    assert len(set(counts.tolist())) == 1
+    return torch.batch_norm_gather_stats(parts[0], means, invstds, running_mean, running_var, MOMENTUM, EPS,
+                                         int(counts[0]))
+
+
 @pytest.mark.parametrize("shape", [(6, 4), (6, 4, 5), (6, 4, 3, 5)])
 @pytest.mark.parametrize("affine", [True, False])
-def test_two_halves_combine_to_whole_batch_norm(shape, affine):
+@pytest.mark.parametrize("gather", ["with_counts", "equal_counts"])
+def test_two_halves_combine_to_whole_batch_norm(shape, affine, gather):
     channels = shape[1]
     x, grad, parts, grad_parts = _halves(shape)
     weight = torch.randn(channels) if affine else None
@@ -48,9 +60,7 @@ def test_two_halves_combine_to_whole_batch_norm(shape, affine):
     rm, rv = running_mean.to(DEVICE), running_var.to(DEVICE)
     stats = [torch.batch_norm_stats(part, EPS) for part in parts]
     counts = torch.tensor([part.numel() // channels for part in parts], dtype=torch.float32, device=DEVICE)
-    mean, invstd = torch.batch_norm_gather_stats_with_counts(
-        parts[0], torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats]), rm, rv, MOMENTUM, EPS,
-        counts)
+    mean, invstd = _gather(parts, stats, rm, rv, counts, gather)
     outputs = [torch.batch_norm_elemt(part, w, b, mean, invstd, EPS) for part in parts]
 
     assert mean.device.type == DEVICE and outputs[0].device.type == DEVICE
@@ -116,3 +126,6 @@ def test_rank_that_counted_nothing_does_not_contribute():
 def test_bad_input_says_what_was_expected():
     with pytest.raises(RuntimeError, match="at least 2 dimensions"):
         torch.batch_norm_stats(torch.randn(5, device=DEVICE), EPS)
+    means = torch.zeros(2, 3, device=DEVICE)
+    with pytest.raises(RuntimeError, match=r"batch_norm_gather_stats: expected \(world, C\) means and invstds"):
+        torch.batch_norm_gather_stats(means, means, torch.ones(2, 4, device=DEVICE), None, None, MOMENTUM, EPS, 5)

@@ -3,6 +3,7 @@ rules, float64, autograd, serialization, pinned memory. Written against public A
 
 import copy
 import io
+import re
 
 import pytest
 
@@ -197,6 +198,22 @@ def test_save_and_load():
     assert loaded.device == DEV and torch.equal(loaded.cpu(), t.cpu())
     buffer.seek(0)
     assert torch.load(buffer, map_location="cpu")["t"].device.type == "cpu"
+
+
+def test_loading_onto_a_card_this_host_lacks_raises_as_cuda_does():
+    count = torch.supa.device_count()
+    if count > 9:
+        pytest.skip("the checkpoint names card 9")
+    buffer = io.BytesIO()
+    torch.save(torch.arange(4.0, device=DEV), buffer, _use_new_zipfile_serialization=False)  # tags stay plain
+    checkpoint = buffer.getvalue().replace(b"supa:0", b"supa:9")  # same length: the pickle stays valid
+    message = (f"Attempting to deserialize object on SUPA device 9 but torch.supa.device_count() is {count}. "
+               "Please use torch.load with map_location to map your storages to an existing device.")
+    for weights_only in (True, False):
+        with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+            torch.load(io.BytesIO(checkpoint), weights_only=weights_only)
+    loaded = torch.load(io.BytesIO(checkpoint), map_location=DEV)
+    assert loaded.device == DEV and torch.equal(loaded.cpu(), torch.arange(4.0))
 
 
 def test_pinned_host_memory():

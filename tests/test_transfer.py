@@ -229,6 +229,34 @@ def test_cuda_autocast_casts_supa_matmuls(enter):
     assert (a @ b).dtype == torch.float32
 
 
+def test_custom_fwd_for_cuda_casts_the_inputs_under_cuda_autocast():
+    class Seen(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(cast_inputs=torch.float16, device_type="cuda")
+        def forward(ctx, x):
+            ctx.seen = (x.dtype, torch.is_autocast_enabled("cuda"))
+            return x * 1
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cuda")
+        def backward(ctx, grad):
+            return grad
+
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    with torch.autocast("cuda"):
+        y = Seen.apply(x)
+    assert y.dtype == torch.float16 and y.grad_fn.seen == (torch.float16, False)
+    y.sum().backward()
+    assert x.grad.dtype == torch.float32
+
+
+def test_ops_cuda_autocast_bans_raise_cudas_error():
+    p = torch.rand(4, device="cuda")
+    with torch.autocast("cuda"), pytest.raises(RuntimeError, match="torch.nn.functional.binary_cross_entropy and "
+                                                                  "torch.nn.BCELoss are unsafe to autocast"):
+        torch.nn.functional.binary_cross_entropy(p, p)
+
+
 # ---- checkpoints ----------------------------------------------------------------------------
 
 def test_load_with_cuda_map_location_lands_on_that_card():
@@ -269,6 +297,19 @@ def test_checkpoint_saved_on_a_cuda_machine_loads_onto_supa():
     loaded = torch.load(io.BytesIO(saved_on_cuda))
     assert loaded.device == torch.device("supa", 1)
     torch.testing.assert_close(loaded.cpu(), torch.arange(4.0))
+
+
+def test_checkpoint_saved_on_a_cuda_card_this_host_lacks_raises_as_cuda_does():
+    count = torch.cuda.device_count()
+    if count > 9:
+        pytest.skip("the checkpoint names card 9")
+    buffer = io.BytesIO()
+    torch.save(torch.arange(4.0, device="cuda:0"), buffer)
+    saved_on_cuda = _retag(buffer.getvalue(), b"supa:0", b"cuda:9")  # same length: the pickle stays valid
+    with pytest.raises(RuntimeError, match=f"^Attempting to deserialize object on SUPA device 9 but "
+                                           f"torch.supa.device_count\\(\\) is {count}. Please use torch.load with "
+                                           "map_location to map your storages to an existing device.$"):
+        torch.load(io.BytesIO(saved_on_cuda))
 
 
 # ---- torch.distributed ----------------------------------------------------------------------

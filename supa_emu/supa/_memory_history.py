@@ -74,7 +74,8 @@ def _snapshot(device: _DeviceLike = None) -> dict[str, Any]:
     """Full allocator state: {"segments", "device_traces", "allocator_settings"}.
 
     As torch.cuda's, the snapshot covers every device (each segment names its "device");
-    a `device` given is only checked to be a valid one (ValueError / AssertionError otherwise).
+    a `device` given is only checked to be a valid one (ValueError / AssertionError otherwise;
+    an index-less supa device is the current one).
 
     "device_traces" holds one list per device of the events recorded since
     `_record_memory_history` turned tracing on ({"action", "addr", "size", "stream", "time_us",
@@ -82,7 +83,7 @@ def _snapshot(device: _DeviceLike = None) -> dict[str, Any]:
     """
     from ._allocator_config import allocator_settings_in_effect
 
-    if device is not None and not 0 <= _get_device_index(device) < device_count():
+    if device is not None and not 0 <= _get_device_index(device, optional=True) < device_count():
         raise AssertionError("Invalid device id")
     return {
         "segments": memory_snapshot(),

@@ -132,10 +132,9 @@ def ipc_collect() -> None:
 
 
 def mem_get_info(device: _DeviceLike = None) -> tuple[int, int]:
-    """(free, total) bytes of `device` (default: current), as the runtime reports them."""
-    if device is None:
-        device = current_device()
-    return supart().supaMemGetInfo(_get_device_index(device))
+    """(free, total) bytes of `device` (None or an index-less supa device: the current one), as the
+    runtime reports them."""
+    return supart().supaMemGetInfo(_get_device_index(device, optional=True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,21 +72,21 @@ void normalize(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   push_results(stack, 6, {output.to(input.scalar_type()).contiguous(input.suggest_memory_format())});
 }
 
-// batch_norm_gather_stats_with_counts(input, mean, invstd, running_mean, running_var, momentum,
-// eps, counts) -> (mean, invstd): combines the ranks' (world, C) statistics, weighted by their
-// element counts; ranks that counted nothing do not contribute.
-void gather_stats_with_counts(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  auto args = torch::jit::last(*stack, 8);
+// The ranks' (world, C) statistics combined, weighted by their element counts (world,); ranks that
+// counted nothing do not contribute. Updates the running statistics; pushes (mean, invstd).
+void combine_stats(torch::jit::Stack* stack, size_t num_args, const char* op, const Tensor& counts_given) {
+  auto args = torch::jit::last(*stack, num_args);
   const Tensor means = args[1].toTensor();
   const Tensor invstds = args[2].toTensor();
   Tensor running_mean = optional_tensor(args[3]);
   Tensor running_var = optional_tensor(args[4]);
   const double momentum = args[5].toDouble();
   const double eps = args[6].toDouble();
-  const Tensor counts = args[7].toTensor().to(means.scalar_type()).reshape({-1, 1});
-  TORCH_CHECK(means.dim() == 2 && invstds.sizes() == means.sizes() && counts.size(0) == means.size(0),
-              "batch_norm_gather_stats_with_counts: expected (world, C) means and invstds and (world,) counts, "
-              "got ", means.sizes(), ", ", invstds.sizes(), " and ", args[7].toTensor().sizes());
+  TORCH_CHECK(means.dim() == 2 && invstds.sizes() == means.sizes() && counts_given.dim() == 1 &&
+                  counts_given.size(0) == means.size(0),
+              op, ": expected (world, C) means and invstds and (world,) counts, got ", means.sizes(), ", ",
+              invstds.sizes(), " and ", counts_given.sizes());
+  const Tensor counts = counts_given.to(means.scalar_type()).reshape({-1, 1});
   const Tensor present = counts.gt(0);
   const Tensor weights = counts.where(present, 0);
   const Tensor total = weights.sum();
@@ -101,7 +101,23 @@ void gather_stats_with_counts(const c10::OperatorHandle&, torch::jit::Stack* sta
     const Tensor unbiased = spread.div(total.sub(1));
     running_var.mul_(1 - momentum).add_(unbiased.to(running_var.scalar_type()), momentum);
   }
-  push_results(stack, 8, {mean, var.add(eps).rsqrt()});
+  push_results(stack, num_args, {mean, var.add(eps).rsqrt()});
+}
+
+// batch_norm_gather_stats_with_counts(input, mean, invstd, running_mean, running_var, momentum,
+// eps, counts) -> (mean, invstd)
+void gather_stats_with_counts(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const Tensor counts = torch::jit::peek(*stack, 7, 8).toTensor();
+  combine_stats(stack, 8, "batch_norm_gather_stats_with_counts", counts);
+}
+
+// batch_norm_gather_stats(input, mean, invstd, running_mean, running_var, momentum, eps, count)
+//   -> (mean, invstd): every rank counted `count` elements per channel.
+void gather_stats(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const Tensor means = torch::jit::peek(*stack, 1, 8).toTensor();
+  const int64_t count = torch::jit::peek(*stack, 7, 8).toInt();
+  TORCH_CHECK(means.dim() >= 1, "batch_norm_gather_stats: expected (world, C) means, got ", means.sizes());
+  combine_stats(stack, 8, "batch_norm_gather_stats", at::full({means.size(0)}, count, means.options()));
 }
 
 // The leading arguments both backward operators share: (grad_out, input, mean, invstd, weight).
@@ -156,6 +172,7 @@ void backward_elemt(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("batch_norm_stats", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&channel_stats>>());
   m.impl("batch_norm_elemt", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&normalize>>());
+  m.impl("batch_norm_gather_stats", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&gather_stats>>());
   m.impl("batch_norm_gather_stats_with_counts",
          torch::CppFunction::makeFromBoxedFunction<&on_host_views<&gather_stats_with_counts>>());
   m.impl("batch_norm_backward_reduce", torch::CppFunction::makeFromBoxedFunction<&on_host_views<&backward_reduce>>());

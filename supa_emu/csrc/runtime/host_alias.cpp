@@ -11,6 +11,7 @@
 #include <ATen/SparseTensorImpl.h>
 #include <ATen/ops/_efficientzerotensor.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
@@ -93,6 +94,12 @@ at::Tensor sparse_over(const at::Tensor& sparse, c10::Device device,
     const auto* impl = static_cast<const at::SparseTensorImpl*>(sparse.unsafeGetTensorImpl());
     const at::Tensor indices = convert(impl->indices());
     const at::Tensor values = convert(impl->values());
+    // The impl takes its device from a placeholder it allocates on the current device; it must
+    // be the device of the index and value tensors, which need not be the current one.
+    c10::OptionalDeviceGuard on_values_device;
+    if (!cpu) {
+      on_values_device.reset_device(values.device());
+    }
     auto out = at::detail::make_tensor<at::SparseTensorImpl>(
         c10::DispatchKeySet(cpu ? c10::DispatchKey::SparseCPU : c10::DispatchKey::SparsePrivateUse1),
         sparse.dtype());

@@ -272,6 +272,10 @@ def _patch_tensors_and_autocast() -> None:
         setattr(torch, name, _wrap_device_type_argument(getattr(torch, name)))
     torch.is_autocast_enabled = _default_device_supa(_wrap_device_type_argument(torch.is_autocast_enabled))
     torch.set_autocast_enabled = _default_device_supa(_wrap_device_type_argument(torch.set_autocast_enabled))
+    # custom_fwd(cast_inputs=..., device_type="cuda") casts the tensors whose device type is the
+    # one named; its helper is looked up at call time, so decorators made before the transfer map too.
+    autocast_mode = torch.amp.autocast_mode
+    autocast_mode._cast = _wrap_device_type_argument(autocast_mode._cast, position=1)
     if not process_state.config().transfer_silence:
         warnings.warn(_JIT_WARNING, RuntimeWarning)
     torch.jit.script = _identity(torch.jit.script)
