@@ -206,6 +206,45 @@ def test_wait_stream_orders_work_between_streams():
     assert event.query()
 
 
+# ---- streams rebuilt from their fields, selection out of range, event flags ----------------------
+
+def test_stream_rebuilt_from_the_fields_of_an_index_less_generic_stream():
+    generic = torch.Stream("supa")  # no index: the current device, as for CUDA
+    assert generic.device_index == torch.supa.current_device()
+    rebuilt = torch.supa.Stream(stream_id=generic.stream_id, device_index=generic.device_index,
+                                device_type=generic.device_type)
+    assert rebuilt == generic and rebuilt.stream_id != torch.supa.current_stream().stream_id
+
+
+def test_stream_fields_of_another_device_type_or_device_are_refused():
+    s = torch.supa.Stream()
+    with pytest.raises(RuntimeError, match="Expected a supa stream"):
+        torch.supa.Stream(stream_id=s.stream_id, device_index=0, device_type=0)
+    with pytest.raises(torch.AcceleratorError, match="SUPA error: invalid device ordinal"):
+        torch.supa.Stream(stream_id=s.stream_id, device_index=torch.supa.device_count(), device_type=s.device_type)
+    with pytest.raises(torch.AcceleratorError, match="invalid device ordinal"):
+        torch.supa.Stream(stream_id=s.stream_id, device_index=1 << 20, device_type=s.device_type)  # no wrap to 0
+
+
+@pytest.mark.parametrize("past_last", [0, 100])
+def test_current_stream_of_a_device_out_of_range_raises_invalid_device_ordinal(past_last):
+    index = torch.supa.device_count() + past_last
+    with pytest.raises(torch.AcceleratorError, match=rf"SUPA error: invalid device ordinal \(device {index},"):
+        torch.accelerator.current_stream(index)
+    with pytest.raises(torch.AcceleratorError, match="SUPA error: invalid device ordinal"):
+        torch.supa.current_stream(index)
+    with pytest.raises(torch.AcceleratorError, match="SUPA error: invalid device ordinal"):
+        torch.supa.default_stream(index)
+
+
+def test_external_event_flag_is_accepted_and_the_event_works():
+    event = torch.supa.Event(enable_timing=True, external=True)
+    event.record()
+    torch.supa.current_stream().wait_event(event)
+    event.synchronize()
+    assert event.query() is True
+
+
 def test_stream_capture_flag_outside_capture():
     assert torch.supa.is_current_stream_capturing() is False
 

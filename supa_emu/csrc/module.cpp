@@ -363,6 +363,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_register_generator_with_capture", &supa::register_generator_with_capture,
         "Keep a supa generator graph-safe in the graph now capturing (SUPAGraph.register_generator_state)");
   m.def("_stream_priority", [](int64_t stream_id) { return supa::stream_priority(stream_id); });
+  m.def("_check_device_index", [](int64_t device) { supa::check_device_index(device); },
+        "Raise the runtime's invalid-device-ordinal error for an index outside [0, device count)");
   m.def("_event_elapsed_time", &event_elapsed_ms, "Milliseconds between two recorded timing events");
   m.def("_graph_pool_handle", [] {
     const auto id = supa::new_graph_pool_id();

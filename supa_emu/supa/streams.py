@@ -30,16 +30,34 @@ _IPC_HANDLE_SIZE = 64
 _IPC_MAGIC = b"SUPAEMUEVT"
 
 
-def _supa_device_type(idx: int) -> int:
-    # The integer DeviceType code torch.Stream uses for supa (PrivateUse1).
-    return torch.accelerator.current_stream(idx).device_type
+# The integer DeviceType codes torch.Stream carries: supa's (PrivateUse1) and CUDA's, which code
+# written for CUDA passes literally and which means supa under transfer_to_supa.
+_SUPA_DEVICE_TYPE = int(torch._C._autograd.DeviceType.PrivateUse1)
+_CUDA_DEVICE_TYPE = int(torch._C._autograd.DeviceType.CUDA)
+
+
+def _rebuilt_stream_fields(kwargs: dict) -> tuple[int, int, int]:
+    """(stream_id, device_index, device_type) of a stream named by its fields: a missing device
+    index is the current device; the device type must be supa's (or CUDA's, under the transfer)."""
+    device_type = int(kwargs.get("device_type", _SUPA_DEVICE_TYPE))
+    if device_type == _CUDA_DEVICE_TYPE and _native()._cuda_means_supa():
+        device_type = _SUPA_DEVICE_TYPE
+    if device_type != _SUPA_DEVICE_TYPE:
+        raise RuntimeError(f"Expected a supa stream (device_type {_SUPA_DEVICE_TYPE}), but got device_type "
+                           f"{device_type}")
+    device_index = kwargs.get("device_index")
+    idx = _get_device_index(None if device_index is None else int(device_index), optional=True)
+    _native()._check_device_index(idx)
+    return int(kwargs.get("stream_id", 0)), idx, device_type
 
 
 class Stream(torch.Stream):
     """A SUPA stream: an in-order queue of work on one device.
 
     `Stream(device=None, priority=0)` takes a new stream from the device's pool (default:
-    current device). `supa_stream` is its integer handle; the default stream's is 0.
+    current device); `Stream(stream_id=..., device_index=..., device_type=...)` rebuilds the stream
+    those fields of another one name (`device_type` supa's, or CUDA's under transfer_to_supa).
+    `supa_stream` is its integer handle; the default stream's is 0.
     """
 
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
@@ -48,14 +66,14 @@ class Stream(torch.Stream):
                 raise RuntimeError("Priority was explicitly set for a external stream")
             idx = _get_device_index(device, optional=True)
             kwargs = {"stream_id": int(kwargs.pop("stream_ptr")), "device_index": idx,
-                      "device_type": _supa_device_type(idx), **kwargs}
-        if any(k in kwargs for k in ("stream_id", "device_index", "device_type")):
-            _lazy_init()
-            return super().__new__(cls, stream_id=int(kwargs.get("stream_id", 0)),
-                                   device_index=int(kwargs.get("device_index", 0)),
-                                   device_type=int(kwargs.get("device_type", 0)))
+                      "device_type": _SUPA_DEVICE_TYPE, **kwargs}
+        unknown = sorted(set(kwargs) - {"stream_id", "device_index", "device_type"})
+        if unknown:
+            raise TypeError(f"Stream() got unexpected keyword arguments {unknown}")
         if kwargs:
-            raise TypeError(f"Stream() got unexpected keyword arguments {sorted(kwargs)}")
+            _lazy_init()
+            stream_id, device_index, device_type = _rebuilt_stream_fields(kwargs)
+            return super().__new__(cls, stream_id=stream_id, device_index=device_index, device_type=device_type)
         _lazy_init()
         idx = _get_device_index(device, optional=True)
         with _device_ctx(idx):
@@ -132,12 +150,15 @@ class Event(torch.Event):
     """A SUPA event: a marker in a stream used for synchronisation and timing.
 
     `enable_timing` allows `elapsed_time`; `blocking` changes nothing (waits are always
-    complete in the emulator); `interprocess` allows `ipc_handle`, whose handles work within
-    this machine's emulator only. The event is created lazily on its first `record`.
+    complete in the emulator); `interprocess` allows `ipc_handle`, whose handles work within this
+    machine's emulator only. `external` is CUDA's flag for a record or wait that becomes a node of
+    a graph being captured; it is accepted and changes nothing here: the emulator's graphs replay
+    kernels and hold no event nodes of any kind. The event is created lazily on its first
+    `record`.
     """
 
     def __new__(cls, enable_timing: bool = False, blocking: bool = False,
-                interprocess: bool = False) -> "Event":
+                interprocess: bool = False, external: bool = False) -> "Event":
         self = super().__new__(cls, device=torch.device(DEVICE_TYPE), enable_timing=enable_timing,
                                blocking=blocking, interprocess=interprocess)
         # The only flag the core does not keep: torch.Event has no interprocess events.
@@ -246,7 +267,7 @@ def default_stream(device: Any = None) -> Stream:
     """The default (null) stream of `device` (default: current device); its handle is 0."""
     _lazy_init()
     idx = _get_device_index(device, optional=True)
-    return Stream(stream_id=0, device_index=idx, device_type=_supa_device_type(idx))
+    return Stream(stream_id=0, device_index=idx, device_type=_SUPA_DEVICE_TYPE)
 
 
 def set_stream(stream: Optional[torch.Stream]) -> None:

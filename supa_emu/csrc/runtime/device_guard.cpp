@@ -33,6 +33,15 @@ int64_t now_ns() {
       .count();
 }
 
+// An index-less device means the current one, as in CUDA's stream functions.
+c10::DeviceIndex resolved_index(c10::Device d) {
+  if (d.index() == -1) {
+    return current_device();
+  }
+  check_device_index(d.index());
+  return d.index();
+}
+
 std::atomic<c10::StreamId> g_next_stream_index{1};
 
 // Priority range (0, -1), as Stream.priority_range() reports: the lowest id bit marks the
@@ -63,19 +72,20 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
   }
   c10::Stream getStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, current_stream_id(d.index()));
+    const c10::DeviceIndex index = resolved_index(d);
+    return c10::Stream(c10::Stream::UNSAFE, {kSupa, index}, current_stream_id(index));
   }
   c10::Stream getDefaultStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, 0);
+    return c10::Stream(c10::Stream::UNSAFE, {kSupa, resolved_index(d)}, 0);
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
     return getNewStream(d, high_priority ? -1 : 0);
   }
   c10::Stream getNewStream(c10::Device d, int priority) const override {
-    check_device_index(d.index());
-    return c10::Stream(c10::Stream::UNSAFE, d, new_stream_id(priority));
+    return c10::Stream(c10::Stream::UNSAFE, {kSupa, resolved_index(d)}, new_stream_id(priority));
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
+    check_device_index(s.device_index());
     const c10::Stream old = getStream(s.device());
     t_current_streams[s.device_index()] = s.id();
     return old;
