@@ -21,10 +21,10 @@
 #include "runtime/mem_pool.h"
 #include "runtime/memcheck.h"
 #include "runtime/memory_history.h"
+#include "runtime/stream_timeline.h"
 
 // Only the Python-binding headers: torch/extension.h would add the whole C++ frontend (nn,
 // optim, data), which this file does not use and which dominated the build time.
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Event.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
@@ -205,14 +205,15 @@ py::list memory_trace() {
   return per_device;
 }
 
-// Asks the device guard, which keeps each event's record time and flags (device_guard.cpp), and
-// raises its RuntimeErrors, as the CUDA runtime's errors reach torch.cuda.Event users.
+// Through c10::Event, which checks the events' flags, records and completion as CUDA's events do
+// (ValueError, ValueError, RuntimeError, in that order) before the device guard measures
+// (device_guard.cpp), as the CUDA runtime's errors reach torch.cuda.Event users.
 double event_elapsed_ms(py::handle start, py::handle end) {
   TORCH_CHECK_TYPE(THPEvent_Check(start.ptr()) && THPEvent_Check(end.ptr()),
                    "elapsed time is measured between two torch.Event objects");
   const c10::Event& a = reinterpret_cast<THPEvent*>(start.ptr())->event;
   const c10::Event& b = reinterpret_cast<THPEvent*>(end.ptr())->event;
-  return c10::impl::getDeviceGuardImpl(supa::kSupa)->elapsedTime(a.eventId(), b.eventId(), a.device_index());
+  return a.elapsedTime(b);
 }
 
 void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_entries) {
@@ -365,6 +366,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_stream_priority", [](int64_t stream_id) { return supa::stream_priority(stream_id); });
   m.def("_check_device_index", [](int64_t device) { supa::check_device_index(device); },
         "Raise the runtime's invalid-device-ordinal error for an index outside [0, device count)");
+  m.def("_queue_stream_work", [](int64_t device, int64_t stream_id, int64_t ns) {
+    supa::check_device_index(device);
+    supa::queue_stream_work(static_cast<c10::DeviceIndex>(device), stream_id, ns);
+  }, py::arg("device"), py::arg("stream_id"), py::arg("ns"),
+     "Make the stream busy for `ns` more nanoseconds after its queued work (torch.supa._sleep)");
   m.def("_event_elapsed_time", &event_elapsed_ms, "Milliseconds between two recorded timing events");
   m.def("_graph_pool_handle", [] {
     const auto id = supa::new_graph_pool_id();

@@ -1,9 +1,10 @@
 """SUPA streams and events, and the functions that select the current stream.
 
 `Stream` and `Event` extend PyTorch's generic `torch.Stream` / `torch.Event`, which the native
-core backs for the supa device: stream ids (with their priority), event records and timestamps
-live in the core's device guard, not here. Work executes synchronously on the host, so ordering
-between streams always holds; the objects still keep the identities and timing users rely on.
+core backs for the supa device: stream ids (with their priority), event records and timestamps,
+and the time until which a stream is busy (`_sleep`), live in the core, not here. Work executes
+synchronously on the host, so ordering between streams always holds; the objects still keep the
+identities, busy times and timing users rely on.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ class Stream(torch.Stream):
         return event
 
     def query(self) -> bool:
-        """True when all queued work has completed (always, as work runs synchronously)."""
+        """True when all queued work has completed: kernels finish before their call returns, so
+        False only while time queued by `_sleep` (here or on a stream waited for) runs."""
         return super().query()
 
     def synchronize(self) -> None:
@@ -149,8 +151,8 @@ class ExternalStream(Stream):
 class Event(torch.Event):
     """A SUPA event: a marker in a stream used for synchronisation and timing.
 
-    `enable_timing` allows `elapsed_time`; `blocking` changes nothing (waits are always
-    complete in the emulator); `interprocess` allows `ipc_handle`, whose handles work within this
+    `enable_timing` allows `elapsed_time`; `blocking` changes nothing (the host waits by
+    sleeping either way); `interprocess` allows `ipc_handle`, whose handles work within this
     machine's emulator only. `external` is CUDA's flag for a record or wait that becomes a node of
     a graph being captured; it is accepted and changes nothing here: the emulator's graphs replay
     kernels and hold no event nodes of any kind. The event is created lazily on its first
@@ -211,18 +213,16 @@ class Event(torch.Event):
         return super().query()
 
     def elapsed_time(self, end_event: "Event") -> float:
-        """Milliseconds between this event's record and `end_event`'s (host time in the emulator).
+        """Milliseconds between the times the streams reached this event and `end_event`.
 
-        Raises RuntimeError unless both events were created with `enable_timing=True` and have
-        been recorded.
+        As CUDA's: ValueError unless both events were created with `enable_timing=True`, then
+        unless both were recorded; RuntimeError unless both have completed (`synchronize` first
+        after a `_sleep`) or when they belong to two devices.
         """
         # torch.Event.elapsed_time accepts only exact torch.Event arguments, so the core is
-        # asked directly; it keeps each record's host time (work is synchronous, so host time
-        # between records is the device time).
+        # asked directly; it keeps the time each record's stream reaches it.
         if not isinstance(end_event, Event):
             raise TypeError(f"expected end_event to be a torch.supa.Event, got {type(end_event).__name__}")
-        self.synchronize()
-        end_event.synchronize()
         return float(_native()._event_elapsed_time(self, end_event))
 
     def synchronize(self) -> None:
