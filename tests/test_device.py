@@ -93,6 +93,16 @@ def test_set_device_and_current_device():
     assert torch.supa.current_device() == 0
 
 
+@pytest.mark.parametrize("index", [1 << 8, 1 << 20, (1 << 31) - 1])
+def test_device_indices_too_wide_for_a_device_index_are_refused_not_wrapped(index):
+    # PyTorch keeps device indices in 8 bits: narrowed unchecked, 1 << 8 would be device 0.
+    before = torch.supa.current_device()
+    for call in (torch.supa.set_device, torch.supa.synchronize, torch.supa.get_per_process_memory_fraction):
+        with pytest.raises(torch.AcceleratorError, match=rf"SUPA error: invalid device ordinal \(device {index},"):
+            call(index)
+    assert torch.supa.current_device() == before
+
+
 @multi_device
 def test_device_context_manager_restores_previous_device():
     torch.supa.set_device(0)

@@ -137,19 +137,32 @@ def test_elapsed_time_with_timing():
 
 
 def test_elapsed_time_needs_recorded_events():
+    # ValueError, as CUDA's events raise (torch's test_cuda.py, test_events_elapsedtime).
     start = torch.supa.Event(enable_timing=True)
     end = torch.supa.Event(enable_timing=True)
     start.record()
-    with pytest.raises(RuntimeError, match="Both events must be recorded"):
+    with pytest.raises(ValueError, match="Both events must be recorded before calculating elapsed time"):
         start.elapsed_time(end)
 
 
-def test_elapsed_time_needs_timing_events():
+def test_elapsed_time_needs_timing_events_and_says_so_first():
     start = torch.supa.Event()
     end = torch.supa.Event()
     start.record()
     end.record()
-    with pytest.raises(RuntimeError, match="enable_timing=True"):
+    with pytest.raises(ValueError, match="Both events must be created with argument 'enable_timing=True'"):
+        start.elapsed_time(end)
+    with pytest.raises(ValueError, match="enable_timing=True"):  # checked before the records, as CUDA does
+        torch.supa.Event().elapsed_time(torch.supa.Event())
+
+
+@multi_device
+def test_elapsed_time_refuses_events_of_two_devices():
+    start = torch.supa.Event(enable_timing=True)
+    end = torch.supa.Event(enable_timing=True)
+    start.record(torch.supa.current_stream(0))
+    end.record(torch.supa.current_stream(1))
+    with pytest.raises(torch.AcceleratorError, match="SUPA error: invalid resource handle.*supa:0.*supa:1"):
         start.elapsed_time(end)
 
 
@@ -204,6 +217,117 @@ def test_wait_stream_orders_work_between_streams():
     assert isinstance(event, torch.supa.Event)
     torch.supa.current_stream().wait_event(event)
     assert event.query()
+
+
+# ---- a stream made busy by _sleep answers as a card's does -----------------------------------
+
+BUSY_S = 0.1  # short: the checks are of order, not of how long
+
+
+def _sleep_cycles(seconds):
+    return int(seconds * torch.supa.get_device_properties().clock_rate * 1000)
+
+
+def test_sleep_makes_the_current_stream_busy_until_it_is_synchronized():
+    stream = torch.supa.Stream()
+    other = torch.supa.Stream()
+    with torch.supa.stream(stream):
+        torch.supa._sleep(_sleep_cycles(BUSY_S))
+    assert stream.query() is False
+    assert other.query() is True and torch.supa.default_stream().query() is True
+    stream.synchronize()
+    assert stream.query() is True
+
+
+def test_sleep_busies_the_device_until_synchronize():
+    stream = torch.supa.Stream()
+    with torch.supa.stream(stream):
+        torch.supa._sleep(_sleep_cycles(BUSY_S))
+    torch.supa.synchronize()
+    assert stream.query() is True
+    with torch.supa.stream(stream):
+        torch.supa._sleep(_sleep_cycles(BUSY_S))
+    torch.accelerator.synchronize()
+    assert stream.query() is True
+
+
+def test_event_recorded_after_a_sleep_completes_with_it():
+    stream = torch.supa.current_stream()
+    before = stream.record_event(torch.supa.Event(enable_timing=True))
+    torch.supa._sleep(_sleep_cycles(BUSY_S))
+    after = stream.record_event(torch.supa.Event(enable_timing=True))
+    assert before.query() is True
+    assert after.query() is False
+    with pytest.raises(RuntimeError, match="Both events must be completed before calculating elapsed time"):
+        before.elapsed_time(after)
+    after.synchronize()
+    assert after.query() is True and stream.query() is True
+    assert isinstance(before.elapsed_time(after), float)
+
+
+def test_wait_event_and_wait_stream_carry_the_busy_time_to_the_waiting_stream():
+    busy = torch.supa.Stream()
+    by_event, by_stream = torch.supa.Stream(), torch.supa.Stream()
+    with torch.supa.stream(busy):
+        torch.supa._sleep(_sleep_cycles(BUSY_S))
+    by_event.wait_event(busy.record_event())
+    by_stream.wait_stream(busy)
+    assert by_event.query() is False and by_stream.query() is False
+    by_event.synchronize()
+    assert by_event.query() is True and busy.query() is True
+    assert by_stream.query() is True
+
+
+def test_sleep_accepts_only_int64_cycle_counts():
+    with pytest.raises(RuntimeError, match="expected 'int'"):
+        torch.supa._sleep(1.5)
+    with pytest.raises(RuntimeError, match="Overflow when unpacking long"):
+        torch.supa._sleep(1 << 64)
+    torch.supa._sleep(-5)  # a spin of no cycles, as CUDA's kernel
+    assert torch.supa.current_stream().query() is True
+
+
+# ---- streams rebuilt from their fields, selection out of range, event flags ----------------------
+
+def test_stream_rebuilt_from_the_fields_of_an_index_less_generic_stream():
+    generic = torch.Stream("supa")  # no index: the current device, as for CUDA
+    assert generic.device_index == torch.supa.current_device()
+    rebuilt = torch.supa.Stream(stream_id=generic.stream_id, device_index=generic.device_index,
+                                device_type=generic.device_type)
+    assert rebuilt == generic and rebuilt.stream_id != torch.supa.current_stream().stream_id
+    with torch.supa.stream(rebuilt):
+        torch.supa._sleep(_sleep_cycles(BUSY_S))
+    assert generic.query() is False  # the same stream, not a copy of its name
+    generic.synchronize()
+
+
+def test_stream_fields_of_another_device_type_or_device_are_refused():
+    s = torch.supa.Stream()
+    with pytest.raises(RuntimeError, match="Expected a supa stream"):
+        torch.supa.Stream(stream_id=s.stream_id, device_index=0, device_type=0)
+    with pytest.raises(torch.AcceleratorError, match="SUPA error: invalid device ordinal"):
+        torch.supa.Stream(stream_id=s.stream_id, device_index=torch.supa.device_count(), device_type=s.device_type)
+    with pytest.raises(torch.AcceleratorError, match="invalid device ordinal"):
+        torch.supa.Stream(stream_id=s.stream_id, device_index=1 << 20, device_type=s.device_type)  # no wrap to 0
+
+
+@pytest.mark.parametrize("past_last", [0, 100])
+def test_current_stream_of_a_device_out_of_range_raises_invalid_device_ordinal(past_last):
+    index = torch.supa.device_count() + past_last
+    with pytest.raises(torch.AcceleratorError, match=rf"SUPA error: invalid device ordinal \(device {index},"):
+        torch.accelerator.current_stream(index)
+    with pytest.raises(torch.AcceleratorError, match="SUPA error: invalid device ordinal"):
+        torch.supa.current_stream(index)
+    with pytest.raises(torch.AcceleratorError, match="SUPA error: invalid device ordinal"):
+        torch.supa.default_stream(index)
+
+
+def test_external_event_flag_is_accepted_and_the_event_works():
+    event = torch.supa.Event(enable_timing=True, external=True)
+    event.record()
+    torch.supa.current_stream().wait_event(event)
+    event.synchronize()
+    assert event.query() is True
 
 
 def test_stream_capture_flag_outside_capture():

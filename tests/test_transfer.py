@@ -194,6 +194,17 @@ def test_cuda_submodules_answer_for_supa():
     assert torch.cuda.current_stream().cuda_stream == torch.supa.current_stream().supa_stream
 
 
+def test_cuda_streams_rebuilt_from_their_fields_are_the_supa_streams():
+    # torch's test_cuda.py (test_generic_stream_event), and code that names CUDA's device type (1).
+    generic = torch.Stream("cuda")
+    assert generic.device_index == torch.cuda.current_device()
+    for device_type in (generic.device_type, 1):
+        rebuilt = torch.cuda.Stream(stream_id=generic.stream_id, device_index=generic.device_index,
+                                    device_type=device_type)
+        assert rebuilt == generic and rebuilt.device == torch.device("supa", generic.device_index)
+    assert torch.cuda.Event(external=True).query()
+
+
 def test_cuda_names_the_transfer_does_not_copy_stay_cuda_s():
     # As on the real stack: CUDA's own device-index helper still insists on a CUDA device.
     with pytest.raises(ValueError, match="Expected a cuda device"):
@@ -366,6 +377,10 @@ try:
     report["cuda_tensor"] = str(torch.ones(1, device="cuda").device)
 except Exception as exc:
     report["cuda_tensor"] = type(exc).__name__
+try:  # CUDA's device type in a stream's fields means supa under the transfer only
+    report["cuda_typed_stream"] = str(torch.supa.Stream(stream_id=0, device_index=0, device_type=1).device)
+except Exception as exc:
+    report["cuda_typed_stream"] = type(exc).__name__
 print(json.dumps(report))
 """
 
@@ -386,12 +401,14 @@ _PLAIN_IMPORT = shared_case("test_transfer: plain import torch", _REPORT)
 def test_plain_import_torch_applies_the_transfer():
     report = _reported(_PLAIN_IMPORT.result())
     assert report["cuda_available"] and report["cuda_tensor"] == "supa:0"
+    assert report["cuda_typed_stream"] == "supa:0"
 
 
 @pytest.mark.emulation_only
 def test_import_torch_supa_first_gives_native_supa_without_the_transfer():
     report = _report("import torch_supa\n" + _REPORT)
     assert report["supa"] and not report["cuda_available"]
+    assert report["cuda_typed_stream"] == "RuntimeError"
     assert report["cuda_tensor"] == "AssertionError"  # "Torch not compiled with CUDA enabled", as on CPU torch
     assert report["autoload"] == "0"  # the real package leaves autoload off for child processes
     report = _report("import torch_supa\nfrom torch_supa.contrib import transfer_to_supa\n" + _REPORT)

@@ -21,10 +21,10 @@
 #include "runtime/mem_pool.h"
 #include "runtime/memcheck.h"
 #include "runtime/memory_history.h"
+#include "runtime/stream_timeline.h"
 
 // Only the Python-binding headers: torch/extension.h would add the whole C++ frontend (nn,
 // optim, data), which this file does not use and which dominated the build time.
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Event.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
@@ -33,6 +33,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <limits>
 #include <sstream>
 #include <unordered_map>
 
@@ -45,6 +46,16 @@ void installCapturedTracebackPython();
 }  // namespace torch
 
 namespace {
+
+// A device index from Python, narrowed to c10::DeviceIndex (8 bits) only once it fits: narrowed
+// first, 1 << 20 would wrap onto device 0. Negative indices that fit pass, for the callees that
+// give them a meaning (-1: none, or all devices).
+c10::DeviceIndex device_arg(int64_t index) {
+  if (index < std::numeric_limits<c10::DeviceIndex>::min() || index > std::numeric_limits<c10::DeviceIndex>::max()) {
+    supa::check_device_index(index);
+  }
+  return static_cast<c10::DeviceIndex>(index);
+}
 
 void init(int count, const std::vector<int64_t>& capacities, bool dtype_demotion, bool shapes) {
   supa::init_devices(count, capacities, dtype_demotion, /*lazy_backing=*/shapes);
@@ -116,13 +127,13 @@ py::dict workspace_frame(const supa::BlasWorkspaceInfo& workspace) {
   return frame;
 }
 
-py::list memory_snapshot(int device) {
+py::list memory_snapshot(int64_t device) {
   std::unordered_map<uintptr_t, supa::BlasWorkspaceInfo> workspaces;
   for (const auto& workspace : supa::blas_workspaces()) {
     workspaces.emplace(reinterpret_cast<uintptr_t>(workspace.ptr), workspace);
   }
   py::list segments;
-  for (const auto& info : supa::segment_snapshot(static_cast<c10::DeviceIndex>(device))) {
+  for (const auto& info : supa::segment_snapshot(device_arg(device))) {
     py::dict segment;
     segment["device"] = info.device;
     segment["address"] = info.address;
@@ -194,14 +205,15 @@ py::list memory_trace() {
   return per_device;
 }
 
-// Asks the device guard, which keeps each event's record time and flags (device_guard.cpp), and
-// raises its RuntimeErrors, as the CUDA runtime's errors reach torch.cuda.Event users.
+// Through c10::Event, which checks the events' flags, records and completion as CUDA's events do
+// (ValueError, ValueError, RuntimeError, in that order) before the device guard measures
+// (device_guard.cpp), as the CUDA runtime's errors reach torch.cuda.Event users.
 double event_elapsed_ms(py::handle start, py::handle end) {
   TORCH_CHECK_TYPE(THPEvent_Check(start.ptr()) && THPEvent_Check(end.ptr()),
                    "elapsed time is measured between two torch.Event objects");
   const c10::Event& a = reinterpret_cast<THPEvent*>(start.ptr())->event;
   const c10::Event& b = reinterpret_cast<THPEvent*>(end.ptr())->event;
-  return c10::impl::getDeviceGuardImpl(supa::kSupa)->elapsedTime(a.eventId(), b.eventId(), a.device_index());
+  return a.elapsedTime(b);
 }
 
 void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_entries) {
@@ -259,26 +271,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("debug") = false);
   m.def("_device_count", [] { return supa::device_count(); });
   m.def("_get_device", [] { return static_cast<int>(supa::current_device()); });
-  m.def("_set_device", [](int index) { supa::set_device(static_cast<c10::DeviceIndex>(index)); });
+  m.def("_set_device", [](int64_t index) { supa::set_device(device_arg(index)); });
   m.def("_exchange_device",
-        [](int index) { return static_cast<int>(supa::exchange_device(static_cast<c10::DeviceIndex>(index))); });
-  m.def("_set_memory_fraction", [](double fraction, int device) {
-    supa::set_memory_fraction(fraction, static_cast<c10::DeviceIndex>(device));
+        [](int64_t index) { return static_cast<int>(supa::exchange_device(device_arg(index))); });
+  m.def("_set_memory_fraction", [](double fraction, int64_t device) {
+    supa::set_memory_fraction(fraction, device_arg(device));
   });
-  m.def("_get_memory_fraction", [](int device) {
-    return supa::get_memory_fraction(static_cast<c10::DeviceIndex>(device));
+  m.def("_get_memory_fraction", [](int64_t device) {
+    return supa::get_memory_fraction(device_arg(device));
   });
   m.def("_set_allocator_knobs", &supa::set_allocator_knobs, py::arg("max_split_size"), py::arg("gc_threshold"),
         py::arg("divisions"));
   m.def("_set_blas_workspace_sizes", &supa::set_blas_workspace_sizes, py::arg("workspace"), py::arg("lt_workspace"));
-  m.def("_current_blas_handle", [](int device) {
-    return supa::current_blas_handle(static_cast<c10::DeviceIndex>(device));
+  m.def("_current_blas_handle", [](int64_t device) {
+    return supa::current_blas_handle(device_arg(device));
   });
   m.def("_clear_blas_workspaces", &supa::clear_blas_workspaces);
-  m.def("_capacity", [](int device) { return supa::capacity(static_cast<c10::DeviceIndex>(device)); });
+  m.def("_capacity", [](int64_t device) { return supa::capacity(device_arg(device)); });
   m.def("_memory_snapshot", &memory_snapshot, py::arg("device") = -1);
-  m.def("_raw_alloc", [](size_t nbytes, int device) {
-    return reinterpret_cast<uintptr_t>(supa::raw_alloc(nbytes, static_cast<c10::DeviceIndex>(device)));
+  m.def("_raw_alloc", [](size_t nbytes, int64_t device) {
+    return reinterpret_cast<uintptr_t>(supa::raw_alloc(nbytes, device_arg(device)));
   });
   m.def("_raw_delete", [](uintptr_t ptr) { supa::raw_delete(reinterpret_cast<void*>(ptr)); });
   m.def("_report_blocks_to_gpu_trace", &supa::report_blocks_to_gpu_trace);
@@ -341,9 +353,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const supa::SharedBlock block = supa::export_storage(unpack_storage(storage));
     return py::make_tuple(block.fd, block.nbytes);
   }, "Share a supa storage with other processes: (fd, nbytes); counts one pending reference");
-  m.def("_ipc_import", [](int fd, size_t nbytes, int device) {
+  m.def("_ipc_import", [](int fd, size_t nbytes, int64_t device) {
     return py::reinterpret_steal<py::object>(
-        THPStorage_Wrap(supa::import_storage(fd, nbytes, static_cast<c10::DeviceIndex>(device))));
+        THPStorage_Wrap(supa::import_storage(fd, nbytes, device_arg(device))));
   }, "Map a shared supa storage exported by another process");
   m.def("_ipc_release_pending", [](py::handle storage) { supa::release_pending_reference(unpack_storage(storage)); });
   m.def("_ipc_is_shared", [](py::handle storage) { return supa::is_shared_storage(unpack_storage(storage)); });
@@ -352,6 +364,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_register_generator_with_capture", &supa::register_generator_with_capture,
         "Keep a supa generator graph-safe in the graph now capturing (SUPAGraph.register_generator_state)");
   m.def("_stream_priority", [](int64_t stream_id) { return supa::stream_priority(stream_id); });
+  m.def("_check_device_index", [](int64_t device) { supa::check_device_index(device); },
+        "Raise the runtime's invalid-device-ordinal error for an index outside [0, device count)");
+  m.def("_queue_stream_work", [](int64_t device, int64_t stream_id, int64_t ns) {
+    supa::check_device_index(device);
+    supa::queue_stream_work(static_cast<c10::DeviceIndex>(device), stream_id, ns);
+  }, py::arg("device"), py::arg("stream_id"), py::arg("ns"),
+     "Make the stream busy for `ns` more nanoseconds after its queued work (torch.supa._sleep)");
   m.def("_event_elapsed_time", &event_elapsed_ms, "Milliseconds between two recorded timing events");
   m.def("_graph_pool_handle", [] {
     const auto id = supa::new_graph_pool_id();
@@ -361,11 +380,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const auto id = supa::new_user_pool_id();
     return pool_id(id.first, id.second);
   });
-  m.def("_begin_allocate_to_pool", [](int device, std::pair<uint64_t, uint64_t> pool) {
-    supa::begin_allocate_to_pool(static_cast<c10::DeviceIndex>(device), pool);
+  m.def("_begin_allocate_to_pool", [](int64_t device, std::pair<uint64_t, uint64_t> pool) {
+    supa::begin_allocate_to_pool(device_arg(device), pool);
   });
-  m.def("_end_allocate_to_pool", [](int device, std::pair<uint64_t, uint64_t> pool) {
-    supa::end_allocate_to_pool(static_cast<c10::DeviceIndex>(device), pool);
+  m.def("_end_allocate_to_pool", [](int64_t device, std::pair<uint64_t, uint64_t> pool) {
+    supa::end_allocate_to_pool(device_arg(device), pool);
   });
   m.def("_retain_pool", [](std::pair<uint64_t, uint64_t> pool) { supa::retain_pool(pool); });
   m.def("_release_pool", [](std::pair<uint64_t, uint64_t> pool) { return supa::release_pool(pool); });

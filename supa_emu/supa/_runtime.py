@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 import traceback
 from typing import Any, Callable, Union
 
@@ -331,12 +330,24 @@ def _probe_bf16(idx: int) -> bool:
 
 
 def _sleep(cycles: int) -> None:
-    """Busy the current device for about `cycles` clock cycles (blocks the host: execution is
-    synchronous). Non-int input raises RuntimeError."""
+    """Queue `cycles` clock cycles of spinning on the current stream, as CUDA's `_sleep` kernel does.
+
+    The host returns at once (work is synchronous, there is nothing to run); the stream stays busy
+    for cycles / clock rate seconds: its `query()` is False and synchronisations, and events
+    recorded after, wait until then. Non-positive counts queue nothing; non-int input raises
+    RuntimeError.
+    """
     if not isinstance(cycles, int) or isinstance(cycles, bool):
         raise RuntimeError("torch.supa._sleep(): expected 'int'")
-    clock_hz = get_device_properties().clock_rate * 1000
-    time.sleep(max(cycles, 0) / clock_hz)
+    if not -_INT64_LIMIT <= cycles < _INT64_LIMIT:  # the runtime takes an int64, as CUDA's does
+        raise RuntimeError("Overflow when unpacking long")
+    stream = torch.accelerator.current_stream(current_device())
+    clock_hz = get_device_properties(stream.device_index).clock_rate * 1000
+    ns = min(max(cycles, 0) * 1_000_000_000 // clock_hz, _INT64_LIMIT - 1)
+    _native()._queue_stream_work(stream.device_index, stream.stream_id, ns)
+
+
+_INT64_LIMIT = 1 << 63
 
 
 def current_blas_handle() -> int:

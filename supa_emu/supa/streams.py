@@ -1,9 +1,10 @@
 """SUPA streams and events, and the functions that select the current stream.
 
 `Stream` and `Event` extend PyTorch's generic `torch.Stream` / `torch.Event`, which the native
-core backs for the supa device: stream ids (with their priority), event records and timestamps
-live in the core's device guard, not here. Work executes synchronously on the host, so ordering
-between streams always holds; the objects still keep the identities and timing users rely on.
+core backs for the supa device: stream ids (with their priority), event records and timestamps,
+and the time until which a stream is busy (`_sleep`), live in the core, not here. Work executes
+synchronously on the host, so ordering between streams always holds; the objects still keep the
+identities, busy times and timing users rely on.
 """
 
 from __future__ import annotations
@@ -30,16 +31,34 @@ _IPC_HANDLE_SIZE = 64
 _IPC_MAGIC = b"SUPAEMUEVT"
 
 
-def _supa_device_type(idx: int) -> int:
-    # The integer DeviceType code torch.Stream uses for supa (PrivateUse1).
-    return torch.accelerator.current_stream(idx).device_type
+# The integer DeviceType codes torch.Stream carries: supa's (PrivateUse1) and CUDA's, which code
+# written for CUDA passes literally and which means supa under transfer_to_supa.
+_SUPA_DEVICE_TYPE = int(torch._C._autograd.DeviceType.PrivateUse1)
+_CUDA_DEVICE_TYPE = int(torch._C._autograd.DeviceType.CUDA)
+
+
+def _rebuilt_stream_fields(kwargs: dict) -> tuple[int, int, int]:
+    """(stream_id, device_index, device_type) of a stream named by its fields: a missing device
+    index is the current device; the device type must be supa's (or CUDA's, under the transfer)."""
+    device_type = int(kwargs.get("device_type", _SUPA_DEVICE_TYPE))
+    if device_type == _CUDA_DEVICE_TYPE and _native()._cuda_means_supa():
+        device_type = _SUPA_DEVICE_TYPE
+    if device_type != _SUPA_DEVICE_TYPE:
+        raise RuntimeError(f"Expected a supa stream (device_type {_SUPA_DEVICE_TYPE}), but got device_type "
+                           f"{device_type}")
+    device_index = kwargs.get("device_index")
+    idx = _get_device_index(None if device_index is None else int(device_index), optional=True)
+    _native()._check_device_index(idx)
+    return int(kwargs.get("stream_id", 0)), idx, device_type
 
 
 class Stream(torch.Stream):
     """A SUPA stream: an in-order queue of work on one device.
 
     `Stream(device=None, priority=0)` takes a new stream from the device's pool (default:
-    current device). `supa_stream` is its integer handle; the default stream's is 0.
+    current device); `Stream(stream_id=..., device_index=..., device_type=...)` rebuilds the stream
+    those fields of another one name (`device_type` supa's, or CUDA's under transfer_to_supa).
+    `supa_stream` is its integer handle; the default stream's is 0.
     """
 
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
@@ -48,14 +67,14 @@ class Stream(torch.Stream):
                 raise RuntimeError("Priority was explicitly set for a external stream")
             idx = _get_device_index(device, optional=True)
             kwargs = {"stream_id": int(kwargs.pop("stream_ptr")), "device_index": idx,
-                      "device_type": _supa_device_type(idx), **kwargs}
-        if any(k in kwargs for k in ("stream_id", "device_index", "device_type")):
-            _lazy_init()
-            return super().__new__(cls, stream_id=int(kwargs.get("stream_id", 0)),
-                                   device_index=int(kwargs.get("device_index", 0)),
-                                   device_type=int(kwargs.get("device_type", 0)))
+                      "device_type": _SUPA_DEVICE_TYPE, **kwargs}
+        unknown = sorted(set(kwargs) - {"stream_id", "device_index", "device_type"})
+        if unknown:
+            raise TypeError(f"Stream() got unexpected keyword arguments {unknown}")
         if kwargs:
-            raise TypeError(f"Stream() got unexpected keyword arguments {sorted(kwargs)}")
+            _lazy_init()
+            stream_id, device_index, device_type = _rebuilt_stream_fields(kwargs)
+            return super().__new__(cls, stream_id=stream_id, device_index=device_index, device_type=device_type)
         _lazy_init()
         idx = _get_device_index(device, optional=True)
         with _device_ctx(idx):
@@ -94,7 +113,8 @@ class Stream(torch.Stream):
         return event
 
     def query(self) -> bool:
-        """True when all queued work has completed (always, as work runs synchronously)."""
+        """True when all queued work has completed: kernels finish before their call returns, so
+        False only while time queued by `_sleep` (here or on a stream waited for) runs."""
         return super().query()
 
     def synchronize(self) -> None:
@@ -131,13 +151,16 @@ class ExternalStream(Stream):
 class Event(torch.Event):
     """A SUPA event: a marker in a stream used for synchronisation and timing.
 
-    `enable_timing` allows `elapsed_time`; `blocking` changes nothing (waits are always
-    complete in the emulator); `interprocess` allows `ipc_handle`, whose handles work within
-    this machine's emulator only. The event is created lazily on its first `record`.
+    `enable_timing` allows `elapsed_time`; `blocking` changes nothing (the host waits by
+    sleeping either way); `interprocess` allows `ipc_handle`, whose handles work within this
+    machine's emulator only. `external` is CUDA's flag for a record or wait that becomes a node of
+    a graph being captured; it is accepted and changes nothing here: the emulator's graphs replay
+    kernels and hold no event nodes of any kind. The event is created lazily on its first
+    `record`.
     """
 
     def __new__(cls, enable_timing: bool = False, blocking: bool = False,
-                interprocess: bool = False) -> "Event":
+                interprocess: bool = False, external: bool = False) -> "Event":
         self = super().__new__(cls, device=torch.device(DEVICE_TYPE), enable_timing=enable_timing,
                                blocking=blocking, interprocess=interprocess)
         # The only flag the core does not keep: torch.Event has no interprocess events.
@@ -190,18 +213,16 @@ class Event(torch.Event):
         return super().query()
 
     def elapsed_time(self, end_event: "Event") -> float:
-        """Milliseconds between this event's record and `end_event`'s (host time in the emulator).
+        """Milliseconds between the times the streams reached this event and `end_event`.
 
-        Raises RuntimeError unless both events were created with `enable_timing=True` and have
-        been recorded.
+        As CUDA's: ValueError unless both events were created with `enable_timing=True`, then
+        unless both were recorded; RuntimeError unless both have completed (`synchronize` first
+        after a `_sleep`) or when they belong to two devices.
         """
         # torch.Event.elapsed_time accepts only exact torch.Event arguments, so the core is
-        # asked directly; it keeps each record's host time (work is synchronous, so host time
-        # between records is the device time).
+        # asked directly; it keeps the time each record's stream reaches it.
         if not isinstance(end_event, Event):
             raise TypeError(f"expected end_event to be a torch.supa.Event, got {type(end_event).__name__}")
-        self.synchronize()
-        end_event.synchronize()
         return float(_native()._event_elapsed_time(self, end_event))
 
     def synchronize(self) -> None:
@@ -246,7 +267,7 @@ def default_stream(device: Any = None) -> Stream:
     """The default (null) stream of `device` (default: current device); its handle is 0."""
     _lazy_init()
     idx = _get_device_index(device, optional=True)
-    return Stream(stream_id=0, device_index=idx, device_type=_supa_device_type(idx))
+    return Stream(stream_id=0, device_index=idx, device_type=_SUPA_DEVICE_TYPE)
 
 
 def set_stream(stream: Optional[torch.Stream]) -> None:

@@ -1,20 +1,21 @@
 // The device guard PyTorch uses for `supa`: current device, streams and events.
 //
-// Work runs synchronously on the host, so every stream is always idle and every event is
-// complete as soon as it is recorded; streams still have identities (ids per device, 0 is
-// the default stream) and events carry the host time of their last record.
+// Work runs synchronously on the host; a stream is busy only for the time `_sleep` queued on it
+// (stream_timeline.h), and an event completes when the work its stream had queued at its record
+// does. Streams have identities (ids per device, 0 is the default stream); events carry the
+// time their stream reaches them, which is what elapsed_time measures.
 #include "device_guard.h"
 
 #include "devices.h"
 #include "gpu_trace.h"
 #include "graph.h"
+#include "stream_timeline.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
-#include <chrono>
 #include <unordered_map>
 
 namespace supa {
@@ -24,13 +25,16 @@ struct HostEvent {
   c10::DeviceIndex device;
   bool recorded = false;
   bool timing;
-  int64_t time_ns = 0;
+  int64_t time_ns = 0;  // when the recording stream reaches the event (stream_timeline.h)
 };
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+// An index-less device means the current one, as in CUDA's stream functions.
+c10::DeviceIndex resolved_index(c10::Device d) {
+  if (d.index() == -1) {
+    return current_device();
+  }
+  check_device_index(d.index());
+  return d.index();
 }
 
 std::atomic<c10::StreamId> g_next_stream_index{1};
@@ -63,19 +67,20 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
   }
   c10::Stream getStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, current_stream_id(d.index()));
+    const c10::DeviceIndex index = resolved_index(d);
+    return c10::Stream(c10::Stream::UNSAFE, {kSupa, index}, current_stream_id(index));
   }
   c10::Stream getDefaultStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, 0);
+    return c10::Stream(c10::Stream::UNSAFE, {kSupa, resolved_index(d)}, 0);
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
     return getNewStream(d, high_priority ? -1 : 0);
   }
   c10::Stream getNewStream(c10::Device d, int priority) const override {
-    check_device_index(d.index());
-    return c10::Stream(c10::Stream::UNSAFE, d, new_stream_id(priority));
+    return c10::Stream(c10::Stream::UNSAFE, {kSupa, resolved_index(d)}, new_stream_id(priority));
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
+    check_device_index(s.device_index());
     const c10::Stream old = getStream(s.device());
     t_current_streams[s.device_index()] = s.id();
     return old;
@@ -97,20 +102,21 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
       });
     }
     e->recorded = true;
-    e->time_ns = now_ns();
+    e->time_ns = stream_ready_ns(stream.device_index(), stream.id());
     report_to_gpu_trace([&](const auto& trace) {
       trace->trace_gpu_event_record(kSupa, reinterpret_cast<uintptr_t>(e), static_cast<uintptr_t>(stream.id()));
     });
   }
   void block(void* event, const c10::Stream& stream) const override {
     if (event != nullptr) {
+      stream_wait_until(stream.device_index(), stream.id(), static_cast<HostEvent*>(event)->time_ns);
       report_to_gpu_trace([&](const auto& trace) {
         trace->trace_gpu_event_wait(kSupa, reinterpret_cast<uintptr_t>(event), static_cast<uintptr_t>(stream.id()));
       });
     }
   }
-  bool queryEvent(void* /*event*/) const override {
-    return true;
+  bool queryEvent(void* event) const override {
+    return event == nullptr || static_cast<HostEvent*>(event)->time_ns <= now_ns();
   }
   void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
     if (event != nullptr) {
@@ -120,16 +126,18 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
     delete static_cast<HostEvent*>(event);
   }
-  bool queryStream(const c10::Stream& /*stream*/) const override {
-    return true;
+  bool queryStream(const c10::Stream& stream) const override {
+    return stream_ready_ns(stream.device_index(), stream.id()) <= now_ns();
   }
   void synchronizeStream(const c10::Stream& stream) const override {
+    wait_until_ns(stream_ready_ns(stream.device_index(), stream.id()));
     report_to_gpu_trace([&](const auto& trace) {
       trace->trace_gpu_stream_synchronization(kSupa, static_cast<uintptr_t>(stream.id()));
     });
   }
   void synchronizeEvent(void* event) const override {
     if (event != nullptr) {
+      wait_until_ns(static_cast<HostEvent*>(event)->time_ns);
       report_to_gpu_trace([&](const auto& trace) {
         trace->trace_gpu_event_synchronization(kSupa, reinterpret_cast<uintptr_t>(event));
       });
@@ -137,19 +145,30 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     check_device_index(device_index);
+    wait_until_ns(device_ready_ns(device_index));
     report_to_gpu_trace([](const auto& trace) { trace->trace_gpu_device_synchronization(kSupa); });
   }
   bool isStreamCapturing(const c10::Stream& /*stream*/) const override {
     return is_capturing();
   }
   void recordDataPtrOnStream(const c10::DataPtr& /*data_ptr*/, const c10::Stream& /*stream*/) const override {}
+  // CUDA's checks and messages. c10::Event (the way torch.Event and torch.supa.Event come here)
+  // makes the flag, record and completion checks first, in CUDA's order; they are repeated for
+  // callers of the guard itself, which cannot tell a timing flag of an event never recorded.
   double elapsedTime(void* start, void* end, const c10::DeviceIndex /*device_index*/) const override {
     auto* a = static_cast<HostEvent*>(start);
     auto* b = static_cast<HostEvent*>(end);
-    TORCH_CHECK(a != nullptr && b != nullptr && a->recorded && b->recorded,
-                "Both events must be recorded before calculating elapsed time.");
-    TORCH_CHECK(a->timing && b->timing,
-                "Both events must be created with argument 'enable_timing=True'.");
+    TORCH_CHECK_VALUE(a != nullptr && b != nullptr && a->recorded && b->recorded,
+                      "Both events must be recorded before calculating elapsed time.");
+    TORCH_CHECK_VALUE(a->timing && b->timing, "Both events must be created with argument 'enable_timing=True'.");
+    TORCH_CHECK(queryEvent(a) && queryEvent(b), "Both events must be completed before calculating elapsed time.");
+    if (a->device != b->device) {
+      // What cudaEventElapsedTime answers for events of two devices (cudaErrorInvalidResourceHandle).
+      throw c10::AcceleratorError(
+          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, 400,
+          c10::str("SUPA error: invalid resource handle (elapsed time between an event of supa:",
+                   static_cast<int>(a->device), " and one of supa:", static_cast<int>(b->device), ")"));
+    }
     return static_cast<double>(b->time_ns - a->time_ns) / 1.0e6;
   }
 };

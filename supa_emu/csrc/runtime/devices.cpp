@@ -35,12 +35,12 @@ c10::DeviceIndex current_device() {
   return t_current_device;
 }
 
-void check_device_index(c10::DeviceIndex index) {
+void check_device_index(int64_t index) {
   if (index < 0 || index >= device_count()) {
     // The runtime reports a bad ordinal the way CUDA does (cudaErrorInvalidDevice = 101).
     throw c10::AcceleratorError(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, 101,
-        c10::str("SUPA error: invalid device ordinal (device ", static_cast<int>(index), ", but ",
+        c10::str("SUPA error: invalid device ordinal (device ", index, ", but ",
                  device_count(), " SUPA devices are visible; see SUPA_VISIBLE_DEVICES)"));
   }
 }

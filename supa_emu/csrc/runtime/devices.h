@@ -22,7 +22,8 @@ bool dtype_demotion_enabled();
 c10::DeviceIndex current_device();
 // Checked: raises the runtime's invalid-device error for an index outside [0, count).
 void set_device(c10::DeviceIndex index);
-void check_device_index(c10::DeviceIndex index);
+// Takes an index as wide as Python's, so the error names the index given, not its narrowed value.
+void check_device_index(int64_t index);
 // Makes `index` current and returns the previous device; a negative index changes nothing
 // and returns -1 (the convention of torch.cuda._exchange_device).
 c10::DeviceIndex exchange_device(c10::DeviceIndex index);
