@@ -717,3 +717,101 @@ def test_snapshot_checks_its_device_and_covers_every_device():
         torch.supa._snapshot(torch.supa.device_count())
     with pytest.raises(ValueError, match="Expected a supa device"):
         torch.supa._snapshot("cpu")
+
+
+# ---- stream-ordered memory: record_stream and pinned host blocks ------------------------------
+
+def _busy(stream, seconds=0.2):
+    # Work queued on `stream` that outlasts the host's calls: a card's stream still running it.
+    with torch.supa.stream(stream):
+        torch.supa._sleep(int(seconds * torch.supa.get_device_properties().clock_rate * 1000))
+
+
+def test_record_stream_keeps_a_block_until_the_stream_reaches_its_free():
+    side = torch.supa.Stream()
+    with torch.supa.stream(side):
+        tmp = torch.empty(256, device="supa")
+    ptr = tmp.data_ptr()
+    tmp.record_stream(torch.supa.current_stream())
+    _busy(torch.supa.current_stream())
+    active = torch.supa.memory_stats()["active_bytes.all.current"]
+    del tmp
+    assert torch.supa.memory_stats()["active_bytes.all.current"] == active  # still in use on the card
+    with torch.supa.stream(side):
+        assert torch.empty(256, device="supa").data_ptr() != ptr  # not handed out again too soon
+    torch.supa.current_stream().synchronize()
+    with torch.supa.stream(side):
+        assert torch.empty(256, device="supa").data_ptr() == ptr  # then reused on its stream
+
+
+def test_a_block_used_only_on_its_own_stream_is_reused_at_once():
+    side = torch.supa.Stream()
+    with torch.supa.stream(side):
+        tmp = torch.empty(256, device="supa")
+        ptr = tmp.data_ptr()
+        tmp.record_stream(side)  # its own stream: nothing to wait for
+        _busy(side)
+        del tmp
+        assert torch.empty(256, device="supa").data_ptr() == ptr
+
+
+def test_empty_cache_waits_for_all_streams_and_counts_it():
+    before = torch.supa.memory_stats()["num_sync_all_streams"]
+    side = torch.supa.Stream()
+    with torch.supa.stream(side):
+        tmp = torch.empty(1 << 20, device="supa")
+    tmp.record_stream(torch.supa.current_stream())
+    _busy(torch.supa.current_stream(), 0.05)
+    del tmp
+    torch.supa.empty_cache()
+    stats = torch.supa.memory_stats()
+    assert stats["num_sync_all_streams"] == before + 1
+    assert torch.supa.current_stream().query()
+    assert stats["active_bytes.all.current"] == torch.supa.memory_allocated()
+
+
+def test_record_stream_refuses_a_stream_of_another_device_type():
+    x = torch.empty(4, device="supa")
+    with pytest.raises(RuntimeError, match="expected a supa stream"):
+        torch.ops.aten.record_stream(x, torch.Stream("cpu"))
+
+
+def test_pinned_blocks_are_cached_and_reused():
+    t = torch.ones(100).pin_memory()
+    ptr = t.data_ptr()
+    del t
+    again = torch.ones(100).pin_memory()
+    assert again.data_ptr() == ptr and again.is_pinned()
+    assert again[10:].is_pinned()  # a view into a pinned block is pinned memory too
+
+
+def test_a_pinned_block_read_by_a_busy_stream_waits_for_it():
+    t = torch.ones(1000).pin_memory()
+    ptr = t.data_ptr()
+    dev = torch.empty(1000, device="supa")
+    _busy(torch.supa.current_stream())
+    dev.copy_(t, non_blocking=True)
+    del t
+    assert torch.ones(1000).pin_memory().data_ptr() != ptr  # the copy engine may still read it
+    torch.supa.synchronize()
+    assert torch.ones(1000).pin_memory().data_ptr() == ptr
+    assert torch.equal(dev.cpu(), torch.ones(1000))
+
+
+def test_empty_host_cache_keeps_live_pinned_blocks():
+    live = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
+    cached = torch.ones(1 << 16).pin_memory()
+    del cached
+    torch.accelerator.empty_host_cache()
+    assert live.is_pinned() and torch.equal(live, torch.arange(1 << 16, dtype=torch.float32))
+    assert torch.ones(1 << 16).pin_memory().is_pinned()
+
+
+def test_a_request_of_more_than_one_exabyte_is_refused_as_cuda_refuses_it():
+    keep = torch.zeros(1024, device="supa")
+    ooms = torch.supa.memory_stats()["num_ooms"]
+    with pytest.raises(torch.OutOfMemoryError, match="^SUPA out of memory. Tried to allocate more than 1EB memory.$"):
+        torch.empty(1024 * 1024 * 1024 * 8000000000, dtype=torch.int8, device="supa")
+    assert torch.supa.memory_stats()["num_ooms"] == ooms
+    keep.fill_(1)
+    assert bool((keep == 1).all())

@@ -6,8 +6,7 @@ emulator); each is called with no arguments, with each of GENERIC_ARGS (wrong ty
 indices out of range, negative values, None) and with its valid arguments from VALID_ARGS. The
 calls run in a child interpreter, one after the other, each bounded by CALL_TIMEOUT_S; a call that
 kills the child is reported, and a new child carries on after it, so one run finds every crash.
-SKIPPED names the calls that may block or exit (with why); KNOWN_CRASHES the crashes whose fix
-lies outside this change (with the fix).
+SKIPPED names the calls that may block or exit (with why).
 """
 
 import faulthandler
@@ -83,14 +82,6 @@ VALID_ARGS = {
 
 # Calls that legitimately block or end the process, each with the reason: none so far.
 SKIPPED = {}
-
-# Calls known to end the process, with the fix each needs; each must still crash (a fixed one
-# fails this test until it is taken off), and no other call may.
-KNOWN_CRASHES = {
-    "torch.accelerator.empty_host_cache()": "SIGSEGV: no at::HostAllocator is registered for PrivateUse1, so "
-    "at::getHostAllocator returns null (the fix belongs in csrc/runtime/pinned_host_allocator.*)",
-}
-
 
 def _entry_points():
     """(qualified name, callable) of every public entry point of the two modules, in a fixed order."""
@@ -194,7 +185,5 @@ def test_no_entry_point_ends_the_process_by_a_signal():
     unmade = {call: outcome for call, outcome in outcomes.items() if outcome.startswith("unmade")}
     assert not unmade, f"VALID_ARGS could not make these arguments: {unmade}"
     assert not hung, f"calls that did not return within {CALL_TIMEOUT_S} s: {hung}"
-    unexpected = {description: sig for (_, description), sig in crashed.items() if description not in KNOWN_CRASHES}
-    assert not unexpected, f"calls that ended the process: {unexpected}"
-    fixed = sorted(set(KNOWN_CRASHES) - {description for _, description in crashed})
-    assert not fixed, f"no longer crash (take them off KNOWN_CRASHES): {fixed}"
+    ended = {description: sig for (_, description), sig in crashed.items()}
+    assert not ended, f"calls that ended the process: {ended}"

@@ -1,9 +1,11 @@
 // Operators the supa device implements itself: allocation, metadata (views, resize, set_)
 // and copies between devices. Everything else goes through the fallback.
 #include "../runtime/caching_allocator.h"
+#include "../runtime/device_guard.h"
 #include "../runtime/devices.h"
 #include "../runtime/graph.h"
 #include "../runtime/host_alias.h"
+#include "../runtime/pinned_host_allocator.h"
 #include "shape_only.h"
 
 #include <ATen/EmptyTensor.h>
@@ -208,6 +210,13 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   if (dst.numel() > 0 && (!card_to_card || card_bytes_move(dst.numel() * dst.dtype().itemsize()))) {
     host_side(dst).copy_(src);
   }
+  if (non_blocking && !card_to_card) {
+    const at::Tensor& host = self.device().is_cpu() ? self : dst;
+    const c10::DeviceIndex device = (self.device().is_cpu() ? dst : self).device().index();
+    if (host.numel() > 0 && host.is_pinned()) {
+      record_pinned_use(host, c10::Stream(c10::Stream::UNSAFE, c10::Device(kSupa, device), current_stream_id(device)));
+    }
+  }
   return dst;
 }
 
@@ -216,8 +225,10 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
-void record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {
-  // Execution is synchronous: memory is never reused while another stream still reads it.
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  TORCH_CHECK(stream.device_type() == kSupa, "record_stream: expected a ", c10::DeviceTypeName(kSupa, true),
+              " stream, got one of device type ", stream.device_type());
+  device_allocator()->recordStream(self.storage().data_ptr(), stream);
 }
 
 bool is_dense_host_or_supa(c10::DispatchKeySet keys) {

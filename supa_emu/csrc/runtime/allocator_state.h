@@ -27,6 +27,9 @@ struct DeviceMemory {
   DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing);
   CardMemory card;
   c10::CachingDeviceAllocator::DeviceStats stats;
+  // Freed blocks that streams they were recorded on have not reached yet, with the time they will
+  // (stream_timeline.h): still active, not yet reusable.
+  std::vector<std::pair<CardBlock*, int64_t>> pending_free;
 };
 
 extern std::mutex g_mutex;
@@ -37,7 +40,7 @@ extern BlockPolicy g_policy;                            // `_set_allocator_setti
 // The rest under g_mutex unless said otherwise.
 DeviceMemory& memory_of(c10::DeviceIndex device);
 [[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error);
-// The block size that serves a request; raises for a request no card could hold (takes g_mutex).
+// The block size that serves a request; raises for a request of 1 EiB or more, as CUDA does.
 size_t block_size(size_t nbytes, c10::DeviceIndex device);
 // The free blocks of split segments ("inactive_split"), as the card reports their change.
 void count_inactive_split(c10::CachingDeviceAllocator::DeviceStats& stats, bool small, int blocks, int64_t bytes);

@@ -11,6 +11,8 @@
 // reserved memory passes that fraction of the card (see BlockPolicy). Segments, splitting and
 // merging are the card's (card_memory.h); the statistics count them as PyTorch's allocator does
 // (inactive_split for the free blocks of split segments, whole blocks in allocated_bytes).
+// A block that other streams used (record_stream) is reused only once they have passed its free
+// on the card's timeline (stream_timeline.h); empty_cache waits for all of them, as a card's does.
 //
 // The state both halves share is in allocator_state.h; an operator kernel's provisional
 // allocations, which the card counts only once handed back as results, are provisional_blocks.cpp.
@@ -21,11 +23,13 @@
 #include "device_guard.h"
 #include "devices.h"
 #include "gpu_trace.h"
+#include "graph.h"
 #include "mem_pool.h"
 #include "memcheck.h"
 #include "memory_history.h"
 #include "out_of_memory.h"
 #include "provisional_blocks.h"
+#include "stream_timeline.h"
 
 #include <c10/util/Exception.h>
 
@@ -140,12 +144,11 @@ void report_block(void* ptr, bool allocated) {
 }
 
 // The block size that serves a request; raises for a request no card could hold.
-size_t block_size(size_t nbytes, c10::DeviceIndex device) {
-  if (nbytes > kLargestRequest) {
-    const auto stack = memory_event_stack();
-    std::lock_guard<std::mutex> lock(g_mutex);
-    raise_oom(memory_of(device), device, nbytes, stack);
-  }
+size_t block_size(size_t nbytes, c10::DeviceIndex /*device*/) {
+  // Refused before any card is asked, as CUDA's allocator does (not counted as an OOM; rounding
+  // such a size up would wrap around).
+  TORCH_CHECK_WITH(OutOfMemoryError, nbytes < kLargestRequest,
+                   "SUPA out of memory. Tried to allocate more than 1EB memory.");
   return g_policy.round_size(nbytes);
 }
 
@@ -198,6 +201,44 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes
 
 }  // namespace allocator_state
 
+namespace {
+
+// A freed block leaves the active count and returns to the card's cache (under g_mutex).
+void return_to_cache(DeviceMemory& mem, CardBlock* block) {
+  const bool small = block->small;
+  count_block(mem.stats.active, small, false);
+  update(mem.stats.active_bytes, small, block->size, false);
+  block->used_on.clear();
+  const Release changed = mem.card.cache(block);  // may merge `block` away
+  count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
+}
+
+// Returns the pending blocks whose streams have passed their free to the cache (under g_mutex);
+// `wait`: first waits until every one has (a synchronisation of the card's streams).
+void settle_pending_frees(DeviceMemory& mem, bool wait) {
+  auto& pending = mem.pending_free;
+  if (pending.empty()) {
+    return;
+  }
+  if (wait) {
+    int64_t last = 0;
+    for (const auto& [block, ready] : pending) {
+      last = std::max(last, ready);
+    }
+    wait_until_ns(last);
+  }
+  const int64_t now = now_ns();
+  auto reached = std::stable_partition(pending.begin(), pending.end(),
+                                       [now](const auto& entry) { return entry.second > now; });
+  std::vector<std::pair<CardBlock*, int64_t>> done(reached, pending.end());
+  pending.erase(reached, pending.end());
+  for (const auto& [block, ready] : done) {
+    return_to_cache(mem, block);
+  }
+}
+
+}  // namespace
+
 void free_block(void* ptr) {
   if (drop_provisional(ptr)) {
     return;
@@ -214,9 +255,7 @@ void free_block(void* ptr) {
   const auto device = static_cast<c10::DeviceIndex>(block->device);
   const bool small = block->small;
   count_block(mem.stats.allocation, small, false);
-  count_block(mem.stats.active, small, false);
   update(mem.stats.allocated_bytes, small, block->size, false);
-  update(mem.stats.active_bytes, small, block->size, false);
   update(mem.stats.requested_bytes, small, block->requested, false);
   if (block->oversize) {
     mem.stats.oversize_allocations.decrease(1);
@@ -224,9 +263,18 @@ void free_block(void* ptr) {
   // The history names what was asked for, as the card's does; the statistics count whole blocks.
   const size_t size = block->size, requested = block->requested;
   const int64_t stream = block->stream;
-  const Release changed = mem.card.cache(block);  // may merge `block` away
-  count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
   record_memory_event("free_requested", device, ptr, requested, stack, size, stream);
+  // A block that other streams used (record_stream) is reused only once they have reached this
+  // free, as a card's allocator waits for events recorded on them.
+  int64_t ready = 0;
+  for (int64_t used_on : block->used_on) {
+    ready = std::max(ready, stream_ready_ns(device, used_on));
+  }
+  if (ready > now_ns()) {
+    mem.pending_free.emplace_back(block, ready);
+  } else {
+    return_to_cache(mem, block);
+  }
   record_memory_event("free_completed", device, ptr, requested, stack, size, stream);
 }
 
@@ -244,7 +292,9 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   const c10::MempoolId_t pool = allocation_pool(device);
   const c10::StreamId stream = current_stream_id(device);
   std::lock_guard<std::mutex> lock(g_mutex);
-  return place_block(memory_of(device), device, nbytes, pool, stream, stack)->ptr;
+  DeviceMemory& mem = memory_of(device);
+  settle_pending_frees(mem, /*wait=*/false);
+  return place_block(mem, device, nbytes, pool, stream, stack)->ptr;
 }
 
 }  // namespace
@@ -296,11 +346,28 @@ class SupaDeviceAllocator final : public c10::DeviceAllocator {
     std::lock_guard<std::mutex> lock(g_mutex);
     const bool general = pool.first == 0 && pool.second == 0;
     for (auto& mem : g_devices) {
+      if (general && !is_capturing()) {
+        // As a card's allocator: wait for every stream's use of freed blocks, then release.
+        ++mem->stats.num_sync_all_streams;
+        settle_pending_frees(*mem, /*wait=*/true);
+      }
       mem->card.release_cached(general ? nullptr : &pool);
     }
   }
-  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {
-    // Execution is synchronous, so a block is never in use by a stream after it is freed.
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    if (ptr.get() == nullptr) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_blocks.find(ptr.get_context());
+    if (it == g_blocks.end()) {
+      return;  // not a block of the caching allocator (a provisional result, IPC memory): nothing waits
+    }
+    CardBlock* block = it->second;
+    if (stream.id() != block->stream &&
+        std::find(block->used_on.begin(), block->used_on.end(), stream.id()) == block->used_on.end()) {
+      block->used_on.push_back(stream.id());
+    }
   }
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(g_mutex);

@@ -1,64 +1,96 @@
-// Pinned host memory (`tensor.pin_memory()` with supa as the accelerator): host memory the
-// runtime knows as pinned, so `is_pinned()` answers and non_blocking copies can be told apart.
+// Pinned host memory (`tensor.pin_memory()` with supa as the accelerator), cached as a card's
+// runtime caches it: PyTorch's caching host allocator (ATen/core/CachingHostAllocator.h) keeps
+// freed blocks for reuse, with its statistics, `torch.accelerator.empty_host_cache()` and graph
+// pools. This file gives it the runtime it asks for: host memory known as pinned (so `is_pinned()`
+// answers, also for views into a block), the current supa stream, and events that tell when a
+// stream that used a block (a non_blocking copy) has reached the point where the block was freed.
 #include "pinned_host_allocator.h"
 
 #include "card_memory.h"
+#include "device_guard.h"
+#include "devices.h"
+#include "graph.h"
+#include "stream_timeline.h"
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
-#include <cstring>
+#include <map>
 #include <mutex>
-#include <unordered_set>
 
 namespace supa {
 namespace {
 
 std::mutex g_pinned_mutex;
-std::unordered_set<const void*> g_pinned;
+std::map<const char*, size_t> g_pinned;  // pinned allocations: start -> size
 
-void delete_pinned(void* ptr) {
-  if (ptr == nullptr) {
-    return;
-  }
-  {
+// A stream's position when a block it used was freed: the block is free once the stream passed it.
+struct StreamPoint {
+  int64_t ready_ns;
+};
+
+using Block = at::HostBlock<c10::Stream>;
+
+class SupaHostAllocatorImpl final : public at::CachingHostAllocatorImpl<c10::Stream, StreamPoint> {
+ private:
+  void allocate_host_memory(size_t size, void** ptr) override {
+    TORCH_CHECK_WITH(OutOfMemoryError, posix_memalign(ptr, kMemoryAlignment, size) == 0,
+                     "SUPA out of memory: cannot allocate ", size, " bytes of pinned host memory");
     std::lock_guard<std::mutex> lock(g_pinned_mutex);
-    g_pinned.erase(ptr);
+    g_pinned.emplace(static_cast<const char*>(*ptr), size);
   }
-  std::free(ptr);
-}
-
-class PinnedHostAllocator final : public c10::Allocator {
- public:
-  c10::DataPtr allocate(size_t nbytes) override {
-    void* ptr = nullptr;
-    if (nbytes > 0) {
-      TORCH_CHECK_WITH(OutOfMemoryError, posix_memalign(&ptr, kMemoryAlignment, nbytes) == 0,
-                       "SUPA out of memory: cannot allocate ", nbytes, " bytes of pinned host memory");
+  void free_block(Block* block) override {
+    {
       std::lock_guard<std::mutex> lock(g_pinned_mutex);
-      g_pinned.insert(ptr);
+      g_pinned.erase(static_cast<const char*>(block->ptr_));
     }
-    return {ptr, ptr, &delete_pinned, c10::Device(c10::DeviceType::CPU)};
+    std::free(block->ptr_);
   }
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &delete_pinned;
+  void record_stream(std::optional<std::vector<StreamPoint>>& events, c10::Stream stream) override {
+    events->push_back({stream_ready_ns(stream.device_index(), stream.id())});
   }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
+  bool query_event(StreamPoint& event) override {
+    return now_ns() >= event.ready_ns;
+  }
+  c10::Stream get_current_stream() const override {
+    const c10::DeviceIndex device = current_device();
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kSupa, device), current_stream_id(device));
+  }
+  bool stream_is_capturing(c10::Stream stream) const override {
+    return is_capturing() && stream.id() == current_stream_id(stream.device_index());
   }
 };
 
-PinnedHostAllocator g_host_allocator;
+void delete_pinned(void* ctx);
+struct SupaHostAllocator final : public at::CachingHostAllocatorInterface<SupaHostAllocatorImpl, delete_pinned> {};
+SupaHostAllocator g_host_allocator;
+void delete_pinned(void* ctx) {
+  g_host_allocator.free(ctx);
+}
 
 }  // namespace
+
+REGISTER_HOST_ALLOCATOR(at::kPrivateUse1, &g_host_allocator)
 
 c10::Allocator* host_allocator() {
   return &g_host_allocator;
 }
 
 bool is_pinned_ptr(const void* ptr) {
+  const char* p = static_cast<const char*>(ptr);
   std::lock_guard<std::mutex> lock(g_pinned_mutex);
-  return g_pinned.count(ptr) != 0;
+  auto it = g_pinned.upper_bound(p);
+  if (it == g_pinned.begin()) {
+    return false;
+  }
+  --it;
+  return p < it->first + it->second;
+}
+
+void record_pinned_use(const at::Tensor& host, c10::Stream stream) {
+  const c10::DataPtr& data = host.storage().data_ptr();
+  g_host_allocator.record_event(data.get(), data.get_context(), stream);
 }
 
 }  // namespace supa
