@@ -147,6 +147,7 @@ def _values(dev, out):
     values = torch.arange(200000, device=dev, dtype=torch.float32)
     out["selected"] = list(values[mask].shape)
     out["nonzero"] = list(mask.nonzero().shape)
+    out["above"] = list((values >= 100000).nonzero().shape)  # a mask of values shapes mode did not compute
     out["notes"] = [(n["kind"], n["op"], n["frames"][0]["filename"] if n["frames"] else None) for n in shapes.notes()]
 
 
@@ -160,10 +161,41 @@ def test_shapes_mode_values_host_copies_are_real_and_skipped_kernels_read_zeros(
         assert result["from_host"] == [1.5, -2.0, 3.25]
         assert result["small"] == [1.0, 3.0, 5.0, 7.0]
         assert result["selected"] == [100000] and result["nonzero"] == [100000, 1]
-    assert compute["notes"] == []
-    # Indexing with a mask and nonzero ran on the mask the card held, each named with its call site.
-    assert sorted(shapes["notes"]) == [["value-dependent", "aten::index.Tensor", __file__],
+    assert compute["notes"] == [] and compute["above"] == [100000, 1]
+    # A mask from the host holds its values: indexing with it and its nonzero are the real ones.
+    # One computed from skipped kernels reads zeros: its nonzero is named with its call site, as is
+    # the .item() of a skipped kernel's sum.
+    assert shapes["above"] == [0, 1]
+    assert sorted(shapes["notes"]) == [["value-dependent", "aten::_local_scalar_dense", __file__],
                                        ["value-dependent", "aten::nonzero", __file__]]
+
+
+def _checks(dev, out):
+    import torch
+    from supa_emu import shapes
+
+    # RoPE's bounds check (torchtitan): integer positions of 128 KiB, compared and reduced on the card.
+    positions = torch.arange(8192, device=dev).expand(2, -1)
+    torch._assert_async(torch.all(positions <= 8191), "position_ids exceed max_valid_pos=8191")
+    out["positions"] = [int(positions.max()), int((positions * 2).sum())]
+    # A check of values shapes mode did not compute (a 1 MiB activation) is reported, not failed.
+    x = torch.randn(1 << 18, device=dev).abs() + 1
+    torch._assert_async(torch.all(x > 0.5), "activations out of range")
+    # A branch on a large tensor's max reads what the card holds, and is named.
+    out["branch"] = "big" if x.max() > 0.5 else "small"
+    out["notes"] = sorted((n["kind"], n["op"]) for n in shapes.notes())
+
+
+@pytest.mark.slow
+def test_checks_of_values_never_fail_a_plan_that_compute_mode_passes():
+    compute, shapes = (recorded(_checks, mode) for mode in MODES)
+    for result in (compute, shapes):
+        assert result["positions"] == [8191, 2 * 8191 * 8192]  # integers are computed in both modes
+    assert compute["branch"] == "big" and compute["notes"] == []
+    assert shapes["branch"] == "small"
+    assert shapes["notes"] == [["value-dependent", "aten::_assert_async.msg"],
+                               ["value-dependent", "aten::_local_scalar_dense"]]
+    assert shapes["events"] == compute["events"] and shapes["figures"] == compute["figures"]
 
 
 def _gru_cell(dev, out):
@@ -230,4 +262,29 @@ def test_planning_the_llama_fine_tune_gives_the_same_figures_in_both_modes(tmp_p
     assert shapes["failure"] is None and compute["failure"] is None
     for figure in ("peak_allocated", "peak_reserved", "peak_phase", "collectives"):
         assert shapes[figure] == compute[figure], figure
-    assert shapes["value_dependent"] == shapes["no_shape_rule"] == []
+    assert shapes["no_shape_rule"] == [] and compute["value_dependent"] == []
+    # What the plan reads of values it did not compute (the loss, the gradient norm) is named.
+    assert {note["what"].split(": ")[0] for note in shapes["value_dependent"]} == {"aten::_local_scalar_dense"}
+    assert all("examples/finetune_llama.py" in note["site"] for note in shapes["value_dependent"])
+
+
+def _fused_step(dev, out):
+    import torch
+
+    param = torch.nn.Parameter(torch.ones(1 << 18).to(dev))  # 1 MiB from the host: real values
+    param.grad = torch.full((1 << 18,), 0.5).to(dev)
+    optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
+    optimizer.step()
+    with torch.no_grad():
+        torch._foreach_add_([param], [param.grad])
+    out["first"] = float(param[0])
+
+
+@pytest.mark.slow
+def test_operators_that_return_nothing_compute_nothing_in_shapes_mode():
+    # The fused AdamW step and _foreach_ ops return nothing; in shapes mode they take their shape rule
+    # like every other large operator, so the host pays none of their FLOPs.
+    compute, shapes = (recorded(_fused_step, mode) for mode in MODES)
+    assert compute["first"] != 1.0
+    assert shapes["first"] == 1.0  # neither kernel ran: the parameter keeps what the host wrote
+    assert shapes["events"] == compute["events"] and shapes["figures"] == compute["figures"]

@@ -202,11 +202,22 @@ def record(failure: Optional[dict] = None) -> dict:
     }
 
 
+# What a value-dependent call of shapes mode did, by the kind of operator (shapes.py).
+_VALUE_DEPENDENT_EXPLAINED = {
+    "read": "read values the plan did not compute (a skipped kernel's result reads as zeros)",
+    "check": "checks values the plan did not compute; not checked",
+    "shape": "its output's shape depends on values the plan did not compute; ran on the values the card held",
+}
+
+
 def _kernels_run(kind: str) -> list:
-    """Shapes mode's operators of `kind` that ran their kernels: [{what, count, site}]."""
-    explained = {shapes.VALUE_DEPENDENT: "its output's shape depends on the values; ran on the values the card held",
-                 shapes.NO_SHAPE_RULE: "PyTorch has no shape rule for it; its kernel ran"}[kind]
-    return [{"what": f"{note['op']}: {explained}", "count": note["count"], "site": _site(note["frames"])}
+    """Shapes mode's operators of `kind` that ran their kernels (or skipped a check): [{what, count, site}]."""
+    def explained(op: str) -> str:
+        if kind == shapes.NO_SHAPE_RULE:
+            return "PyTorch has no shape rule for it; its kernel ran"
+        return _VALUE_DEPENDENT_EXPLAINED[shapes.value_dependent_kind(op)]
+
+    return [{"what": f"{note['op']}: {explained(note['op'])}", "count": note["count"], "site": _site(note["frames"])}
             for note in shapes.notes() if note["kind"] == kind]
 
 

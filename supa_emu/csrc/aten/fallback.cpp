@@ -155,9 +155,34 @@ class FallbackCall {
     if (is_capturing()) {
       record_call(op_, recorded_inputs_, std::vector<c10::IValue>(stack_.begin() + first_return, stack_.end()));
     }
+    if (shapes_mode()) {
+      note_written_values(first_return);
+    }
   }
 
  private:
+  // Shapes mode: what the call wrote holds values only where its kernel ran on operands that hold them.
+  void note_written_values(size_t first_return) {
+    bool unknown = shape_rule_;
+    for (const auto& operand : operands_) {
+      unknown = unknown || values_unknown(operand.original);
+    }
+    for (const auto& operand : operands_) {
+      if (operand.written) {
+        note_values(operand.original, unknown);
+      }
+    }
+    for (size_t i = first_return; i < stack_.size(); ++i) {
+      if (stack_[i].isTensor()) {
+        note_values(stack_[i].toTensor(), unknown);
+      } else if (stack_[i].isTensorList()) {
+        for (const at::Tensor& t : stack_[i].toTensorList().vec()) {
+          note_values(t, unknown);
+        }
+      }
+    }
+  }
+
   void note_device(const c10::Device& device, const std::string& argument) {
     const c10::DeviceIndex index = device.has_index() ? device.index() : current_device();
     if (device_ < 0) {
@@ -352,14 +377,45 @@ class FallbackCall {
 
 // Shapes mode: the call's shape rule where it tells the results; otherwise its kernel, noted.
 void run_in_shapes_mode(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
+  const size_t num_args = op.schema().arguments().size();
+  if (is_device_assert(op) && reads_unknown_values(op, *stack)) {
+    // A check of values the plan did not compute: reported, not failed (compute mode checks them).
+    note_kernel_ran(op, KernelReason::kValueDependent);
+    torch::jit::drop(*stack, num_args);
+    return;
+  }
   const ShapesRoute route = shapes_route(op, *stack);
   if (route == ShapesRoute::kKernel) {
+    if (op.hasTag(at::Tag::data_dependent_output) && reads_unknown_values(op, *stack)) {
+      note_kernel_ran(op, KernelReason::kValueDependent);  // .item() of values the plan did not compute
+    }
     FallbackCall(op, stack, kernel).run();
     return;
   }
-  const size_t num_args = op.schema().arguments().size();
   const size_t base = stack->size() - num_args;
   std::vector<c10::IValue> arguments = with_own_lists(torch::jit::last(*stack, num_args));
+  if (values_known_integral(op, *stack)) {
+    // Integer and boolean results of known values are computed (shape_only.h): the rule tells
+    // whether the results are such (a float result of integers, `positions.float()`, is not).
+    bool integral = route == ShapesRoute::kShapeRuleElseKernel;  // sizes from the values: compute them
+    if (!integral) {
+      try {
+        FallbackCall(op, stack, kernel, /*shape_rule=*/true).run(/*probe=*/true);
+        integral = std::all_of(stack->begin() + base, stack->end(), [](const c10::IValue& v) {
+          return !v.isTensor() || at::isIntegralType(v.toTensor().scalar_type(), /*includeBool=*/true);
+        });
+      } catch (const std::exception&) {
+        // The rule could not tell: the usual route below decides.
+      }
+      stack->resize(base);
+      stack->insert(stack->end(), arguments.begin(), arguments.end());
+    }
+    if (integral) {
+      FallbackCall(op, stack, kernel).run();
+      return;
+    }
+    arguments = with_own_lists(torch::jit::last(*stack, num_args));
+  }
   std::optional<KernelReason> reason;
   bool without_meta_kernel = false;
   try {
@@ -380,8 +436,11 @@ void run_in_shapes_mode(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   if (without_meta_kernel) {
     note_kernel_ran(op, *reason);  // before the kernel runs: later calls go straight to it
   }
+  // A result sized by values the plan computed (a known mask, known indices) is the real one.
+  const bool noted = reason.has_value() && !without_meta_kernel &&
+                     (reason != KernelReason::kValueDependent || sizes_from_unknown_values(op, *stack));
   FallbackCall(op, stack, kernel).run();
-  if (reason.has_value() && !without_meta_kernel) {
+  if (noted) {
     note_kernel_ran(op, *reason);
   }
 }

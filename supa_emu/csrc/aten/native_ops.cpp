@@ -112,6 +112,7 @@ void ensure_storage_fits(const at::Tensor& self) {
       resize_storage_bytes(storage, needed);
     } else {
       resize_card_storage(storage, needed, self.device().index());
+      note_values(self, /*unknown=*/true);  // shapes mode: the bytes it held were not carried over
     }
   }
 }
@@ -207,8 +208,12 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     return dst;
   }
   const bool card_to_card = self.device().type() == kSupa && dst.device().type() == kSupa;
-  if (dst.numel() > 0 && (!card_to_card || card_bytes_move(dst.numel() * dst.dtype().itemsize()))) {
+  const bool moved = !card_to_card || card_bytes_move(dst.numel() * dst.dtype().itemsize());
+  if (dst.numel() > 0 && moved) {
     host_side(dst).copy_(src);
+  }
+  if (shapes_mode()) {
+    note_values(dst, !moved || values_unknown(self));
   }
   if (non_blocking && !card_to_card) {
     const at::Tensor& host = self.device().is_cpu() ? self : dst;

@@ -10,8 +10,10 @@
 #include <torch/csrc/profiler/combined_traceback.h>
 
 #include <atomic>
+#include <algorithm>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace supa {
@@ -41,17 +43,6 @@ bool known_without_rule(const c10::OperatorHandle& op) {
   return s.without_rule.count(&op.schema()) != 0;
 }
 
-bool returns_tensors(const c10::FunctionSchema& schema) {
-  for (const auto& result : schema.returns()) {
-    const c10::TypePtr& type = result.type();
-    if (type->isSubtypeOf(*c10::TensorType::get()) || type->isSubtypeOf(*c10::ListType::ofTensors()) ||
-        type->isSubtypeOf(*c10::OptionalType::ofTensor())) {
-      return true;
-    }
-  }
-  return false;
-}
-
 // Adds a supa operand's logical bytes; false for a layout no shape rule here takes (sparse).
 bool add_operand(const at::Tensor& t, uint64_t* bytes) {
   if (!t.defined() || t.device().type() != kSupa) {
@@ -64,7 +55,111 @@ bool add_operand(const at::Tensor& t, uint64_t* bytes) {
   return true;
 }
 
+// The storages whose values are unknown, each held weakly: an entry whose storage died is stale.
+struct UnknownValues {
+  std::mutex mutex;
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  size_t sweep_at = 1024;
+};
+
+UnknownValues& unknown_values() {
+  static auto* state = new UnknownValues();  // never destroyed: ops may run while the process exits
+  return *state;
+}
+
+template <typename Fn>
+void for_each_supa_operand(const c10::OperatorHandle& op, const torch::jit::Stack& stack, Fn fn) {
+  for (const c10::IValue& value : torch::jit::last(stack, op.schema().arguments().size())) {
+    if (value.isTensor()) {
+      fn(value.toTensor());
+    } else if (value.isList()) {
+      for (const c10::IValue& item : value.toListRef()) {
+        if (item.isTensor()) {
+          fn(item.toTensor());
+        }
+      }
+    }
+  }
+}
+
+bool is_supa(const at::Tensor& t) {
+  return t.defined() && t.device().type() == kSupa;
+}
+
 }  // namespace
+
+bool values_unknown(const at::Tensor& t) {
+  if (!is_supa(t) || !t.has_storage()) {
+    return false;
+  }
+  UnknownValues& u = unknown_values();
+  std::lock_guard<std::mutex> lock(u.mutex);
+  auto it = u.storages.find(t.storage().unsafeGetStorageImpl());
+  if (it == u.storages.end()) {
+    return false;
+  }
+  if (it->second.expired()) {
+    u.storages.erase(it);
+    return false;
+  }
+  return true;
+}
+
+void note_values(const at::Tensor& t, bool unknown) {
+  if (!is_supa(t) || !t.has_storage()) {
+    return;
+  }
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+  UnknownValues& u = unknown_values();
+  std::lock_guard<std::mutex> lock(u.mutex);
+  if (!unknown) {
+    u.storages.erase(key);
+    return;
+  }
+  u.storages.insert_or_assign(key, t.storage().getWeakStorageImpl());
+  if (u.storages.size() >= u.sweep_at) {
+    for (auto it = u.storages.begin(); it != u.storages.end();) {
+      it = it->second.expired() ? u.storages.erase(it) : std::next(it);
+    }
+    u.sweep_at = std::max<size_t>(1024, 2 * u.storages.size());
+  }
+}
+
+bool reads_unknown_values(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  bool unknown = false;
+  for_each_supa_operand(op, stack, [&](const at::Tensor& t) { unknown = unknown || values_unknown(t); });
+  return unknown;
+}
+
+bool sizes_from_unknown_values(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  bool any_integral = false, integral_unknown = false, any_unknown = false;
+  for_each_supa_operand(op, stack, [&](const at::Tensor& t) {
+    if (!is_supa(t)) {
+      return;
+    }
+    const bool unknown = values_unknown(t);
+    any_unknown = any_unknown || unknown;
+    if (at::isIntegralType(t.scalar_type(), /*includeBool=*/true)) {
+      any_integral = true;
+      integral_unknown = integral_unknown || unknown;
+    }
+  });
+  return any_integral ? integral_unknown : any_unknown;
+}
+
+bool values_known_integral(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  bool integral = true;
+  for_each_supa_operand(op, stack, [&](const at::Tensor& t) {
+    integral = integral && (!is_supa(t) || (t.layout() == c10::kStrided &&
+                                            at::isIntegralType(t.scalar_type(), /*includeBool=*/true) &&
+                                            !values_unknown(t)));
+  });
+  return integral;
+}
+
+bool is_device_assert(const c10::OperatorHandle& op) {
+  return op.schema().name() == "aten::_assert_async";
+}
 
 void set_shapes_mode(bool on) {
   g_shapes_mode.store(on);
@@ -77,7 +172,7 @@ bool shapes_mode() {
 ShapesRoute shapes_route(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   const auto& schema = op.schema();
   // .item(), equal(), is_nonzero(): what they return is the values.
-  if (op.hasTag(at::Tag::data_dependent_output) || !returns_tensors(schema) || known_without_rule(op)) {
+  if (op.hasTag(at::Tag::data_dependent_output) || known_without_rule(op)) {
     return ShapesRoute::kKernel;
   }
   uint64_t bytes = 0;

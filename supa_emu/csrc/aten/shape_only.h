@@ -39,6 +39,24 @@ enum class ShapesRoute {
 };
 ShapesRoute shapes_route(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
 
+// Which supa tensors hold values in shapes mode. A tensor a shape rule made (or wrote) holds
+// none, nor does one a kernel computed from such a tensor; every other one holds what compute mode
+// would hold. Integer and boolean results of operands that hold values are computed whatever their
+// size (positions, token ids, masks: they cost little, and checks and indexing read them), so
+// `values_known_integral` calls take their kernel.
+bool values_unknown(const at::Tensor& t);
+void note_values(const at::Tensor& t, bool unknown);
+// Whether any supa tensor operand of the call holds no values.
+bool reads_unknown_values(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+// Whether a result sized by values (nonzero, boolean-mask indexing) is sized by values the plan did
+// not compute: an integer or boolean operand without values, or, where there is none, any operand.
+bool sizes_from_unknown_values(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+// Whether every supa tensor operand of the call is an integer or boolean tensor holding values.
+bool values_known_integral(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+// A device-side assertion (`_assert_async`): on values shapes mode did not compute it asserts
+// nothing; it is reported and skipped.
+bool is_device_assert(const c10::OperatorHandle& op);
+
 // Why a call ran its kernel in shapes mode, for the report.
 enum class KernelReason { kValueDependent, kNoShapeRule };
 void note_kernel_ran(const c10::OperatorHandle& op, KernelReason reason);
