@@ -463,3 +463,59 @@ def test_captured_scaled_backward_with_grad_scaler_equals_eager(fused):
     graphed_weight, graphed_scales = run(True)
     torch.testing.assert_close(graphed_weight, eager_weight)
     assert graphed_scales == eager_scales
+
+
+# ---------------------------------------------------------------------------------------------
+# A graph's private pool, as a card's allocator keeps it.
+
+def test_a_graph_holds_its_pools_memory_by_address_only():
+    # Freed after capture, a block goes back to the graph's pool, where a later capture that shares
+    # the pool takes it: replaying the graphs out of order then mixes their results, as on a card.
+    s = torch.supa.Stream()
+    a = torch.ones(1000, device="supa")
+    g0, g1, g2 = torch.supa.SUPAGraph(), torch.supa.SUPAGraph(), torch.supa.SUPAGraph()
+    with torch.supa.stream(s):
+        g0.capture_begin()
+        b = a.clone()
+        c = b + 1
+        d = b + 2
+        g0.capture_end()
+        g1.capture_begin(g0.pool())
+        e = c + 3
+        del c
+        g1.capture_end()
+        g2.capture_begin(g0.pool())
+        f = d + 4
+        g2.capture_end()
+    for g in (g0, g1, g2):
+        g.replay()
+    assert e.sum().item() == 5000 and f.sum().item() == 7000
+    for g in (g0, g2, g1):
+        g.replay()
+    assert e.sum().item() == 10000  # g2's f took c's block, and g1 read f + 3 as its c + 3
+
+
+def test_a_graphs_pool_keeps_its_segments_while_the_graph_lives():
+    def pool_bytes(pool):
+        return sum(seg["total_size"] for seg in torch.supa.memory_snapshot()
+                   if tuple(seg["segment_pool_id"]) == tuple(pool))
+
+    s = torch.supa.Stream()
+    a = torch.ones(1 << 18, device="supa")
+    g = torch.supa.SUPAGraph()
+    with torch.supa.stream(s):
+        g.capture_begin()
+        tmp = a * 2
+        out = tmp + 1
+        del tmp
+        g.capture_end()
+    pool = g.pool()
+    in_graph = pool_bytes(pool)
+    assert in_graph > 0
+    torch.supa.empty_cache()
+    assert pool_bytes(pool) == in_graph  # tmp's free block stays in the live graph's pool
+    g.replay()
+    assert torch.equal(out.cpu(), torch.full((1 << 18,), 3.0))
+    del g, out
+    torch.supa.empty_cache()
+    assert pool_bytes(pool) == 0

@@ -39,6 +39,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <unordered_map>
 
@@ -117,7 +118,9 @@ void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t by
 }
 
 DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing)
-    : card(device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }, backing) {}
+    : card(
+          device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }, backing,
+          [](const PoolId& pool) { return pool_use_count(pool) > 0; }) {}
 
 DeviceMemory& memory_of(c10::DeviceIndex device) {
   check_device_index(device);
@@ -278,6 +281,15 @@ void free_block(void* ptr) {
   record_memory_event("free_completed", device, ptr, requested, stack, size, stream);
 }
 
+std::optional<c10::MempoolId_t> block_pool(const void* ptr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_blocks.find(const_cast<void*>(ptr));
+  if (it == g_blocks.end()) {
+    return std::nullopt;
+  }
+  return it->second->pool;
+}
+
 void delete_device_ptr(void* ptr) {
   if (ptr != nullptr) {
     free_block(ptr);
@@ -351,7 +363,7 @@ class SupaDeviceAllocator final : public c10::DeviceAllocator {
         ++mem->stats.num_sync_all_streams;
         settle_pending_frees(*mem, /*wait=*/true);
       }
-      mem->card.release_cached(general ? nullptr : &pool);
+      mem->card.release_cached(general ? nullptr : &pool);  // general: the pools not in use
     }
   }
   void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {

@@ -21,6 +21,8 @@ c10::DeviceAllocator* device_allocator();
 void* allocate_block(size_t nbytes, c10::DeviceIndex device);
 void free_block(void* ptr);
 void delete_device_ptr(void* ptr);  // free_block, accepting nullptr
+// The pool of the allocated block that starts at `ptr`; nullopt when no block starts there.
+std::optional<c10::MempoolId_t> block_pool(const void* ptr);
 // From now on block hand-outs and returns reach the GPU trace (when it is on).
 void report_blocks_to_gpu_trace();
 // Device of a pointer handed out by the device allocator, or -1.

@@ -106,8 +106,13 @@ void unback(void* ptr, size_t size, Backing backing) {
   }
 }
 
-CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing)
-    : device_(device), capacity_(capacity), on_release_(std::move(on_release)), backing_(backing) {}
+CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing,
+                       PoolInUse pool_in_use)
+    : device_(device),
+      capacity_(capacity),
+      on_release_(std::move(on_release)),
+      pool_in_use_(std::move(pool_in_use)),
+      backing_(backing) {}
 
 int64_t CardMemory::limit() const {
   return static_cast<int64_t>(fraction_ * static_cast<double>(capacity_));
@@ -171,7 +176,8 @@ void CardMemory::release(CardBlock* block) {
 void CardMemory::release_cached(const PoolId* pool) {
   ++changes_;
   for (auto& entry : free_) {
-    if (pool != nullptr && std::get<0>(entry.first) != *pool) {
+    const PoolId& owner = std::get<0>(entry.first);
+    if (pool != nullptr ? owner != *pool : (pool_in_use_ && pool_in_use_(owner))) {
       continue;
     }
     FreeBlocks& blocks = entry.second;

@@ -146,8 +146,12 @@ class CardMemory {
   // Called for each segment going back to the host, before its memory is freed.
   using SegmentReleased = std::function<void(const CardSegment&)>;
 
+  // Whether a pool is in use (a live MemPool, a graph's private pool): its cache is kept.
+  using PoolInUse = std::function<bool(const PoolId&)>;
+
   // The card's segments outlive it (the process's cards live until exit).
-  CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing = Backing::kHeap);
+  CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing = Backing::kHeap,
+             PoolInUse pool_in_use = {});
   CardMemory(const CardMemory&) = delete;
   CardMemory& operator=(const CardMemory&) = delete;
 
@@ -189,7 +193,8 @@ class CardMemory {
                                   int64_t stream, Release& given_back);
   // Counts the calls that change the card (place, cache, release_cached).
   uint64_t changes() const { return changes_; }
-  // Returns the whole free segments (only `pool`'s when given) to the host.
+  // Returns the whole free segments to the host: `pool`'s when given, else those of every pool not
+  // in use (a graph may still replay into its pool's free blocks, as a card's graph does).
   void release_cached(const PoolId* pool = nullptr);
 
  private:
@@ -225,6 +230,7 @@ class CardMemory {
   std::map<FreeKey, FreeBlocks> free_;
   std::map<uintptr_t, CardSegment*> segments_;          // by address
   SegmentReleased on_release_;
+  PoolInUse pool_in_use_;
   Backing backing_;
 };
 

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <mutex>
 #include <optional>
+#include <unordered_map>
 
 namespace supa {
 namespace {
@@ -74,6 +75,69 @@ void write_into(const c10::IValue& captured, const c10::IValue& fresh) {
   }
 }
 
+// What a graph holds of the tensors it captured: the memory of those in its own pool by address
+// only, as a card's graph does (a tensor freed after capture gives its block back to the pool, and
+// a later capture into the pool may reuse it); others by reference, which keeps their memory alive
+// (on a card a graph reading freed memory reads garbage; here it could read memory the host took
+// back). The graph's pool keeps its segments while the graph lives (pool_in_use).
+class CapturedOperands {
+ public:
+  explicit CapturedOperands(c10::MempoolId_t pool) : pool_(pool) {}
+
+  std::vector<c10::IValue> hold(const std::vector<c10::IValue>& values) {
+    std::vector<c10::IValue> held;
+    held.reserve(values.size());
+    for (const c10::IValue& value : values) {
+      held.push_back(hold(value));
+    }
+    return held;
+  }
+
+ private:
+  c10::IValue hold(const c10::IValue& value) {
+    if (value.isTensor()) {
+      return c10::IValue(hold(value.toTensor()));
+    }
+    if (value.isTensorList()) {
+      c10::List<at::Tensor> list = value.toTensorList().copy();
+      for (size_t i = 0; i < list.size(); ++i) {
+        list.set(i, hold(list.get(i)));
+      }
+      return c10::IValue(list);
+    }
+    if (value.isList()) {
+      c10::List<c10::IValue> list = value.toList().copy();
+      for (size_t i = 0; i < list.size(); ++i) {
+        list.set(i, hold(list.get(i)));
+      }
+      return c10::IValue(list);
+    }
+    return value;
+  }
+
+  at::Tensor hold(const at::Tensor& t) {
+    if (!t.defined() || t.device().type() != kSupa || t.layout() != c10::kStrided || !t.has_storage() ||
+        t.storage().data() == nullptr || block_pool(t.storage().data()) != std::optional<c10::MempoolId_t>(pool_)) {
+      return t;
+    }
+    c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+    auto it = by_address_.find(key);
+    if (it == by_address_.end()) {
+      const c10::Storage& storage = t.storage();
+      c10::DataPtr address(const_cast<void*>(storage.data()), t.device());  // no owner: nothing frees it
+      it = by_address_
+               .emplace(key, c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+                                 c10::StorageImpl::use_byte_size_t(), storage.nbytes(), std::move(address),
+                                 /*allocator=*/nullptr, /*resizable=*/false)))
+               .first;
+    }
+    return tensor_over(it->second, t.key_set(), t);
+  }
+
+  c10::MempoolId_t pool_;
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> by_address_;
+};
+
 class SupaGraph final : public at::GraphImplInterface {
  public:
   explicit SupaGraph(const at::GraphImplArgs& args) : keep_graph_(args.keep_graph) {}
@@ -82,10 +146,7 @@ class SupaGraph final : public at::GraphImplInterface {
     if (g_capturing.compare_exchange_strong(self, nullptr)) {
       end_generator_capture();
     }
-    if (pool_.first != 0 || pool_.second != 0) {
-      // The pool's free blocks serve no one else; its live blocks return to it when freed.
-      device_allocator()->emptyCache(pool_);
-    }
+    give_up_pool();
   }
 
   void capture_begin(c10::MempoolId_t pool, at::GraphCaptureMode /*mode*/) override {
@@ -95,7 +156,10 @@ class SupaGraph final : public at::GraphImplInterface {
     TORCH_CHECK(current_stream_id(current_device()) != 0,
                 "SUPA graphs must be captured on a non-default stream. (However, after capture, it's ok to "
                 "replay them on the default stream.)");
+    give_up_pool();
     pool_ = (pool.first != 0 || pool.second != 0) ? pool : new_graph_pool_id();
+    retain_pool(pool_);  // its segments stay while a graph may replay into them
+    holds_pool_ = true;
     device_ = current_device();
     stream_ = current_stream_id(device_);
     calls_.clear();
@@ -157,6 +221,7 @@ class SupaGraph final : public at::GraphImplInterface {
     calls_.clear();
     captured_ = false;
     instantiated_ = false;
+    give_up_pool();
   }
   c10::MempoolId_t pool() const override {
     return pool_;
@@ -170,8 +235,11 @@ class SupaGraph final : public at::GraphImplInterface {
   void record(const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
               const std::vector<c10::IValue>& outputs) {
     std::vector<CapturedDraw> draws = take_captured_draws();
+    CapturedOperands held(pool_);
+    std::vector<c10::IValue> held_inputs = held.hold(inputs);
+    std::vector<c10::IValue> held_outputs = held.hold(outputs);
     std::lock_guard<std::mutex> lock(g_record_mutex);
-    calls_.push_back({op, inputs, outputs, std::move(draws)});
+    calls_.push_back({op, std::move(held_inputs), std::move(held_outputs), std::move(draws)});
   }
 
   bool captures_current_stream() const {
@@ -196,6 +264,17 @@ class SupaGraph final : public at::GraphImplInterface {
   }
 
  private:
+  void give_up_pool() {
+    if (holds_pool_) {
+      holds_pool_ = false;
+      if (release_pool(pool_) == 0) {
+        // No graph replays into the pool any more: its free blocks serve no one else; its live
+        // blocks return to it when freed, and empty_cache() then gives them back.
+        device_allocator()->emptyCache(pool_);
+      }
+    }
+  }
+
   void end_generator_capture() {
     for (auto& [state, increment] : generator_states_) {
       increment = capture_epilogue(*state);
@@ -208,6 +287,7 @@ class SupaGraph final : public at::GraphImplInterface {
   c10::DeviceIndex device_ = 0;  // the capturing stream
   c10::StreamId stream_ = 0;
   bool keep_graph_;
+  bool holds_pool_ = false;
   bool captured_ = false;
   bool instantiated_ = false;
   std::atomic<bool> invalidated_{false};
