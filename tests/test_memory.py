@@ -815,3 +815,56 @@ def test_a_request_of_more_than_one_exabyte_is_refused_as_cuda_refuses_it():
     assert torch.supa.memory_stats()["num_ooms"] == ooms
     keep.fill_(1)
     assert bool((keep == 1).all())
+
+
+def _pool_segments(pool):
+    return [seg for seg in torch.supa.memory_snapshot() if tuple(seg["segment_pool_id"]) == pool.id]
+
+
+def test_a_live_mem_pool_keeps_its_cache_through_empty_cache():
+    pool = torch.supa.MemPool()
+    with torch.supa.use_mem_pool(pool):
+        x = torch.empty(1 << 10, device="supa")
+        del x
+        torch.supa.empty_cache()  # inside the pool's context, as outside: the pool is in use
+    assert len(_pool_segments(pool)) == 1
+    torch.supa.empty_cache()
+    assert len(_pool_segments(pool)) == 1
+    del pool
+    assert [seg for seg in torch.supa.memory_snapshot() if seg["segment_pool_id"][1] != 0 and
+            seg["allocated_size"] == 0] == []
+
+
+def test_no_split_pool_gives_each_allocation_its_own_segment():
+    mib = (1 << 20) // 4
+    split, no_split = torch.supa.MemPool(), torch.supa.MemPool(no_split=True)
+    held = []
+    for pool in (split, no_split):
+        with torch.supa.use_mem_pool(pool):
+            held += [torch.empty(4 * mib, device="supa"), torch.empty(4 * mib, device="supa")]
+    assert len(_pool_segments(split)) == 1  # the second 4 MiB split from the first's 20 MiB segment
+    assert len(_pool_segments(no_split)) == 2
+    assert all(len(seg["blocks"]) == 1 for seg in _pool_segments(no_split))
+
+
+def test_use_on_oom_lets_a_request_short_of_memory_take_the_pools_cache():
+    dev = last_device()
+    capacity = torch.supa.get_device_properties(dev).total_memory
+    limit = 64 * MiB
+    torch.supa.empty_cache()
+    torch.supa.set_per_process_memory_fraction(limit / capacity, dev)
+    try:
+        for use_on_oom in (False, True):
+            pool = torch.supa.MemPool(use_on_oom=use_on_oom)
+            with torch.supa.use_mem_pool(pool, device=dev):
+                cached = torch.empty(32 * MiB // 4, device=dev)
+            del cached  # its segment stays in the pool's cache
+            if use_on_oom:
+                assert torch.empty(48 * MiB // 4, device=dev).numel() == 12 * MiB
+            else:
+                with pytest.raises(torch.OutOfMemoryError):
+                    torch.empty(48 * MiB // 4, device=dev)
+            del pool
+            torch.supa.empty_cache()
+    finally:
+        torch.supa.set_per_process_memory_fraction(1.0, dev)

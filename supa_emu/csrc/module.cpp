@@ -387,6 +387,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     supa::end_allocate_to_pool(device_arg(device), pool);
   });
   m.def("_retain_pool", [](std::pair<uint64_t, uint64_t> pool) { supa::retain_pool(pool); });
+  m.def("_set_pool_rules", [](std::pair<uint64_t, uint64_t> pool, bool use_on_oom, bool no_split) {
+    supa::set_pool_rules(pool, use_on_oom, no_split);
+  });
   m.def("_release_pool", [](std::pair<uint64_t, uint64_t> pool) { return supa::release_pool(pool); });
   m.def("_pool_use_count", [](std::pair<uint64_t, uint64_t> pool) { return supa::pool_use_count(pool); });
   m.def("_exchange_active_pool", [](std::pair<uint64_t, uint64_t> pool) {

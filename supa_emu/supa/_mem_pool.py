@@ -62,9 +62,9 @@ _pools: "weakref.WeakValueDictionary[tuple[int, int], MemPool]" = weakref.WeakVa
 class MemPool:
     """A private memory pool: allocations made under `use_mem_pool(pool)` come from it.
 
-    `use_on_oom` and `no_split` are accepted for API compatibility; the emulated allocator
-    never splits blocks, and a pool's free blocks are released to any request that would
-    otherwise run out of memory.
+    As on a card, the pool keeps its cached blocks while it lives (`empty_cache()` leaves them);
+    with `use_on_oom=True` a request that would otherwise run out of memory may take them back;
+    with `no_split=True` its blocks are never split: each allocation keeps a whole segment.
     """
 
     def __init__(self, allocator: Optional[_SUPAAllocator] = None, use_on_oom: bool = False,
@@ -74,6 +74,7 @@ class MemPool:
             raise NotImplementedError(f"MemPool(allocator=...): {_NO_CUSTOM_ALLOCATOR}")
         self._id: tuple[int, int] = tuple(_native()._mem_pool_id())
         _native()._retain_pool(self._id)
+        _native()._set_pool_rules(self._id, bool(use_on_oom), bool(no_split))
         _pools[self._id] = self
         self._allocator = allocator
         self.use_on_oom = use_on_oom

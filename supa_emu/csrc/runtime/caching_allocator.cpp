@@ -120,7 +120,7 @@ void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t by
 DeviceMemory::DeviceMemory(c10::DeviceIndex device, int64_t capacity, Backing backing)
     : card(
           device, capacity, [this](const CardSegment& segment) { segment_released(*this, segment); }, backing,
-          [](const PoolId& pool) { return pool_use_count(pool) > 0; }) {}
+          {[](const PoolId& pool) { return pool_use_count(pool) > 0; }, &pool_use_on_oom, &pool_no_split}) {}
 
 DeviceMemory& memory_of(c10::DeviceIndex device) {
   check_device_index(device);

@@ -107,11 +107,11 @@ void unback(void* ptr, size_t size, Backing backing) {
 }
 
 CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing,
-                       PoolInUse pool_in_use)
+                       PoolRules pool_rules)
     : device_(device),
       capacity_(capacity),
       on_release_(std::move(on_release)),
-      pool_in_use_(std::move(pool_in_use)),
+      pool_rules_(std::move(pool_rules)),
       backing_(backing) {}
 
 int64_t CardMemory::limit() const {
@@ -173,11 +173,17 @@ void CardMemory::release(CardBlock* block) {
   delete block;
 }
 
-void CardMemory::release_cached(const PoolId* pool) {
+void CardMemory::release_cached(const PoolId* pool, bool for_oom) {
+  const auto kept = [&](const PoolId& owner) {
+    if (pool != nullptr) {
+      return owner != *pool;
+    }
+    const bool in_use = pool_rules_.in_use && pool_rules_.in_use(owner);
+    return in_use && !(for_oom && pool_rules_.use_on_oom && pool_rules_.use_on_oom(owner));
+  };
   ++changes_;
   for (auto& entry : free_) {
-    const PoolId& owner = std::get<0>(entry.first);
-    if (pool != nullptr ? owner != *pool : (pool_in_use_ && pool_in_use_(owner))) {
+    if (kept(std::get<0>(entry.first))) {
       continue;
     }
     FreeBlocks& blocks = entry.second;
@@ -273,7 +279,7 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, 
   bool ok = try_reserve() || (release_oversize(size, pool, stream, policy) && try_reserve());
   if (!ok) {
     placed.retries++;
-    release_cached();
+    release_cached(nullptr, /*for_oom=*/true);
     ok = try_reserve();
   }
   if (!ok) {
@@ -337,7 +343,8 @@ void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& poli
   const PoolId pool = block->pool;
   const bool already_split = block->is_split();
   const size_t remaining = block->size - size;
-  const bool split = block->small ? remaining >= kMinBlockSize : !policy.is_oversize(size) && remaining > kSmallSize;
+  const bool split = !(pool_rules_.no_split && pool_rules_.no_split(pool)) &&
+                     (block->small ? remaining >= kMinBlockSize : !policy.is_oversize(size) && remaining > kSmallSize);
   if (split) {
     auto* rest = new CardBlock{static_cast<char*>(block->ptr) + size, remaining, 0, device_, false, pool, block->small};
     rest->segment = block->segment;

@@ -146,12 +146,18 @@ class CardMemory {
   // Called for each segment going back to the host, before its memory is freed.
   using SegmentReleased = std::function<void(const CardSegment&)>;
 
-  // Whether a pool is in use (a live MemPool, a graph's private pool): its cache is kept.
-  using PoolInUse = std::function<bool(const PoolId&)>;
+  // What the card asks of a pool's owner (mem_pool.h): whether the pool is in use (a live MemPool, a
+  // graph's private pool: its cache is kept), whether a request short of memory may take its cache
+  // back (use_on_oom), and whether its blocks are never split (no_split).
+  struct PoolRules {
+    std::function<bool(const PoolId&)> in_use;
+    std::function<bool(const PoolId&)> use_on_oom;
+    std::function<bool(const PoolId&)> no_split;
+  };
 
   // The card's segments outlive it (the process's cards live until exit).
   CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing = Backing::kHeap,
-             PoolInUse pool_in_use = {});
+             PoolRules pool_rules = {});
   CardMemory(const CardMemory&) = delete;
   CardMemory& operator=(const CardMemory&) = delete;
 
@@ -194,8 +200,9 @@ class CardMemory {
   // Counts the calls that change the card (place, cache, release_cached).
   uint64_t changes() const { return changes_; }
   // Returns the whole free segments to the host: `pool`'s when given, else those of every pool not
-  // in use (a graph may still replay into its pool's free blocks, as a card's graph does).
-  void release_cached(const PoolId* pool = nullptr);
+  // in use (a graph may still replay into its pool's free blocks, as a card's graph does), and, for
+  // a request short of memory (`for_oom`), those of the pools that allow it.
+  void release_cached(const PoolId* pool = nullptr, bool for_oom = false);
 
  private:
   struct BySize {
@@ -230,7 +237,7 @@ class CardMemory {
   std::map<FreeKey, FreeBlocks> free_;
   std::map<uintptr_t, CardSegment*> segments_;          // by address
   SegmentReleased on_release_;
-  PoolInUse pool_in_use_;
+  PoolRules pool_rules_;
   Backing backing_;
 };
 

@@ -24,7 +24,12 @@ std::atomic<c10::CaptureId_t> g_next_user_pool{1};
 thread_local std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>> t_pool_stack;
 
 std::mutex g_use_mutex;
-std::map<c10::MempoolId_t, int64_t> g_use_counts;  // live user pools -> holders
+std::map<c10::MempoolId_t, int64_t> g_use_counts;  // live pools -> holders
+struct PoolRules {
+  bool use_on_oom = false;
+  bool no_split = false;
+};
+std::map<c10::MempoolId_t, PoolRules> g_rules;  // under g_use_mutex; only pools with a rule set
 thread_local c10::MempoolId_t t_active_pool{0, 0};
 
 }  // namespace
@@ -41,6 +46,7 @@ int64_t release_pool(c10::MempoolId_t pool) {
   const int64_t left = --it->second;
   if (left == 0) {
     g_use_counts.erase(it);
+    g_rules.erase(pool);
   }
   return left;
 }
@@ -49,6 +55,27 @@ int64_t pool_use_count(c10::MempoolId_t pool) {
   std::lock_guard<std::mutex> lock(g_use_mutex);
   auto it = g_use_counts.find(pool);
   return it == g_use_counts.end() ? 0 : it->second;
+}
+
+void set_pool_rules(c10::MempoolId_t pool, bool use_on_oom, bool no_split) {
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  if (use_on_oom || no_split) {
+    g_rules[pool] = {use_on_oom, no_split};
+  } else {
+    g_rules.erase(pool);
+  }
+}
+
+bool pool_use_on_oom(c10::MempoolId_t pool) {
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  auto it = g_rules.find(pool);
+  return it != g_rules.end() && it->second.use_on_oom;
+}
+
+bool pool_no_split(c10::MempoolId_t pool) {
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  auto it = g_rules.find(pool);
+  return it != g_rules.end() && it->second.no_split;
 }
 
 c10::MempoolId_t active_pool() {

@@ -10,6 +10,11 @@ namespace supa {
 
 c10::MempoolId_t new_graph_pool_id();  // (n, 0)
 c10::MempoolId_t new_user_pool_id();   // (0, n)
+// MemPool(use_on_oom=, no_split=): a pool whose cached blocks a request that would otherwise run out
+// of memory may take back, and a pool whose blocks are never split (each keeps its whole segment).
+void set_pool_rules(c10::MempoolId_t pool, bool use_on_oom, bool no_split);
+bool pool_use_on_oom(c10::MempoolId_t pool);
+bool pool_no_split(c10::MempoolId_t pool);
 // use_mem_pool: this thread's allocations on `device` go to `pool` until the matching end.
 void begin_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool);
 void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool);
