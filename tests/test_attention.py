@@ -84,20 +84,24 @@ def graph_nodes(out):
     return names
 
 
-@pytest.mark.parametrize("case", list(VALUE_CASES))
-def test_values_and_gradients_match_the_math_on_cpu(case):
+def outputs_and_gradients(case, reference):
+    """The output and the gradients of q, k, v of a case: by `reference` on CPU tensors, and on supa."""
     shapes, dtype, kwargs, _ = VALUE_CASES[case]
     cpu = [t.requires_grad_() for t in tensors(*shapes, dtype=dtype)]
     card = [t.detach().to(DEV).requires_grad_() for t in cpu]
-    expected = math_on_cpu(*cpu, **kwargs)
+    expected = reference(*cpu, **kwargs)
     actual = F.scaled_dot_product_attention(*card, **{name: on_supa(value) for name, value in kwargs.items()})
     assert actual.device.type == DEV
-    torch.testing.assert_close(actual.cpu(), expected, **TOLERANCE[dtype])
     grad = tensors(expected.shape, dtype=dtype, seed=1)[0]
     expected.backward(grad)
     actual.backward(grad.to(DEV))
-    for c, s in zip(cpu, card):
-        torch.testing.assert_close(s.grad.cpu(), c.grad, **TOLERANCE[dtype])
+    return [expected] + [t.grad for t in cpu], [actual.detach().cpu()] + [t.grad.cpu() for t in card]
+
+
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_values_and_gradients_match_the_math_on_cpu(case):
+    for expected, actual in zip(*outputs_and_gradients(case, math_on_cpu)):
+        torch.testing.assert_close(actual, expected, **TOLERANCE[VALUE_CASES[case][1]])
 
 
 @pytest.mark.emulation_only
@@ -114,17 +118,8 @@ def test_each_case_runs_the_kernel_the_choice_names(case):
                                   if kernel in (FLASH, EFFICIENT) and name != "fp32 value head size 32"])
 def test_values_and_gradients_are_the_cpu_flash_kernels_bit_for_bit(case):
     # Where PyTorch's SDPA on CPU tensors runs its CPU flash kernel, supa's card kernels give its bits.
-    shapes, dtype, kwargs, _ = VALUE_CASES[case]
-    cpu = [t.requires_grad_() for t in tensors(*shapes, dtype=dtype)]
-    card = [t.detach().to(DEV).requires_grad_() for t in cpu]
-    expected = F.scaled_dot_product_attention(*cpu, **kwargs)
-    actual = F.scaled_dot_product_attention(*card, **{name: on_supa(value) for name, value in kwargs.items()})
-    assert torch.equal(actual.cpu(), expected)
-    grad = tensors(expected.shape, dtype=dtype, seed=1)[0]
-    expected.backward(grad)
-    actual.backward(grad.to(DEV))
-    for c, s in zip(cpu, card):
-        assert torch.equal(s.grad.cpu(), c.grad)
+    for expected, actual in zip(*outputs_and_gradients(case, F.scaled_dot_product_attention)):
+        assert torch.equal(actual, expected)
 
 
 def test_gradient_of_an_additive_mask_matches_the_math_on_cpu():
