@@ -1,10 +1,12 @@
-"""F.scaled_dot_product_attention on supa: the card's backend choice, its values and its memory.
+"""F.scaled_dot_product_attention on supa: the card's backend choice, its operators, values and memory.
 
 A SUPA card has flash and memory-efficient attention, chosen under PyTorch's CUDA rules and the
-torch.backends / sdpa_kernel switches; values are held to PyTorch's math on CPU tensors, memory
-to the same calls on an NVIDIA H200 (docs/card_memory.md).
+torch.backends / sdpa_kernel switches, and run as the operators a card's SDPA calls; values are
+held to PyTorch's math on CPU tensors, memory to the same calls on an NVIDIA H200
+(docs/card_memory.md).
 """
 
+import functools
 import gc
 import warnings
 
@@ -12,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
 DEV = "supa"
-FLASH = "ScaledDotProductFlashAttentionForCpuBackward0"  # PyTorch's flash call on a device other than CUDA
+FLASH = "ScaledDotProductFlashAttentionBackward0"
 EFFICIENT = "ScaledDotProductEfficientAttentionBackward0"
 TOLERANCE = {torch.float32: dict(atol=5e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
              torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -64,23 +67,41 @@ VALUE_CASES = {
                            dict(attn_mask=torch.randn(B, 1, L, L).bfloat16()), EFFICIENT),
     "fp32 value head size 32": ([(B, H, L, E), (B, H, L, E), (B, H, L, 32)], torch.float32, {}, EFFICIENT),
     "fp32 3-D inputs": ([(H, L, E)] * 3, torch.float32, {}, "UnsafeViewBackward0"),
+    "bf16 head size 6": ([(B, H, L, 6)] * 3, torch.bfloat16, dict(is_causal=True), FLASH),  # padded to 8
 }
+
+
+def graph_nodes(out):
+    """The names of the autograd nodes that `out` was computed through."""
+    names, pending, seen = [], [out.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def outputs_and_gradients(case, reference):
+    """The output and the gradients of q, k, v of a case: by `reference` on CPU tensors, and on supa."""
+    shapes, dtype, kwargs, _ = VALUE_CASES[case]
+    cpu = [t.requires_grad_() for t in tensors(*shapes, dtype=dtype)]
+    card = [t.detach().to(DEV).requires_grad_() for t in cpu]
+    expected = reference(*cpu, **kwargs)
+    actual = F.scaled_dot_product_attention(*card, **{name: on_supa(value) for name, value in kwargs.items()})
+    assert actual.device.type == DEV
+    grad = tensors(expected.shape, dtype=dtype, seed=1)[0]
+    expected.backward(grad)
+    actual.backward(grad.to(DEV))
+    return [expected] + [t.grad for t in cpu], [actual.detach().cpu()] + [t.grad.cpu() for t in card]
 
 
 @pytest.mark.parametrize("case", list(VALUE_CASES))
 def test_values_and_gradients_match_the_math_on_cpu(case):
-    shapes, dtype, kwargs, _ = VALUE_CASES[case]
-    cpu = [t.requires_grad_() for t in tensors(*shapes, dtype=dtype)]
-    card = [t.detach().to(DEV).requires_grad_() for t in cpu]
-    expected = math_on_cpu(*cpu, **kwargs)
-    actual = F.scaled_dot_product_attention(*card, **{name: on_supa(value) for name, value in kwargs.items()})
-    assert actual.device.type == DEV
-    torch.testing.assert_close(actual.cpu(), expected, **TOLERANCE[dtype])
-    grad = tensors(expected.shape, dtype=dtype, seed=1)[0]
-    expected.backward(grad)
-    actual.backward(grad.to(DEV))
-    for c, s in zip(cpu, card):
-        torch.testing.assert_close(s.grad.cpu(), c.grad, **TOLERANCE[dtype])
+    for expected, actual in zip(*outputs_and_gradients(case, math_on_cpu)):
+        torch.testing.assert_close(actual, expected, **TOLERANCE[VALUE_CASES[case][1]])
 
 
 @pytest.mark.emulation_only
@@ -88,7 +109,17 @@ def test_values_and_gradients_match_the_math_on_cpu(case):
 def test_each_case_runs_the_kernel_the_choice_names(case):
     shapes, dtype, kwargs, kernel = VALUE_CASES[case]
     q, k, v = (t.to(DEV).requires_grad_() for t in tensors(*shapes, dtype=dtype))
-    assert F.scaled_dot_product_attention(q, k, v, **{name: on_supa(value) for name, value in kwargs.items()}).grad_fn.name() == kernel
+    out = F.scaled_dot_product_attention(q, k, v, **{name: on_supa(value) for name, value in kwargs.items()})
+    assert kernel in graph_nodes(out)
+
+
+@pytest.mark.emulation_only  # a card computes its own values; the emulated one the CPU's
+@pytest.mark.parametrize("case", [name for name, (_, _, _, kernel) in VALUE_CASES.items()
+                                  if kernel in (FLASH, EFFICIENT) and name != "fp32 value head size 32"])
+def test_values_and_gradients_are_the_cpu_flash_kernels_bit_for_bit(case):
+    # Where PyTorch's SDPA on CPU tensors runs its CPU flash kernel, supa's card kernels give its bits.
+    for expected, actual in zip(*outputs_and_gradients(case, F.scaled_dot_product_attention)):
+        assert torch.equal(actual, expected)
 
 
 def test_gradient_of_an_additive_mask_matches_the_math_on_cpu():
@@ -162,8 +193,8 @@ def test_choice_follows_the_cuda_rules_and_is_what_runs(inputs, kwargs, backend)
     kwargs = {name: value.to(DEV) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
     assert choice(q, k, v, **kwargs) == backend
     kernels = {SDPBackend.FLASH_ATTENTION: FLASH, SDPBackend.EFFICIENT_ATTENTION: EFFICIENT}
-    ran = F.scaled_dot_product_attention(q.requires_grad_(), k, v, **kwargs).grad_fn.name()
-    assert ran == kernels[backend] if backend in kernels else ran not in kernels.values()
+    ran = graph_nodes(F.scaled_dot_product_attention(q.requires_grad_(), k, v, **kwargs))
+    assert kernels[backend] in ran if backend in kernels else not set(ran) & set(kernels.values())
 
 
 @pytest.mark.emulation_only  # the card's choice as the emulator models it
@@ -228,15 +259,135 @@ def test_flash_with_a_float_mask_raises_no_available_kernel():
     assert "Flash Attention does not support non-null attn_mask." in messages
 
 
-@pytest.mark.emulation_only  # the card's choice as the emulator models it
-def test_profiler_names_the_fused_kernels():
+FLASH_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+EFFICIENT_OPS = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
+
+
+def forward_and_backward(q, k, v, **kwargs):
+    F.scaled_dot_product_attention(*(t.requires_grad_() for t in (q, k, v)), **kwargs).sum().backward()
+
+
+def test_profiler_names_the_cards_operators():
     q, k, v = qkv()
     with torch.profiler.profile() as prof:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        forward_and_backward(q, k, v, is_causal=True)  # flash
+        forward_and_backward(*(t.detach().float() for t in (q, k, v)), is_causal=True)  # memory-efficient
     names = {event.key for event in prof.key_averages()}
-    assert {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention"} <= names
+    assert {f"aten::{op}" for op in FLASH_OPS + EFFICIENT_OPS} <= names
+    assert not [name for name in names if "_for_cpu" in name]
     assert "aten::softmax" not in names
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype, ops", [(torch.bfloat16, FLASH_OPS), (torch.float32, EFFICIENT_OPS)],
+                         ids=["flash", "memory-efficient"])
+def test_dispatch_modes_see_the_cards_operators(dtype, ops):
+    q, k, v = qkv(dtype=dtype)
+    with OpNames() as seen:
+        forward_and_backward(q, k, v, is_causal=True)
+    assert [name for name in seen.names if "attention" in name] == [f"aten::{op}" for op in ops]
+
+
+def results_alike(actual, expected, device):
+    """Tensors of the same shape, strides and dtype on `device` (meta results: on the meta device); the rest equal."""
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        if isinstance(e, torch.Tensor):
+            assert (a.shape, a.stride(), a.dtype, a.device) == (e.shape, e.stride(), e.dtype, device)
+        else:
+            assert a == e
+
+
+@pytest.mark.emulation_only  # a card's kernel returns these; the emulated one is held to PyTorch's meta function
+@pytest.mark.parametrize("kv_heads", [H, 2], ids=["", "grouped-query"])
+def test_flash_operator_returns_what_a_card_returns(kv_heads):
+    q, k, v = qkv(kv_heads=kv_heads)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, L, H, E) in memory, as a model's projections give it
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    results = flash(q, k, v, is_causal=True, scale=0.125)
+    on_meta = flash(*(t.to("meta") for t in (q, k, v)), is_causal=True, scale=0.125)
+    results_alike(results, on_meta, q.device)
+    out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask = results
+    assert (cum_seq_q, cum_seq_k, max_q, max_k) == (None, None, L, L)
+    assert rng_state.tolist() == [0, 0] and unused.item() == 0  # no dropout: nothing drawn
+    grad = torch.randn_like(out)
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
+    arguments = (grad, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, 0.0, True, rng_state, unused)
+    meta_arguments = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in arguments]
+    results_alike(backward(*arguments, scale=0.125), backward(*meta_arguments, scale=0.125), q.device)
+
+
+@pytest.mark.emulation_only  # the card's choice as the emulator models it
+def test_flash_operator_refuses_dropout_which_scaled_dot_product_attention_gives_memory_efficient_attention():
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match="flash attention on supa takes no dropout"):
+        torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.1)
+
+
+@pytest.mark.emulation_only
+def test_head_sizes_are_padded_for_flash_as_on_cuda():
+    # PyTorch's composite on CUDA pads the head size to a multiple of 8 for the flash call, with
+    # the unpadded size's scale, and slices the output: its strides and the kept operands show it.
+    device = torch.device(DEV, torch.supa.device_count() - 1)
+    q, k, v = (t.to(device).requires_grad_() for t in tensors(*[(B, H, L, 6)] * 3, dtype=torch.bfloat16))
+    base = torch.supa.memory_allocated(device)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == (B, H, L, 6) and out.stride() == (H * L * 8, L * 8, 8, 1)
+    assert graph_nodes(out)[:3] == ["SliceBackward0", FLASH, "ConstantPadNdBackward0"]
+    padded_operand = B * H * L * 8 * 2
+    lse = B * H * L * 4
+    assert out.untyped_storage().nbytes() == padded_operand
+    kept = torch.supa.memory_allocated(device) - base - padded_operand
+    assert kept == 3 * padded_operand + lse + 2 * 512  # padded q, k, v; log-sum-exp; rng_state and unused
+
+
+def checkpointed_attention_calls(policy):
+    """Calls of the flash operator in a forward and backward through selective activation checkpointing."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    def block(x, w):
+        q, k, v = (x @ w).chunk(3, dim=-1)
+        shape = (B, L, H, E)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, H * E).sin()
+
+    x, w = (t.to(DEV).requires_grad_() for t in tensors((B, L, H * E), (H * E, 3 * H * E), dtype=torch.bfloat16))
+    with OpNames() as seen:
+        out = checkpoint(block, x, w, use_reentrant=False,
+                         context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+        out.float().square().sum().backward()
+    expected = [t.detach().requires_grad_() for t in (x, w)]
+    block(*expected).float().square().sum().backward()
+    for checkpointed, plain in zip((x, w), expected):
+        assert torch.equal(checkpointed.grad, plain.grad)
+    return seen.names.count("aten::_scaled_dot_product_flash_attention")
+
+
+def test_selective_checkpointing_saves_attention_by_the_cards_op_name():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    # torchtitan's policy: save the attention operators a card dispatches to, recompute the rest.
+    saved = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+    def save_attention(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def recompute_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    assert checkpointed_attention_calls(save_attention) == 1  # backward reuses the forward's result
+    assert checkpointed_attention_calls(recompute_all) == 2
 
 
 @pytest.mark.emulation_only

@@ -1,13 +1,14 @@
 // The card's fused attention kernels: what scaled_dot_product_attention runs on supa when the
-// card's choice (sdp_choice.cpp) is flash or memory-efficient attention.
+// card's choice (sdp_choice.cpp) is flash or memory-efficient attention, under the operator names
+// a card's SDPA calls (scaled_dot_product_attention.cpp).
 //
 // Values come from PyTorch's CPU flash attention kernel (blockwise host math where it does not
 // apply: host_attention.h). Memory is the card kernel's, not the CPU kernel's: the CPU kernel
 // runs with its scratch in host memory (not card memory), and the card holds what a GPU's fused
 // kernel holds, as measured on an H200 (tests/data/fidelity, docs/card_memory.md):
 // - forward: the output and the log-sum-exp (float32 per query row) it keeps for backward, plus
-//   the dropout seed and offset (int64 scalars on the card) of flash and memory-efficient
-//   attention; nothing of size L x S;
+//   the dropout state, int64/uint64 tensors on the card (flash: rng_state and `unused`, returned
+//   with or without dropout; memory-efficient: seed and offset); nothing of size L x S;
 // - backward: the gradients, and for the kernel's duration a dense copy of the output gradient
 //   when it is not dense in the output's layout, a float32 accumulator of the query gradient and
 //   the float32 row sums of dO * O; with grouped-query attention (fewer key/value heads than
@@ -15,7 +16,8 @@
 //   sums over each group at the end (H200, tests/data/fidelity/h200_gqa_attention.json).
 // Shapes and strides of every result are those of PyTorch's meta functions for these ops, which
 // compiled graphs check. In the planner's shapes mode the kernels allocate all of it and compute
-// nothing.
+// nothing. The host computation is hidden from the profiler: a card's profile shows the card
+// operator, not the CPU kernels that stand in for it.
 #include "fallback.h"
 #include "host_attention.h"
 #include "shape_only.h"
@@ -26,8 +28,8 @@
 #include "../runtime/host_routing_allocator.h"
 
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -51,13 +53,15 @@ CardTensor on_card(c10::IntArrayRef sizes, c10::IntArrayRef permutation, at::Sca
 }
 
 // Host kernels run inside the fallback, which routes host allocations to the card: this scope
-// sends the CPU kernels' scratch back to host memory, where a card kernel has none of it.
+// sends the CPU kernels' scratch back to host memory, where a card kernel has none of it, and
+// keeps the CPU operators they call out of the profiler.
 class HostScratch {
  public:
   HostScratch() : scope_(-1) {}
 
  private:
   DeviceOutputScope scope_;
+  at::DisableRecordFunctionGuard unrecorded_;
 };
 
 double softmax_scale(const at::Tensor& query, const c10::IValue& scale) {
@@ -98,29 +102,6 @@ std::pair<at::Tensor, at::Tensor> draw_philox_state(double dropout_p, uint64_t w
           at::full({}, static_cast<int64_t>(counters.offset), options)};
 }
 
-// A GPU's flash kernel returns its dropout seed and offset as two int64 scalars on the card, with
-// or without dropout, and autograd saves them with the log-sum-exp (H200: 2 x 512 B per call beyond
-// it). The operator supa serves for flash, PyTorch's CPU variant, has no such results: the
-// log-sum-exp's storage holds the two blocks instead, so that they live and are freed as it is.
-struct StorageWithCompanions {
-  c10::DataPtr own;
-  std::vector<at::Tensor> companions;
-};
-
-void release_with_companions(void* holder) {
-  delete static_cast<StorageWithCompanions*>(holder);
-}
-
-void hold_flash_philox_state(const at::Tensor& logsumexp) {
-  const auto options = at::TensorOptions().dtype(at::kLong).device(logsumexp.device());
-  c10::StorageImpl* storage = logsumexp.storage().unsafeGetStorageImpl();
-  void* data = storage->mutable_data();
-  const c10::Device device = storage->device();
-  auto* holder = new StorageWithCompanions{storage->set_data_ptr(c10::DataPtr()),
-                                           {at::zeros({}, options), at::zeros({}, options)}};
-  storage->set_data_ptr_noswap(c10::DataPtr(data, holder, &release_with_companions, device));
-}
-
 std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
@@ -130,57 +111,83 @@ uint64_t read_long(const at::Tensor& t) {
   return static_cast<uint64_t>(host.item<int64_t>());
 }
 
-// aten::_scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, *,
-//   attn_mask, scale) -> (output, logsumexp): PyTorch's flash call on a device other than CUDA.
+std::optional<double> optional_double(const c10::IValue& value) {
+  return value.isNone() ? std::nullopt : std::optional<double>(value.toDouble());
+}
+
+// aten::_scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+//   return_debug_mask, *, scale) -> (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+//   rng_state, unused, debug_attn_mask): what a GPU's flash kernel returns for dense inputs, with
+// no cumulative sequence lengths, its dropout state as uint64 tensors on the card (zeros: supa's
+// flash takes no dropout, sdp_choice.cpp) and an empty debug mask.
 void flash_forward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, 7);
   const at::Tensor q = args[0].toTensor(), k = args[1].toTensor(), v = args[2].toTensor();
   const double dropout_p = args[3].toDouble();
   const bool is_causal = args[4].toBool();
-  const at::Tensor mask = optional_tensor(args[5]);
-  const std::optional<double> scale = args[6].isNone() ? std::nullopt : std::optional<double>(args[6].toDouble());
-  at::Tensor out_card = at::empty_like(q, q.options().device(c10::Device(kSupa, current_device())));
+  const std::optional<double> scale = optional_double(args[6]);
+  TORCH_CHECK(dropout_p == 0.0, "flash attention on supa takes no dropout (its values come from PyTorch's CPU flash ",
+              "kernel, which has none); scaled_dot_product_attention serves dropout > 0 with memory-efficient attention");
+  TORCH_CHECK(!args[5].toBool(), "flash attention on supa returns no debug attention mask");
+  const auto options = at::TensorOptions().device(c10::Device(kSupa, current_device()));
+  at::Tensor out_card = at::empty_like(q, q.options().device(options.device()));
   CardTensor out{out_card, host_view(out_card)};
-  CardTensor lse = on_card({q.size(0), q.size(2), q.size(1)}, {}, at::toOpMathType(q.scalar_type()));
-  hold_flash_philox_state(lse.card);
+  CardTensor lse = on_card({q.size(0), q.size(1), q.size(2)}, {}, at::kFloat);
+  const at::Tensor rng_state = at::zeros({2}, options.dtype(at::kUInt64));
+  const at::Tensor unused = at::zeros({}, options.dtype(at::kUInt64));
+  const at::Tensor debug_attn_mask = at::empty({0}, options.dtype(q.scalar_type()));
   if (!shapes_mode()) {  // shapes mode: the card's memory only
     HostScratch scratch;
-    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p, is_causal, present(mask), scale);
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, std::nullopt, scale);
     out.host.copy_(o);
-    lse.host.transpose(1, 2).copy_(l);
+    lse.host.copy_(l);
   }
-  push_results(stack, 7, {out.card, lse.card.transpose(1, 2)});
+  torch::jit::drop(*stack, 7);
+  for (c10::IValue result : {c10::IValue(out.card), c10::IValue(lse.card), c10::IValue(at::Tensor()),
+                             c10::IValue(at::Tensor()), c10::IValue(c10::SymInt(q.size(2))),
+                             c10::IValue(c10::SymInt(k.size(2))), c10::IValue(rng_state), c10::IValue(unused),
+                             c10::IValue(debug_attn_mask)}) {
+    stack->push_back(std::move(result));
+  }
 }
 
-// aten::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
-//   logsumexp, dropout_p, is_causal, *, attn_mask, scale) -> (grad_query, grad_key, grad_value)
+// The CPU kernel's log-sum-exp layout, (B, L, H) in memory, on the host.
+at::Tensor cpu_logsumexp(const at::Tensor& row_lse) {
+  at::Tensor cpu_lse = at::empty({row_lse.size(0), row_lse.size(2), row_lse.size(1)}, row_lse.options()).transpose(1, 2);
+  return cpu_lse.copy_(row_lse);
+}
+
+// aten::_scaled_dot_product_flash_attention_backward(grad_out, query, key, value, out, logsumexp,
+//   cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale)
+//   -> (grad_query, grad_key, grad_value), each in its input's layout
 void flash_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
-  auto args = torch::jit::last(*stack, 10);
+  auto args = torch::jit::last(*stack, 15);
   const at::Tensor grad_out = args[0].toTensor();
   const at::Tensor q = args[1].toTensor(), k = args[2].toTensor(), v = args[3].toTensor();
   const at::Tensor out = args[4].toTensor(), lse = args[5].toTensor();
-  const double dropout_p = args[6].toDouble();
-  const bool is_causal = args[7].toBool();
-  const at::Tensor mask = optional_tensor(args[8]);
-  const std::optional<double> scale = args[9].isNone() ? std::nullopt : std::optional<double>(args[9].toDouble());
-  const int64_t blhe[] = {0, 2, 1, 3};
-  CardTensor dq = on_card(q.sizes(), blhe, q.scalar_type());
-  CardTensor dk = on_card(k.sizes(), blhe, k.scalar_type());
-  CardTensor dv = on_card(v.sizes(), blhe, v.scalar_type());
+  const double dropout_p = args[10].toDouble();
+  const bool is_causal = args[11].toBool();
+  const std::optional<double> scale = optional_double(args[14]);
+  TORCH_CHECK(dropout_p == 0.0, "flash attention on supa takes no dropout");
+  const auto on_this_card = [](const at::Tensor& like) {
+    const at::Tensor card = at::empty_like(like, like.options().device(c10::Device(kSupa, current_device())));
+    return CardTensor{card, host_view(card)};
+  };
+  CardTensor dq = on_this_card(q);
+  CardTensor dk = on_this_card(k);
+  CardTensor dv = on_this_card(v);
   {
     const std::vector<at::Tensor> card_scratch = backward_scratch(grad_out, out, q, k, v);
     if (!shapes_mode()) {  // shapes mode: the card's memory only
       HostScratch scratch;
       auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-          grad_out, q, k, v, out, lse, dropout_p, is_causal,
-          present(mask), scale);
+          grad_out, q, k, v, out, cpu_logsumexp(lse), 0.0, is_causal, std::nullopt, scale);
       dq.host.copy_(gq);
       dk.host.copy_(gk);
       dv.host.copy_(gv);
     }
   }
-  push_results(stack, 10, {dq.card, dk.card, dv.card});
+  push_results(stack, 15, {dq.card, dk.card, dv.card});
 }
 
 // PyTorch's CPU flash kernel serves the call: no dropout, one head size, a mask it accepts.
@@ -260,12 +267,8 @@ void efficient_backward(const c10::OperatorHandle& /*op*/, torch::jit::Stack* st
       const at::Tensor row_lse =
           lse.size(2) >= rows ? lse.narrow(2, 0, rows) : std::get<1>(host_attention::forward(call));
       if (cpu_flash_serves(q, v, bias, dropout_p) && !bias_grad) {
-        // The CPU kernel's log-sum-exp layout: (B, L, H) memory.
-        at::Tensor cpu_lse = at::empty({q.size(0), rows, q.size(1)}, lse.options()).transpose(1, 2);
-        cpu_lse.copy_(row_lse);
         std::tie(gq, gk, gv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, cpu_lse, 0.0, is_causal,
-            present(bias), scale);
+            grad_out, q, k, v, out, cpu_logsumexp(row_lse), 0.0, is_causal, present(bias), scale);
       } else {
         std::tie(gq, gk, gv, gbias) = host_attention::backward(call, grad_out, out, row_lse, bias_grad);
       }
@@ -286,9 +289,9 @@ void card_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("_scaled_dot_product_flash_attention_for_cpu",
+  m.impl("_scaled_dot_product_flash_attention",
          torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_forward>>());
-  m.impl("_scaled_dot_product_flash_attention_for_cpu_backward",
+  m.impl("_scaled_dot_product_flash_attention_backward",
          torch::CppFunction::makeFromBoxedFunction<&card_kernel<&flash_backward>>());
   m.impl("_scaled_dot_product_efficient_attention",
          torch::CppFunction::makeFromBoxedFunction<&card_kernel<&efficient_forward>>());

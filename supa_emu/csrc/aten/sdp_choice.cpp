@@ -6,13 +6,15 @@
 // its order, under the same switches (torch.backends.cuda.enable_*_sdp, sdpa_kernel, and the
 // priority order sdpa_kernel(..., set_priority=True) sets), with the same debug warnings.
 //
-// What each choice runs on supa is PyTorch's own composite's call for a device that is not CUDA:
-// flash_attention -> aten::_scaled_dot_product_flash_attention_for_cpu, efficient_attention ->
-// aten::_scaled_dot_product_efficient_attention, both given card kernels in fused_attention.cpp.
-// Two differences from CUDA, both where no supa kernel could serve the call as CUDA's does:
-// - dropout > 0 is not flash's: PyTorch's flash call for such devices hands its backward no
-//   random state, so the dropout mask could not be drawn again; memory-efficient attention
-//   (which hands over the seed and offset) serves it, with the same memory.
+// What each choice runs on supa is what it runs on a card: flash_attention ->
+// aten::_scaled_dot_product_flash_attention (called by supa's scaled_dot_product_attention kernel,
+// scaled_dot_product_attention.cpp, since PyTorch's composite calls it for CUDA only),
+// efficient_attention -> aten::_scaled_dot_product_efficient_attention, both given card kernels in
+// fused_attention.cpp. Two differences from CUDA, both where no supa kernel could serve the call as
+// CUDA's does:
+// - dropout > 0 is not flash's: flash's values come from PyTorch's CPU flash kernel, which has no
+//   dropout; memory-efficient attention (whose host path draws the mask again from the seed and
+//   offset it hands its backward) serves it, with the same memory.
 // - nested tensors take the math path: no fused supa kernel takes them.
 #include "sdp_choice.h"
 
@@ -132,8 +134,8 @@ bool dtypes_mem_efficient(const sdp_params& params, bool debug) {
 bool no_dropout_flash(const sdp_params& params, bool debug) {
   if (params.dropout > 0.0) {
     if (debug) {
-      TORCH_WARN("Flash attention on supa does not take dropout > 0 (PyTorch's flash path for a device other than ",
-                 "CUDA gives its backward no random state); memory-efficient attention serves it.");
+      TORCH_WARN("Flash attention on supa does not take dropout > 0 (its values come from PyTorch's CPU flash ",
+                 "kernel, which has none); memory-efficient attention serves it.");
     }
     return false;
   }
