@@ -344,3 +344,16 @@ def test_ipc_handle_round_trip_within_emulator():
     assert reopened.query()
     with pytest.raises(RuntimeError, match="Event can only be created on SUPA devices"):
         torch.supa.Event.from_ipc_handle(torch.device("cpu"), handle)
+
+
+def test_blocking_host_copies_and_item_wait_for_the_stream_non_blocking_ones_do_not():
+    src = torch.ones(1000, device="supa")
+    stream = torch.supa.current_stream()
+    torch.supa._sleep(_sleep_cycles(BUSY_S))
+    src.to("cpu", non_blocking=True)
+    assert stream.query() is False
+    assert torch.equal(src.to("cpu"), torch.ones(1000))
+    assert stream.query() is True
+    torch.supa._sleep(_sleep_cycles(BUSY_S))
+    assert src.sum().item() == 1000.0
+    assert stream.query() is True

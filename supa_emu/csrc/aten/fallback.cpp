@@ -19,11 +19,13 @@
 #include "shape_only.h"
 
 #include "../runtime/caching_allocator.h"
+#include "../runtime/device_guard.h"
 #include "../runtime/devices.h"
 #include "../runtime/generator.h"
 #include "../runtime/graph.h"
 #include "../runtime/host_alias.h"
 #include "../runtime/host_routing_allocator.h"
+#include "../runtime/stream_timeline.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
@@ -491,7 +493,10 @@ void run_in_capture(const c10::OperatorHandle& op, torch::jit::Stack* stack, Hos
     refuse_during_capture(op.schema().operator_name().name);
   }
   const bool seeded = op.hasTag(at::Tag::nondeterministic_seeded);
-  if (!seeded && !has_sparse_operand(op, *stack)) {
+  // mkldnn_rnn_layer's shape rule gives an empty workspace where its CPU kernel makes one: replay
+  // would write the kernel's workspace into the rule's.
+  const bool kernel_sized = op.schema().name() == "aten::mkldnn_rnn_layer";
+  if (!seeded && !kernel_sized && !has_sparse_operand(op, *stack)) {
     const size_t num_args = op.schema().arguments().size();
     const size_t base = stack->size() - num_args;
     std::vector<c10::IValue> arguments = with_own_lists(torch::jit::last(*stack, num_args));
@@ -523,6 +528,11 @@ void run_in_capture(const c10::OperatorHandle& op, torch::jit::Stack* stack, Hos
 }
 
 void run_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, HostKernel kernel) {
+  if (op.hasTag(at::Tag::data_dependent_output)) {
+    // .item(), equal(), is_nonzero(): the host reads the result, so it waits for the stream first.
+    const c10::DeviceIndex device = current_device();
+    wait_until_ns(stream_ready_ns(device, current_stream_id(device)));
+  }
   if (shapes_mode()) {
     run_in_shapes_mode(op, stack, kernel);
   } else if (is_capturing() && !is_replaying()) {

@@ -6,6 +6,7 @@
 #include "../runtime/graph.h"
 #include "../runtime/host_alias.h"
 #include "../runtime/pinned_host_allocator.h"
+#include "../runtime/stream_timeline.h"
 #include "shape_only.h"
 
 #include <ATen/EmptyTensor.h>
@@ -199,9 +200,10 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     // Captured as a copy node: it moves the bytes at each replay, not now. A card's driver refuses
     // to capture a copy to or from pageable host memory.
     for (const at::Tensor* t : {&self, &dst}) {
-      if (t->device().is_cpu() && t->numel() > 0 && !t->is_pinned()) {
-        refuse_during_capture("a copy between supa and pageable (not pinned) host memory");
-      }
+      // Refused before anything reaches the stream, so the capture itself stays valid.
+      TORCH_CHECK(!t->device().is_cpu() || t->numel() == 0 || t->is_pinned(),
+                  "Cannot copy between CPU and SUPA tensors during SUPA graph capture unless the CPU tensor is "
+                  "pinned.");
     }
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::_copy_from", "");
     record_call(op, {self, dst, non_blocking}, {dst});
@@ -214,6 +216,11 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   }
   if (shapes_mode()) {
     note_values(dst, !moved || values_unknown(self));
+  }
+  if (!non_blocking && !card_to_card) {
+    // A blocking copy to or from the host returns once the stream has run it, as on a card.
+    const c10::DeviceIndex device = (self.device().is_cpu() ? dst : self).device().index();
+    wait_until_ns(stream_ready_ns(device, current_stream_id(device)));
   }
   if (non_blocking && !card_to_card) {
     const at::Tensor& host = self.device().is_cpu() ? self : dst;
