@@ -544,3 +544,24 @@ def test_a_graphs_pool_keeps_its_segments_while_the_graph_lives():
     del g, out
     torch.supa.empty_cache()
     assert pool_bytes(pool) == 0
+
+
+def test_a_stream_that_waits_on_the_capturing_stream_joins_the_capture():
+    x = torch.ones(4, device="supa")
+    g = torch.supa.SUPAGraph()
+    s0, s1 = torch.supa.Stream(), torch.supa.Stream()
+    with torch.supa.stream(s0):
+        g.capture_begin()
+        y = x + 1
+    with torch.supa.stream(s1):
+        s1.wait_stream(s0)
+        assert torch.supa.is_current_stream_capturing()
+        z = y * 2
+    s0.wait_stream(s1)
+    with torch.supa.stream(s0):
+        g.capture_end()
+    pools = {tuple(seg["segment_pool_id"]) for seg in torch.supa.memory_snapshot()
+             for block in seg["blocks"] if block["state"] == "active_allocated"}
+    assert g.pool() in pools
+    g.replay()
+    assert torch.equal(z.cpu(), torch.full((4,), 4.0))

@@ -6,6 +6,7 @@
 // time their stream reaches them, which is what elapsed_time measures.
 #include "device_guard.h"
 
+#include "caching_allocator.h"
 #include "devices.h"
 #include "gpu_trace.h"
 #include "graph.h"
@@ -26,6 +27,7 @@ struct HostEvent {
   bool recorded = false;
   bool timing;
   int64_t time_ns = 0;  // when the recording stream reaches the event (stream_timeline.h)
+  const void* capture = nullptr;  // the graph capture it was recorded in (graph.h), if any
 };
 
 // An index-less device means the current one, as in CUDA's stream functions.
@@ -103,13 +105,18 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
     e->recorded = true;
     e->time_ns = stream_ready_ns(stream.device_index(), stream.id());
+    e->capture = capture_of(stream.device_index(), stream.id());
     report_to_gpu_trace([&](const auto& trace) {
       trace->trace_gpu_event_record(kSupa, reinterpret_cast<uintptr_t>(e), static_cast<uintptr_t>(stream.id()));
     });
   }
   void block(void* event, const c10::Stream& stream) const override {
     if (event != nullptr) {
-      stream_wait_until(stream.device_index(), stream.id(), static_cast<HostEvent*>(event)->time_ns);
+      const auto* e = static_cast<HostEvent*>(event);
+      stream_wait_until(stream.device_index(), stream.id(), e->time_ns);
+      if (e->capture != nullptr) {
+        join_capture(e->capture, stream.device_index(), stream.id());
+      }
       report_to_gpu_trace([&](const auto& trace) {
         trace->trace_gpu_event_wait(kSupa, reinterpret_cast<uintptr_t>(event), static_cast<uintptr_t>(stream.id()));
       });
@@ -148,10 +155,12 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     wait_until_ns(device_ready_ns(device_index));
     report_to_gpu_trace([](const auto& trace) { trace->trace_gpu_device_synchronization(kSupa); });
   }
-  bool isStreamCapturing(const c10::Stream& /*stream*/) const override {
-    return is_capturing();
+  bool isStreamCapturing(const c10::Stream& stream) const override {
+    return capture_of(stream.device_index(), stream.id()) != nullptr;
   }
-  void recordDataPtrOnStream(const c10::DataPtr& /*data_ptr*/, const c10::Stream& /*stream*/) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr& data_ptr, const c10::Stream& stream) const override {
+    device_allocator()->recordStream(data_ptr, stream);
+  }
   // CUDA's checks and messages. c10::Event (the way torch.Event and torch.supa.Event come here)
   // makes the flag, record and completion checks first, in CUDA's order; they are repeated for
   // callers of the guard itself, which cannot tell a timing flag of an event never recorded.

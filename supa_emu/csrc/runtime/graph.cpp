@@ -22,6 +22,7 @@
 #include <ATen/core/GraphImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <optional>
@@ -161,7 +162,10 @@ class SupaGraph final : public at::GraphImplInterface {
     retain_pool(pool_);  // its segments stay while a graph may replay into them
     holds_pool_ = true;
     device_ = current_device();
-    stream_ = current_stream_id(device_);
+    {
+      std::lock_guard<std::mutex> lock(streams_mutex_);
+      streams_.assign(1, current_stream_id(device_));
+    }
     calls_.clear();
     invalidated_ = false;
     add_generator_state(philox_state_of(default_generator(current_device())));
@@ -243,7 +247,21 @@ class SupaGraph final : public at::GraphImplInterface {
   }
 
   bool captures_current_stream() const {
-    return current_stream_id(device_) == stream_;
+    return captures(device_, current_stream_id(device_));
+  }
+  bool captures(c10::DeviceIndex device, c10::StreamId stream) const {
+    if (device != device_) {
+      return false;
+    }
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    return std::find(streams_.begin(), streams_.end(), stream) != streams_.end();
+  }
+  // A stream that waits on an event recorded in this capture joins it, as on a card.
+  void join(c10::DeviceIndex device, c10::StreamId stream) {
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    if (device == device_ && std::find(streams_.begin(), streams_.end(), stream) == streams_.end()) {
+      streams_.push_back(stream);
+    }
   }
 
   void invalidate() {
@@ -284,8 +302,9 @@ class SupaGraph final : public at::GraphImplInterface {
   std::vector<RecordedCall> calls_;
   std::vector<std::pair<PhiloxStatePtr, uint64_t>> generator_states_;  // state, offset increment per replay
   c10::MempoolId_t pool_{0, 0};
-  c10::DeviceIndex device_ = 0;  // the capturing stream
-  c10::StreamId stream_ = 0;
+  c10::DeviceIndex device_ = 0;
+  mutable std::mutex streams_mutex_;
+  std::vector<c10::StreamId> streams_;  // the capturing stream first, then those that joined it
   bool keep_graph_;
   bool holds_pool_ = false;
   bool captured_ = false;
@@ -314,6 +333,18 @@ std::vector<c10::IValue> with_own_lists(c10::ArrayRef<c10::IValue> arguments) {
 bool is_capturing() {
   const SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
   return graph != nullptr && graph->captures_current_stream();
+}
+
+const void* capture_of(c10::DeviceIndex device, c10::StreamId stream) {
+  const SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
+  return graph != nullptr && graph->captures(device, stream) ? graph : nullptr;
+}
+
+void join_capture(const void* capture, c10::DeviceIndex device, c10::StreamId stream) {
+  SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
+  if (graph != nullptr && graph == capture) {
+    graph->join(device, stream);
+  }
 }
 
 c10::MempoolId_t capture_pool() {
