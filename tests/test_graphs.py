@@ -565,3 +565,21 @@ def test_a_stream_that_waits_on_the_capturing_stream_joins_the_capture():
     assert g.pool() in pools
     g.replay()
     assert torch.equal(z.cpu(), torch.full((4,), 4.0))
+
+
+def test_checkpoint_preserving_the_rng_state_under_capture_equals_eager():
+    def fn(x):
+        return x * torch.sigmoid(torch.randn(1, device="supa"))
+
+    torch.supa.manual_seed(42)
+    eager_in = torch.ones(1, device="supa", requires_grad=True)
+    eager_out = torch.utils.checkpoint.checkpoint(fn, eager_in, use_reentrant=False, preserve_rng_state=True)
+    (eager_grad,) = torch.autograd.grad(eager_out, eager_in)
+    g = torch.supa.SUPAGraph()
+    with torch.supa.graph(g):
+        graph_in = torch.ones(1, device="supa", requires_grad=True)
+        graph_out = torch.utils.checkpoint.checkpoint(fn, graph_in, use_reentrant=False, preserve_rng_state=True)
+        (graph_grad,) = torch.autograd.grad(graph_out, graph_in)
+    torch.supa.manual_seed(42)
+    g.replay()
+    assert torch.equal(graph_grad.cpu(), eager_grad.cpu())

@@ -53,14 +53,17 @@ class SupaGenerator final : public c10::GeneratorImpl {
     set_current_seed(random);
     return random;
   }
+  // While the generator's state is captured, the offset is the graph's own (its counter range):
+  // saving and restoring it there (activation checkpointing's preserve_rng_state) replays the
+  // same numbers, as CUDA's generator does.
   void set_offset(uint64_t offset) override {
     TORCH_CHECK(offset % 4 == 0, "offset must be a multiple of 4");
     std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->offset = offset;
+    (state_->capturing ? state_->offset_intragraph : state_->offset) = offset;
   }
   uint64_t get_offset() const override {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    return state_->offset;
+    return state_->capturing ? state_->offset_intragraph : state_->offset;
   }
 
   void set_state(const c10::TensorImpl& new_state) override {
@@ -87,7 +90,7 @@ class SupaGenerator final : public c10::GeneratorImpl {
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
       seed = state_->seed;
-      offset = static_cast<int64_t>(state_->offset);
+      offset = static_cast<int64_t>(state_->capturing ? state_->offset_intragraph : state_->offset);
     }
     auto* bytes = state.data_ptr<uint8_t>();
     std::memcpy(bytes, &seed, kSeedBytes);
