@@ -583,3 +583,24 @@ def test_checkpoint_preserving_the_rng_state_under_capture_equals_eager():
     torch.supa.manual_seed(42)
     g.replay()
     assert torch.equal(graph_grad.cpu(), eager_grad.cpu())
+
+
+def test_a_graph_holds_two_card_blocks_per_generator_state_while_it_lives():
+    def active_blocks():
+        return torch.supa.memory_stats()["active.all.current"]
+
+    before = active_blocks()
+    states = [torch.supa.default_generators[0].graphsafe_get_state(),
+              torch.supa.default_generators[0].clone_state()]
+    g = torch.supa.SUPAGraph()
+    for state in states:
+        g.register_generator_state(state)
+    s = torch.supa.Stream()
+    with torch.supa.stream(s):
+        g.capture_begin()
+        torch.rand(1, device="supa")
+        g.capture_end()
+    g.replay()
+    assert active_blocks() - before == 2 * len(states)  # each state's seed and offset on the card
+    del g
+    assert active_blocks() == before

@@ -10,6 +10,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cstring>
@@ -114,6 +115,7 @@ class SupaGenerator final : public c10::GeneratorImpl {
     copy->seed = state_->seed;
     copy->offset = state_->offset;
     copy->offset_intragraph = state_->offset_intragraph;
+    copy->device = state_->device;
     return new SupaGenerator(device().index(), std::move(copy));
   }
 
@@ -147,6 +149,7 @@ uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
 at::Generator new_generator(c10::DeviceIndex device) {
   auto state = c10::make_intrusive<PhiloxState>();
   state->seed = c10::default_rng_seed_val;
+  state->device = device;
   return at::make_generator<SupaGenerator>(device, std::move(state));
 }
 
@@ -201,6 +204,36 @@ at::Generator host_generator_for_call(const std::optional<at::Generator>& genera
   return at::make_generator<at::CPUGeneratorImpl>(mix64(range.seed ^ mix64(range.offset)));
 }
 
+namespace {
+
+// Writes the captured kernels' seed and offset into the card's copies (under the state's mutex).
+void write_extragraph(PhiloxState& state) {
+  if (!state.seed_on_card.defined()) {
+    return;
+  }
+  state.seed_on_card.fill_(static_cast<int64_t>(state.seed_extragraph));
+  state.offset_on_card.fill_(static_cast<int64_t>(state.offset_extragraph));
+}
+
+}  // namespace
+
+void register_graph(PhiloxState& state) {
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (state.graphs++ == 0) {
+    const auto options = at::TensorOptions().dtype(at::kLong).device(kSupa, state.device);
+    state.seed_on_card = at::empty({1}, options);
+    state.offset_on_card = at::empty({1}, options);
+  }
+}
+
+void unregister_graph(PhiloxState& state) {
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (--state.graphs == 0) {
+    state.seed_on_card = at::Tensor();
+    state.offset_on_card = at::Tensor();
+  }
+}
+
 void capture_prologue(PhiloxState& state) {
   std::lock_guard<std::mutex> lock(state.mutex);
   state.capturing = true;
@@ -220,6 +253,7 @@ void replay_prologue(PhiloxState& state, uint64_t wholegraph_increment) {
   state.seed_extragraph = state.seed;
   state.offset_extragraph = state.offset;
   state.offset += wholegraph_increment;
+  write_extragraph(state);
 }
 
 std::vector<CapturedDraw> take_captured_draws() {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -44,10 +45,19 @@ struct PhiloxState : c10::intrusive_ptr_target {
   uint64_t offset_intragraph = 0;
   uint64_t seed_extragraph = 0;    // what a captured call reads for its seed
   uint64_t offset_extragraph = 0;  // and for the base of its offset
+  // The card's copies of those two, which captured kernels read at replay: one-element int64
+  // tensors on the generator's card, outside any graph's pool, held while a graph holds the state
+  // (as CUDA's generator state keeps them); each replay writes them.
+  c10::DeviceIndex device = -1;
+  int graphs = 0;
+  at::Tensor seed_on_card, offset_on_card;
 };
 using PhiloxStatePtr = c10::intrusive_ptr<PhiloxState>;
 
 PhiloxStatePtr philox_state_of(const at::Generator& generator);
+// A graph holds the state from its capture until it is reset or destroyed.
+void register_graph(PhiloxState& state);
+void unregister_graph(PhiloxState& state);
 void capture_prologue(PhiloxState& state);
 uint64_t capture_epilogue(PhiloxState& state);  // the whole graph's offset increment
 void replay_prologue(PhiloxState& state, uint64_t wholegraph_increment);

@@ -148,6 +148,7 @@ class SupaGraph final : public at::GraphImplInterface {
       end_generator_capture();
     }
     give_up_pool();
+    release_generator_states();
   }
 
   void capture_begin(c10::MempoolId_t pool, at::GraphCaptureMode /*mode*/) override {
@@ -226,6 +227,7 @@ class SupaGraph final : public at::GraphImplInterface {
     captured_ = false;
     instantiated_ = false;
     give_up_pool();
+    release_generator_states();
   }
   c10::MempoolId_t pool() const override {
     return pool_;
@@ -276,12 +278,20 @@ class SupaGraph final : public at::GraphImplInterface {
       }
     }
     generator_states_.emplace_back(state, 0);
+    register_graph(*state);
     if (g_capturing.load() == this) {
       capture_prologue(*state);
     }
   }
 
  private:
+  void release_generator_states() {
+    for (auto& [state, increment] : generator_states_) {
+      unregister_graph(*state);
+    }
+    generator_states_.clear();
+  }
+
   void give_up_pool() {
     if (holds_pool_) {
       holds_pool_ = false;
