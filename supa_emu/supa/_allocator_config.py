@@ -21,10 +21,10 @@ _NOT_MODELLED = {
     "expandable_segments": "the emulated allocator maps every segment at its final size, so "
                            "there are no segments to expand (a documented no-op)",
     "release_lock_on_supamalloc": "there is no driver call to release the lock around",
-    "pinned_num_register_threads": "pinned host memory is plain host memory",
-    "pinned_use_supa_host_register": "pinned host memory is plain host memory",
-    "pinned_reserve_segment_size_mb": "pinned host memory is plain host memory",
-    "pinned_use_background_threads": "pinned host memory is plain host memory",
+    "pinned_num_register_threads": "pinned blocks are host memory the runtime marks as pinned, with no driver registration",
+    "pinned_use_supa_host_register": "pinned blocks are host memory the runtime marks as pinned, with no driver registration",
+    "pinned_reserve_segment_size_mb": "pinned blocks are allocated one by one, with no reserved segment",
+    "pinned_use_background_threads": "freed pinned blocks are checked against their streams on the next allocation, with no background thread",
 }
 
 
