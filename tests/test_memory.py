@@ -488,6 +488,44 @@ def test_record_function_ranges_are_kept_as_annotations():
     assert torch.supa.memory._snapshot()["external_annotations"] == []  # dropped with the trace
 
 
+def test_snapshot_augmented_with_fx_traces_names_the_graph_nodes():
+    class AddRelu(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x + 1)
+
+    with torch.fx.experimental._config.patch("enrich_profiler_metadata", True):
+        graph_module = torch.fx.symbolic_trace(AddRelu())
+    torch.supa.memory._record_memory_history("all", stacks="python")
+    try:
+        out = graph_module(torch.ones(100, device="supa"))
+        plain = torch.supa.memory._snapshot()
+        augmented = torch.supa.memory._snapshot(augment_with_fx_traces=True)
+    finally:
+        torch.supa.memory._record_memory_history(None)
+
+    def fx_nodes(snapshot):
+        return {f.get("fx_node_name") for trace in snapshot["device_traces"] for e in trace for f in e["frames"]}
+
+    assert fx_nodes(plain) == {None}
+    assert {"add", "relu"} <= fx_nodes(augmented)
+    del out
+
+
+def test_memory_snapshot_of_a_pool_lists_only_its_segments():
+    outer, inner = torch.supa.MemPool(), torch.supa.MemPool()
+    twenty_mib = 20 * MiB // 4  # each a segment of its own
+    kept = []
+    with torch.supa.use_mem_pool(outer):
+        kept.append(torch.empty(twenty_mib, device="supa"))
+        with torch.supa.use_mem_pool(inner):
+            kept.append(torch.empty(twenty_mib, device="supa"))
+        kept.append(torch.empty(twenty_mib, device="supa"))
+    segments = torch.supa.memory.memory_snapshot(outer.id)
+    assert {s["address"] for s in segments} == {kept[0].data_ptr(), kept[2].data_ptr()}
+    assert [s["address"] for s in torch.supa.memory.memory_snapshot(inner.id)] == [kept[1].data_ptr()]
+    assert segments == outer.snapshot()
+
+
 def test_memory_history_rejects_bad_arguments():
     with pytest.raises(ValueError, match="enabled must be"):
         torch.supa.memory._record_memory_history("sometimes")

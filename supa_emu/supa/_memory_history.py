@@ -13,6 +13,7 @@ import sys
 from typing import Any, Optional, Union
 
 import torch
+from torch._utils import _augment_memory_snapshot_stack_traces
 
 from ._runtime import _get_device_index, _lazy_init, _native, device_count
 
@@ -110,12 +111,20 @@ def _get_memory_metadata() -> str:
     return _native()._memory_metadata()
 
 
-def memory_snapshot() -> list[dict[str, Any]]:
-    """The allocator's segments across all devices, each with its blocks (see `_snapshot`)."""
-    return list(_native()._memory_snapshot())
+def memory_snapshot(mempool_id: Optional[tuple[int, int]] = None, include_traces: bool = True) -> list[dict[str, Any]]:
+    """The allocator's segments across all devices, each with its blocks (see `_snapshot`).
+
+    With `mempool_id` (a `MemPool.id`), only the segments of that pool. `include_traces` is
+    torch.cuda's switch for the allocator's trace, which this list never holds.
+    """
+    segments = _native()._memory_snapshot()
+    if mempool_id is None:
+        return list(segments)
+    pool = tuple(mempool_id)
+    return [segment for segment in segments if tuple(segment["segment_pool_id"]) == pool]
 
 
-def _snapshot(device: _DeviceLike = None) -> dict[str, Any]:
+def _snapshot(device: _DeviceLike = None, augment_with_fx_traces: bool = False) -> dict[str, Any]:
     """Full allocator state: {"segments", "device_traces", "allocator_settings", "external_annotations"}.
 
     As torch.cuda's, the snapshot covers every device (each segment names its "device");
@@ -126,20 +135,29 @@ def _snapshot(device: _DeviceLike = None) -> dict[str, Any]:
     `_record_memory_history` turned tracing on ({"action", "addr", "size", "stream", "time_us",
     "frames", "compile_context", "user_metadata"}); "external_annotations" the record_function
     ranges entered and left meanwhile ({"name", "stage", "device", "time_us"}, stage START or END).
+
+    With `augment_with_fx_traces`, frames in code that torch.fx generated name the graph node they
+    ran and its original source (torch._utils._augment_memory_snapshot_stack_traces, as
+    torch.cuda's).
     """
     from ._allocator_config import allocator_settings_in_effect
 
     if device is not None and not 0 <= _get_device_index(device, optional=True) < device_count():
         raise AssertionError("Invalid device id")
-    return {
+    snapshot = {
         "segments": memory_snapshot(),
         "device_traces": list(_native()._memory_trace()),
         "allocator_settings": allocator_settings_in_effect(),
         "external_annotations": list(_native()._memory_annotations()),
     }
+    if augment_with_fx_traces:
+        snapshot = _augment_memory_snapshot_stack_traces(snapshot)
+    return snapshot
 
 
-def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
-    """Pickle `_snapshot()` to `filename` (readable by PyTorch's memory visualiser)."""
+def _dump_snapshot(filename: str = "dump_snapshot.pickle", augment_with_fx_traces: bool = False) -> None:
+    """Pickle `_snapshot(augment_with_fx_traces=...)` to `filename` (readable by PyTorch's memory
+    visualiser)."""
+    snapshot = _snapshot(augment_with_fx_traces=augment_with_fx_traces)
     with open(filename, "wb") as f:
-        pickle.dump(_snapshot(), f)
+        pickle.dump(snapshot, f)
