@@ -197,12 +197,28 @@ py::list memory_trace() {
     entry["stream"] = event.stream;
     entry["time_us"] = event.time_us;
     entry["frames"] = frames[i];
+    entry["compile_context"] = event.compile_context;
+    entry["user_metadata"] = event.user_metadata;
     if (event.action == "oom") {
       entry["device_free"] = supa::device_allocator()->getMemoryInfo(event.device).first;
     }
     per_device[event.device].cast<py::list>().append(entry);
   }
   return per_device;
+}
+
+// The record_function ranges entered and left while recording, as torch.cuda's "external_annotations".
+py::list memory_annotations() {
+  py::list out;
+  for (const auto& annotation : supa::memory_annotations()) {
+    py::dict entry;
+    entry["name"] = annotation.name;
+    entry["stage"] = annotation.stage;
+    entry["device"] = annotation.device;
+    entry["time_us"] = annotation.time_us;
+    out.append(entry);
+  }
+  return out;
 }
 
 // Through c10::Event, which checks the events' flags, records and completion as CUDA's events do
@@ -216,15 +232,28 @@ double event_elapsed_ms(py::handle start, py::handle end) {
   return a.elapsedTime(b);
 }
 
-void set_memory_history(bool trace, bool stacks, bool cpp_stacks, size_t max_entries) {
-  if (stacks) {
+// `context`: a supa::StackContext (0 none, 1 state, 2 alloc, 3 all).
+void set_memory_history(bool recording, int context, bool cpp_stacks, size_t max_entries, bool clear,
+                        bool compile_context, bool global_annotations, const std::vector<std::string>& skip_actions) {
+  TORCH_CHECK(context >= 0 && context <= 3, "supa_emu: stack context level ", context, " out of range");
+  if (context > 0) {
     static bool installed = false;  // the GIL serialises this
     if (!installed) {
       torch::installCapturedTracebackPython();
+      supa::set_gil_probe([] { return PyGILState_Check() != 0; });
       installed = true;
     }
   }
-  supa::set_memory_history(trace, stacks, cpp_stacks, max_entries);
+  supa::HistorySettings settings;
+  settings.recording = recording;
+  settings.context = static_cast<supa::StackContext>(context);
+  settings.cpp_stacks = cpp_stacks;
+  settings.max_entries = max_entries;
+  settings.clear = clear;
+  settings.compile_context = compile_context;
+  settings.global_annotations = global_annotations;
+  settings.skip_actions = skip_actions;
+  supa::set_memory_history(settings);
 }
 
 // torch.backends.cuda.SDPAParams (torch._C._SDPAParams) as the card's choice reads it.
@@ -416,7 +445,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_memcheck_written", &supa::memcheck_written);
   m.def("_memcheck_uninitialized", &supa::memcheck_uninitialized);
   m.def("_memcheck_tracked_blocks", &supa::memcheck_tracked_blocks);
-  m.def("_set_memory_history", &set_memory_history, py::arg("trace"), py::arg("stacks"),
-        py::arg("cpp_stacks"), py::arg("max_entries"));
+  m.def("_set_memory_history", &set_memory_history, py::arg("recording"), py::arg("context"),
+        py::arg("cpp_stacks"), py::arg("max_entries"), py::arg("clear"), py::arg("compile_context"),
+        py::arg("global_annotations"), py::arg("skip_actions"));
+  m.def("_memory_annotations", &memory_annotations);
+  m.def("_set_memory_metadata", &supa::set_memory_metadata, py::arg("metadata"));
+  m.def("_memory_metadata", &supa::memory_metadata);
   m.def("_memory_trace", &memory_trace);
 }

@@ -98,7 +98,7 @@ class MemPool:
         """Segments that belong to this pool (live blocks and the pool's cached free blocks)."""
         from ._memory_history import memory_snapshot
 
-        return [seg for seg in memory_snapshot() if tuple(seg["segment_pool_id"]) == self._id]
+        return memory_snapshot(self._id)
 
     def __del__(self) -> None:
         # The pool's cached blocks serve no other request: give them back with the pool.

@@ -23,7 +23,8 @@ from ._allocator_config import _set_allocator_settings, get_allocator_backend
 from ._mem_pool import (
     MemPool, MemPoolContext, SUPAPluggableAllocator, _get_current_allocator, _SUPAAllocator,
     change_current_allocator, use_mem_pool)
-from ._memory_history import _dump_snapshot, _record_memory_history, _snapshot, memory_snapshot
+from ._memory_history import (
+    _dump_snapshot, _get_memory_metadata, _record_memory_history, _set_memory_metadata, _snapshot, memory_snapshot)
 
 _DeviceLike = Union[torch.device, str, int, None]
 
