@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 MiB = 1 << 20
 ROUNDUP_INTERVALS = 16  # powers of two from 1 MiB; the last interval is open (matches the core)
-_LARGE_BUFFER_MB = 20  # max_split_size_mb must exceed it: an oversize block serves requests this much smaller
+_LARGE_BUFFER_MB = 20  # the least max_split_size_mb: an oversize block serves requests this much smaller
 
 DEFAULTS: dict[str, Any] = {
     "max_split_size": -1, "garbage_collection_threshold": 0.0, "expandable_segments": False,
@@ -20,6 +20,9 @@ DEFAULTS: dict[str, Any] = {
     "pinned_use_background_threads": False, "roundup_power2_divisions": [0] * ROUNDUP_INTERVALS,
     "backend": "native",
 }
+# Settings that every settings string sets, to their default where it does not name them (as
+# PyTorch's allocator config does); the others keep their value until a string names them.
+RESET_BY_EACH_STRING = ("max_split_size", "garbage_collection_threshold", "roundup_power2_divisions")
 
 
 def _parse_bool(value: str) -> bool:
@@ -32,8 +35,8 @@ def _parse_bool(value: str) -> bool:
 
 def _parse_max_split_size(value: str) -> int:
     megabytes = int(value)
-    if megabytes <= _LARGE_BUFFER_MB:
-        raise ValueError(f"too small, must be > {_LARGE_BUFFER_MB} (MiB)")
+    if megabytes < _LARGE_BUFFER_MB:
+        raise ValueError(f"too small, must be >= {_LARGE_BUFFER_MB} (MiB)")
     return megabytes * MiB
 
 
@@ -44,39 +47,40 @@ def _parse_gc_threshold(value: str) -> float:
     return threshold
 
 
-def _parse_divisions_count(value: str) -> int:
+def _parse_divisions_count(value: str, zero_allowed: bool) -> int:
     count = int(value)
-    if count < 0 or (count > 1 and count & (count - 1)):
-        raise ValueError("the number of divisions must be a power of two")
+    if count < 0 or (count == 0 and not zero_allowed) or count & (count - 1):
+        raise ValueError("the number of divisions must be a power of two" + (" or 0" if zero_allowed else ""))
     return count
 
 
 def _parse_roundup(value: str) -> list[int]:
-    """'4' (every size) or '[256:1,512:2,>:4]' (divisions for sizes up to 256 MiB, up to 512 MiB, larger)."""
+    """'4' (every size) or a list '[64:8,256:4,>:1]', read as PyTorch 2.13's allocator reads it:
+    entry 'N:d' sets the interval [N MiB, 2N MiB) (the first entry also every interval below it),
+    '>:d' every interval after the last one named; intervals no entry reaches stay 0 (no rounding)."""
     if not value.startswith("["):
-        return [_parse_divisions_count(value)] * ROUNDUP_INTERVALS
+        return [_parse_divisions_count(value, zero_allowed=False)] * ROUNDUP_INTERVALS
     if not value.endswith("]"):
         raise ValueError("a list must be written [size_mb:divisions,...,>:divisions]")
     divisions = [0] * ROUNDUP_INTERVALS
-    filled = 0  # intervals below this index are set
+    last = 0  # the interval of the last size named
+    first = True
     for entry in filter(None, (part.strip() for part in value[1:-1].replace(";", ",").split(","))):
         bound, sep, count = entry.partition(":")
         if not sep:
             raise ValueError(f"entry {entry!r} is not size_mb:divisions")
-        count_value = _parse_divisions_count(count.strip())
+        count_value = _parse_divisions_count(count.strip(), zero_allowed=True)
         if bound.strip() == ">":
-            divisions[filled:] = [count_value] * (ROUNDUP_INTERVALS - filled)
-            filled = ROUNDUP_INTERVALS
+            divisions[last + 1:] = [count_value] * (ROUNDUP_INTERVALS - last - 1)
             continue
         megabytes = int(bound)
         if megabytes <= 0 or megabytes & (megabytes - 1):
             raise ValueError(f"interval bound {megabytes} is not a power of two (MiB)")
-        # Sizes below `megabytes` MiB: intervals [2**i MiB, 2**(i+1) MiB) with 2**(i+1) <= megabytes.
-        upto = min(ROUNDUP_INTERVALS, max(1, megabytes.bit_length() - 1))
-        if upto <= filled:
-            raise ValueError("interval bounds must increase")
-        divisions[filled:upto] = [count_value] * (upto - filled)
-        filled = upto
+        last = min(megabytes.bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        if first:
+            divisions[:last] = [count_value] * last
+            first = False
+        divisions[last] = count_value
     return divisions
 
 

@@ -395,7 +395,7 @@ BAD_ALLOCATOR_SETTINGS = {
     "no_such_knob:1": "unrecognized or malformed entry 'no_such_knob:1'; known keys: ",
     "pinned_num_register_threads:many": "invalid value 'many' for pinned_num_register_threads",
     "backend:cudaMallocAsync": "only backend is 'native'",
-    "max_split_size_mb:8": "max_split_size_mb: too small, must be > 20",
+    "max_split_size_mb:8": "max_split_size_mb: too small, must be >= 20",
     "garbage_collection_threshold:1.5": "garbage_collection_threshold: must be between 0.0 and 1.0",
     "roundup_power2_divisions:3": "roundup_power2_divisions: the number of divisions must be a power of two",
     # A rejected string changes nothing, not even its valid entries.
@@ -443,11 +443,55 @@ def test_roundup_power2_divisions_rounds_requests(allocator_settings_restored):
     x = torch.empty(size, dtype=torch.uint8, device="supa")
     assert torch.supa.memory_allocated() - held == 3 * MiB + MiB // 2
     del x
-    # Per-interval form: one division up to 256 MiB, so the plain 512-byte rounding applies here.
+    # Per-interval form: one division below 512 MiB, so the plain 512-byte rounding applies here.
     torch.supa._set_allocator_settings("roundup_power2_divisions:[256:1,>:4]")
     x = torch.empty(size, dtype=torch.uint8, device="supa")
     assert torch.supa.memory_allocated() - held == (size + 32 + 511) // 512 * 512
-    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"][:9] == [1] * 8 + [4]
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [1] * 9 + [4] * 7
+    del x
+    # 'N:d' names the interval [N MiB, 2N MiB): 8 steps of 512 KiB between 4 and 8 MiB.
+    torch.supa._set_allocator_settings("roundup_power2_divisions:[4:8,>:1]")
+    x = torch.empty(5 * MiB + 100, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() - held == 5 * MiB + MiB // 2
+
+
+# PyTorch 2.13's allocator config reads the list form so (the value each of the 16 intervals from
+# 1 MiB gets): an entry sets its own interval, the first also those below, '>' those after the
+# last named; the rest stay 0.
+ROUNDUP_LISTS = {
+    "[64:8,128:2,256:2,512:2,1024:1,>:1]": [8] * 7 + [2] * 3 + [1] * 6,
+    "[256:1,>:4]": [1] * 9 + [4] * 7,
+    "[1:2,64:8,>:1]": [2, 0, 0, 0, 0, 0, 8] + [1] * 9,
+    "[64:8,1024:1]": [8] * 7 + [0, 0, 0, 1] + [0] * 5,
+    "[256:1,64:8]": [1] * 6 + [8, 1, 1] + [0] * 7,
+    "[>:2]": [0] + [2] * 15,
+}
+
+
+@pytest.mark.emulation_only
+@pytest.mark.parametrize("text", list(ROUNDUP_LISTS))
+def test_roundup_power2_divisions_list_reads_as_pytorchs(text, allocator_settings_restored):
+    torch.supa._set_allocator_settings(f"roundup_power2_divisions:{text}")
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == ROUNDUP_LISTS[text]
+
+
+@pytest.mark.emulation_only
+def test_each_settings_string_resets_the_accounting_settings_it_does_not_name(allocator_settings_restored):
+    size = 3 * MiB + 100  # +32 bytes of padding
+    held = torch.supa.memory_allocated()
+    with pytest.warns(UserWarning, match="not modelled"):
+        torch.supa._set_allocator_settings("roundup_power2_divisions:4,max_split_size_mb:40,"
+                                           "garbage_collection_threshold:0.5,pinned_num_register_threads:8")
+    torch.supa._set_allocator_settings("expandable_segments:False")
+    # As on CUDA: rounding, max_split_size and the threshold are back to their defaults ...
+    x = torch.empty(size, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() - held == (size + 32 + 511) // 512 * 512
+    assert torch.supa.memory_stats()["max_split_size"] == -1
+    settings = torch.supa.memory._snapshot()["allocator_settings"]
+    assert settings["garbage_collection_threshold"] == 0.0
+    # ... and a setting the string does not name otherwise keeps its value.
+    assert settings["pinned_num_register_threads"] == 8
+    torch.supa._set_allocator_settings("pinned_num_register_threads:1")
 
 
 @pytest.mark.emulation_only

@@ -1,6 +1,8 @@
 """Caching-allocator settings at runtime (`_set_allocator_settings`, PYTORCH_SUPA_ALLOC_CONF syntax).
 
-The syntax is parsed by supa_emu/allocator_settings.py. The settings that change what is
+The syntax is parsed by supa_emu/allocator_settings.py. As on CUDA, each string sets
+`max_split_size_mb`, `garbage_collection_threshold` and `roundup_power2_divisions` (to their
+defaults where it does not name them); the others keep their value. The settings that change what is
 reserved and counted act in the native allocator: `max_split_size_mb`,
 `garbage_collection_threshold` and `roundup_power2_divisions`. The others would change a layout
 or a driver interaction the emulator does not have; setting them warns that they are not
@@ -34,6 +36,8 @@ def apply(text: str, source: str = "SUPA allocator config") -> None:
         parsed = allocator_settings.parse(text)
     except ValueError as exc:
         raise RuntimeError(f"{source}: {exc}") from None
+    for name in allocator_settings.RESET_BY_EACH_STRING:
+        _settings[name] = allocator_settings.DEFAULTS[name]
     for name, (entry, value) in parsed.items():
         if name in _NOT_MODELLED and value != allocator_settings.DEFAULTS[name]:
             warnings.warn(f"SUPA allocator setting {entry} is not modelled by the emulator: {_NOT_MODELLED[name]}",
