@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 MiB = 1 << 20
 ROUNDUP_INTERVALS = 16  # powers of two from 1 MiB; the last interval is open (matches the core)
+_MAX_REGISTER_THREADS = 128  # pinned_num_register_threads, as CUDA's
 _LARGE_BUFFER_MB = 20  # the least max_split_size_mb: an oversize block serves requests this much smaller
 
 DEFAULTS: dict[str, Any] = {
@@ -38,6 +39,20 @@ def _parse_max_split_size(value: str) -> int:
     if megabytes < _LARGE_BUFFER_MB:
         raise ValueError(f"too small, must be >= {_LARGE_BUFFER_MB} (MiB)")
     return megabytes * MiB
+
+
+def _parse_register_threads(value: str) -> int:
+    threads = int(value)
+    if threads <= 0 or threads & (threads - 1) or threads > _MAX_REGISTER_THREADS:
+        raise ValueError(f"must be a power of two, at most {_MAX_REGISTER_THREADS}")
+    return threads
+
+
+def _parse_reserve_segment_size(value: str) -> int:
+    megabytes = int(value)
+    if megabytes <= 0:
+        raise ValueError("must be greater than 0")
+    return megabytes
 
 
 def _parse_gc_threshold(value: str) -> float:
@@ -90,16 +105,19 @@ _PARSERS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_split_size_mb": ("max_split_size", _parse_max_split_size),
     "garbage_collection_threshold": ("garbage_collection_threshold", _parse_gc_threshold),
     "expandable_segments": ("expandable_segments", _parse_bool),
-    "pinned_num_register_threads": ("pinned_num_register_threads", int),
+    "pinned_num_register_threads": ("pinned_num_register_threads", _parse_register_threads),
     "release_lock_on_supamalloc": ("release_lock_on_supamalloc", _parse_bool),
     "release_lock_on_cudamalloc": ("release_lock_on_supamalloc", _parse_bool),
     "pinned_use_supa_host_register": ("pinned_use_supa_host_register", _parse_bool),
     "pinned_use_cuda_host_register": ("pinned_use_supa_host_register", _parse_bool),
-    "pinned_reserve_segment_size_mb": ("pinned_reserve_segment_size_mb", int),
+    "pinned_reserve_segment_size_mb": ("pinned_reserve_segment_size_mb", _parse_reserve_segment_size),
     "pinned_use_background_threads": ("pinned_use_background_threads", _parse_bool),
     "roundup_power2_divisions": ("roundup_power2_divisions", _parse_roundup),
     "backend": ("backend", str),
 }
+
+
+KEYS = tuple(_PARSERS)  # every key a settings string may name
 
 
 def parse(text: str) -> dict[str, tuple[str, Any]]:

@@ -394,6 +394,8 @@ def test_expandable_segments_is_a_documented_no_op_that_warns():
 BAD_ALLOCATOR_SETTINGS = {
     "no_such_knob:1": "unrecognized or malformed entry 'no_such_knob:1'; known keys: ",
     "pinned_num_register_threads:many": "invalid value 'many' for pinned_num_register_threads",
+    "pinned_num_register_threads:3": "pinned_num_register_threads: must be a power of two, at most 128",
+    "pinned_reserve_segment_size_mb:0": "pinned_reserve_segment_size_mb: must be greater than 0",
     "backend:cudaMallocAsync": "only backend is 'native'",
     "max_split_size_mb:8": "max_split_size_mb: too small, must be >= 20",
     "garbage_collection_threshold:1.5": "garbage_collection_threshold: must be between 0.0 and 1.0",
@@ -537,6 +539,24 @@ def test_garbage_collection_threshold_releases_the_oldest_cached_blocks(allocato
     cached = {s["address"] for s in torch.supa.memory_snapshot() if s["allocated_size"] == 0}
     assert cached == set(addresses[1:])
     del fresh
+
+
+@pytest.mark.emulation_only
+def test_pytorchs_own_settings_entry_sets_the_supa_allocator(allocator_settings_restored):
+    size = 3 * MiB + 100  # +32 bytes of padding
+    held = torch.supa.memory_allocated()
+    torch._C._accelerator_setAllocatorSettings("roundup_power2_divisions:4")
+    x = torch.empty(size, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() - held == 3 * MiB + MiB // 2
+    del x
+    # A bad entry raises ValueError, as CUDA's allocator config does, and changes nothing.
+    for bad in ("foo:1,bar:2", "release_lock_on_cudamalloc:none", "pinned_num_register_threads:none",
+                "pinned_num_register_threads:1024"):
+        with pytest.raises(ValueError):
+            torch._C._accelerator_setAllocatorSettings(bad)
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [4] * 16
+    torch._C._accelerator_setAllocatorSettings("")
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [0] * 16
 
 
 def _allocated_and_max_split_size() -> list:

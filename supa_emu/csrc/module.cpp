@@ -33,9 +33,12 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <c10/core/AllocatorConfig.h>
+
 #include <limits>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 // From torch/csrc/profiler/python/combined_traceback.h, which cannot be included here: it pulls
 // in nlohmann/json.hpp, which the installed torch does not ship. Both are exported by
@@ -251,6 +254,45 @@ bool can_use_attention(py::handle params, bool debug) {
   return result;
 }
 
+// PyTorch's own settings entry (torch._C._accelerator_setAllocatorSettings) hands the string to
+// the accelerator's config hook, as it does CUDA's: `apply` (supa_emu/supa/_allocator_config.py)
+// applies it to supa's allocator; a bad entry reaches Python as ValueError, CUDA's error type.
+// False, and nothing registered, when another backend's hook owns the device keys already.
+bool install_accelerator_settings_hook(py::function apply, const std::vector<std::string>& keys) {
+  using c10::CachingAllocator::AcceleratorAllocatorConfig;
+  const auto& known = AcceleratorAllocatorConfig::getKeys();
+  if (known.count("backend") != 0) {
+    return false;
+  }
+  std::unordered_set<std::string> device_keys;
+  for (const std::string& key : keys) {
+    if (known.count(key) == 0) {
+      device_keys.insert(key);
+    }
+  }
+  static py::object* g_apply = nullptr;  // never destroyed: c10 may call the hook until exit
+  if (g_apply == nullptr) {
+    g_apply = new py::object(std::move(apply));
+  } else {
+    *g_apply = std::move(apply);
+  }
+  AcceleratorAllocatorConfig::registerDeviceConfigParserHook(
+      [](const std::string& settings) {
+        py::gil_scoped_acquire gil;
+        try {
+          (*g_apply)(settings);
+        } catch (py::error_already_set& e) {
+          const std::string message = py::str(e.value());
+          if (e.matches(PyExc_ValueError)) {
+            TORCH_CHECK_VALUE(false, message);
+          }
+          TORCH_CHECK(false, message);
+        }
+      },
+      device_keys);
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -282,6 +324,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_set_allocator_knobs", &supa::set_allocator_knobs, py::arg("max_split_size"), py::arg("gc_threshold"),
         py::arg("divisions"));
+  m.def("_install_accelerator_settings_hook", &install_accelerator_settings_hook, py::arg("apply"), py::arg("keys"));
   m.def("_set_blas_workspace_sizes", &supa::set_blas_workspace_sizes, py::arg("workspace"), py::arg("lt_workspace"));
   m.def("_current_blas_handle", [](int64_t device) {
     return supa::current_blas_handle(device_arg(device));

@@ -11,6 +11,7 @@ modelled (their value is still reported in `_snapshot()["allocator_settings"]`).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -30,12 +31,12 @@ _NOT_MODELLED = {
 }
 
 
-def apply(text: str, source: str = "SUPA allocator config") -> None:
-    """Applies a "key:value,..." string; RuntimeError (naming `source`) for a bad entry."""
+def apply(text: str, source: str = "SUPA allocator config", error: type[Exception] = RuntimeError) -> None:
+    """Applies a "key:value,..." string; `error` (naming `source`) for a bad entry."""
     try:
         parsed = allocator_settings.parse(text)
     except ValueError as exc:
-        raise RuntimeError(f"{source}: {exc}") from None
+        raise error(f"{source}: {exc}") from None
     for name in allocator_settings.RESET_BY_EACH_STRING:
         _settings[name] = allocator_settings.DEFAULTS[name]
     for name, (entry, value) in parsed.items():
@@ -45,6 +46,13 @@ def apply(text: str, source: str = "SUPA allocator config") -> None:
         _settings[name] = value
     process_state.core()._set_allocator_knobs(
         _settings["max_split_size"], _settings["garbage_collection_threshold"], _settings["roundup_power2_divisions"])
+
+
+def install_accelerator_hook() -> None:
+    """Makes PyTorch's device-generic entry (`torch._C._accelerator_setAllocatorSettings`) set
+    supa's allocator too, as it sets CUDA's; a bad entry raises ValueError there, as on CUDA."""
+    process_state.core()._install_accelerator_settings_hook(
+        functools.partial(apply, source="allocator settings", error=ValueError), list(allocator_settings.KEYS))
 
 
 def _set_allocator_settings(env: str) -> None:
