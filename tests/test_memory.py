@@ -2,6 +2,7 @@
 
 import gc
 import re
+import threading
 import warnings
 
 import pytest
@@ -932,3 +933,45 @@ def test_use_on_oom_lets_a_request_short_of_memory_take_the_pools_cache():
             torch.supa.empty_cache()
     finally:
         torch.supa.set_per_process_memory_fraction(1.0, dev)
+
+
+def test_a_thread_allocates_into_a_pool_through_torch_supa_C():
+    """The real package's pool entry points (torch._C._cuda_* under the transfer), as CUDA-graph
+    tooling uses them: one thread's allocations go to a pool while another thread's do not."""
+    pool = torch.supa.graph_pool_handle()
+    device = torch.supa.current_device()
+    pool_segments = lambda: [s for s in torch.supa.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]  # noqa: E731
+    inside, outside = [], []
+    started = threading.Barrier(2)
+
+    def in_pool():
+        stream = torch.supa.Stream()
+        with torch.supa.stream(stream):
+            torch_supa._C._supa_beginAllocateCurrentThreadToPool(device, pool)
+            try:
+                started.wait()
+                inside.extend(torch.empty(20 * MiB, dtype=torch.uint8, device="supa") for _ in range(2))
+            finally:
+                torch_supa._C._supa_endAllocateToPool(device, pool)
+        outside.append(torch.empty(20 * MiB, dtype=torch.uint8, device="supa"))  # after the end: general
+
+    def elsewhere():
+        started.wait()
+        outside.extend(torch.empty(20 * MiB, dtype=torch.uint8, device="supa") for _ in range(2))
+
+    threads = [threading.Thread(target=in_pool), threading.Thread(target=elsewhere)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(s["address"] for s in pool_segments()) == sorted(t.data_ptr() for t in inside)
+    assert torch_supa._C._supa_checkPoolLiveAllocations(device, pool, {t.data_ptr() for t in inside})
+    assert not torch_supa._C._supa_checkPoolLiveAllocations(device, pool, {inside[0].data_ptr()})
+    del inside[:]
+    assert torch_supa._C._supa_checkPoolLiveAllocations(device, pool, set())
+    torch.supa.empty_cache()
+    assert len(pool_segments()) == 2  # the pool is held until released
+    torch_supa._C._supa_releasePool(device, pool)
+    torch.supa.empty_cache()
+    assert pool_segments() == []
+    del outside
