@@ -802,6 +802,8 @@ def test_record_stream_keeps_a_block_until_the_stream_reaches_its_free():
     active = torch.supa.memory_stats()["active_bytes.all.current"]
     del tmp
     assert torch.supa.memory_stats()["active_bytes.all.current"] == active  # still in use on the card
+    (state,) = [b["state"] for s in torch.supa.memory_snapshot() for b in s["blocks"] if b["address"] == ptr]
+    assert state == "active_pending_free"
     with torch.supa.stream(side):
         assert torch.empty(256, device="supa").data_ptr() != ptr  # not handed out again too soon
     torch.supa.current_stream().synchronize()

@@ -142,7 +142,7 @@ py::list memory_snapshot(int64_t device) {
     segment["address"] = info.address;
     segment["total_size"] = info.total_size;
     segment["allocated_size"] = info.allocated_size;
-    segment["active_size"] = info.allocated_size;
+    segment["active_size"] = info.active_size;
     segment["requested_size"] = info.requested_size;
     segment["stream"] = info.stream;
     segment["segment_type"] = info.small ? "small" : "large";
@@ -155,7 +155,7 @@ py::list memory_snapshot(int64_t device) {
       block["address"] = b.address;
       block["size"] = b.size;
       block["requested_size"] = b.requested;
-      block["state"] = b.allocated ? "active_allocated" : "inactive";
+      block["state"] = b.allocated ? "active_allocated" : b.active ? "active_pending_free" : "inactive";
       py::list frames = b.allocated ? symbolize({supa::block_stack(reinterpret_cast<void*>(b.address))})[0]
                                     : py::list();
       if (auto it = workspaces.find(b.address); b.allocated && it != workspaces.end()) {

@@ -505,12 +505,19 @@ std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device) {
       if (device >= 0 && segment.device != device) {
         continue;
       }
-      SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, segment.small, segment.pool, segment.stream, {}};
+      SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, 0, segment.small, segment.pool, segment.stream,
+                       {}};
       for (const CardBlock* b : mem->card.blocks_of(segment)) {
-        info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, b->allocated});
-        if (b->allocated) {
+        // The card holds a freed block until the streams that used it pass the free: active, not allocated.
+        const bool allocated = b->allocated && g_blocks.count(b->ptr) != 0;
+        info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, allocated ? b->requested : 0, allocated,
+                               b->allocated});
+        if (allocated) {
           info.allocated_size += b->size;
           info.requested_size += b->requested;
+        }
+        if (b->allocated) {
+          info.active_size += b->size;
         }
       }
       out.push_back(std::move(info));

@@ -45,12 +45,14 @@ struct BlockInfo {
   size_t size;
   size_t requested;  // 0 unless allocated
   bool allocated;
+  bool active;  // allocated, or freed but not yet reusable (streams that used it have not passed the free)
 };
 struct SegmentInfo {
   int device;
   uintptr_t address;
   size_t total_size;
   size_t allocated_size;
+  size_t active_size;  // allocated, and freed but not yet reusable
   size_t requested_size;
   bool small;
   std::pair<unsigned long long, unsigned long long> pool;  // (graph pool, user pool)
