@@ -19,7 +19,7 @@ DEFAULTS: dict[str, Any] = {
     "pinned_num_register_threads": 1, "release_lock_on_supamalloc": False,
     "pinned_use_supa_host_register": False, "pinned_reserve_segment_size_mb": 0,
     "pinned_use_background_threads": False, "roundup_power2_divisions": [0] * ROUNDUP_INTERVALS,
-    "backend": "native",
+    "backend": "native", "graph_capture_record_stream_reuse": False,
 }
 # Settings that every settings string sets, to their default where it does not name them (as
 # PyTorch's allocator config does); the others keep their value until a string names them.
@@ -114,6 +114,7 @@ _PARSERS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "pinned_use_background_threads": ("pinned_use_background_threads", _parse_bool),
     "roundup_power2_divisions": ("roundup_power2_divisions", _parse_roundup),
     "backend": ("backend", str),
+    "graph_capture_record_stream_reuse": ("graph_capture_record_stream_reuse", _parse_bool),
 }
 
 

@@ -1,5 +1,6 @@
 """torch.supa memory API: allocator statistics, caching, limits, OOM, snapshots and pools."""
 
+import contextlib
 import gc
 import re
 import threading
@@ -429,7 +430,8 @@ def allocator_settings_restored():
     _allocator_config._settings.update(saved)
     torch.supa.set_per_process_memory_fraction(1.0)
     torch.supa._native()._set_allocator_knobs(saved["max_split_size"], saved["garbage_collection_threshold"],
-                                              saved["roundup_power2_divisions"])
+                                              saved["roundup_power2_divisions"],
+                                              saved["graph_capture_record_stream_reuse"])
 
 
 MiB = 1 << 20
@@ -835,6 +837,111 @@ def test_empty_cache_waits_for_all_streams_and_counts_it():
     assert stats["num_sync_all_streams"] == before + 1
     assert torch.supa.current_stream().query()
     assert stats["active_bytes.all.current"] == torch.supa.memory_allocated()
+
+
+# Blocks freed during a graph capture after use on other streams (CUDA's graph-capture rules).
+
+@pytest.fixture
+def record_stream_reuse_in_capture(allocator_settings_restored):
+    torch.supa._set_allocator_settings("graph_capture_record_stream_reuse:True")
+    yield
+
+
+@contextlib.contextmanager
+def _capturing(stream):
+    """The block's work on `stream` is captured into a graph (begun and ended explicitly)."""
+    g = torch.supa.SUPAGraph()
+    with torch.supa.stream(stream):
+        g.capture_begin()
+        try:
+            yield
+        finally:
+            g.capture_end()
+
+
+def _used_on_and_freed(streams):
+    """A block of the capturing (current) stream, read by `streams` once they join the capture
+    (record_stream), then freed: its address, and what the streams wrote."""
+    data = torch.ones(8, device="supa")
+    reads = []
+    for stream in streams:
+        stream.wait_stream(torch.supa.current_stream())
+        with torch.supa.stream(stream):
+            reads.append(data + 1)
+            data.record_stream(stream)
+    address = data.data_ptr()
+    del data
+    return address, reads
+
+
+def test_a_block_freed_during_capture_after_use_on_another_stream_waits_for_the_capture_to_end():
+    capturing, side = torch.supa.Stream(), torch.supa.Stream()
+    block = 512
+    with _capturing(capturing):
+        address, reads = _used_on_and_freed([side])
+        capturing.wait_stream(side)  # joined, but events cannot be queried during capture
+        again = torch.empty(8, device="supa")
+        assert again.data_ptr() != address
+        held = torch.supa.memory_stats()["active_bytes.all.current"]
+    assert torch.supa.memory_stats()["active_bytes.all.current"] == held  # the freed block is still active
+    # The first request once no graph captures lets it go as any freed block.
+    fresh = torch.empty(8, device="supa")
+    assert torch.supa.memory_stats()["active_bytes.all.current"] == held - block + block
+    del reads, again, fresh
+
+
+@pytest.mark.emulation_only
+def test_record_stream_reuse_in_capture_waits_until_the_capturing_stream_joins_the_users(
+        record_stream_reuse_in_capture):
+    capturing, side = torch.supa.Stream(), torch.supa.Stream()
+    with _capturing(capturing):
+        address, reads = _used_on_and_freed([side])
+        before_join = torch.empty(8, device="supa")
+        capturing.wait_stream(side)
+        after_join = torch.empty(8, device="supa")
+    assert before_join.data_ptr() != address
+    assert after_join.data_ptr() == address
+
+
+@pytest.mark.emulation_only
+def test_record_stream_reuse_in_capture_needs_every_user_joined(record_stream_reuse_in_capture):
+    s1, s2, s3, s4 = (torch.supa.Stream() for _ in range(4))
+    with _capturing(s1):
+        address, reads = _used_on_and_freed([s2, s3, s4])
+        s1.wait_stream(s2)
+        s3.wait_stream(s4)  # s1 has not waited for s3 nor s4 yet
+        partial = torch.empty(8, device="supa")
+        s1.wait_stream(s3)  # ... now for both, s4 through s3
+        joined = torch.empty(8, device="supa")
+    assert partial.data_ptr() != address
+    assert joined.data_ptr() == address
+
+
+@pytest.mark.emulation_only
+def test_record_stream_reuse_in_capture_needs_an_event_recorded_after_the_free(record_stream_reuse_in_capture):
+    capturing, side = torch.supa.Stream(), torch.supa.Stream()
+    with _capturing(capturing):
+        data = torch.ones(8, device="supa")
+        side.wait_stream(capturing)
+        with torch.supa.stream(side):
+            read = data + 1
+            data.record_stream(side)
+            early = side.record_event()
+            read.add_(1)  # more work on the side stream after the event: it may still read the block
+        address = data.data_ptr()
+        del data
+        capturing.wait_event(early)
+        stale = torch.empty(8, device="supa")
+    assert stale.data_ptr() != address
+
+
+@pytest.mark.emulation_only
+def test_record_stream_reuse_in_capture_is_a_setting_kept_across_strings(allocator_settings_restored):
+    torch.supa._set_allocator_settings("graph_capture_record_stream_reuse:True")
+    torch.supa._set_allocator_settings("max_split_size_mb:40")
+    assert torch.supa.memory._snapshot()["allocator_settings"]["graph_capture_record_stream_reuse"] is True
+    torch.supa._set_allocator_settings("graph_capture_record_stream_reuse:False")
+    assert torch.supa.memory._snapshot()["allocator_settings"]["graph_capture_record_stream_reuse"] is False
 
 
 def test_record_stream_refuses_a_stream_of_another_device_type():

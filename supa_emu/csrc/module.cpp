@@ -323,7 +323,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return supa::get_memory_fraction(device_arg(device));
   });
   m.def("_set_allocator_knobs", &supa::set_allocator_knobs, py::arg("max_split_size"), py::arg("gc_threshold"),
-        py::arg("divisions"));
+        py::arg("divisions"), py::arg("capture_record_stream_reuse") = false);
+  m.def("_notify_capture_begin", [](int64_t device, int64_t stream) {
+    supa::notify_capture_begin(device_arg(device), stream);
+  });
+  m.def("_notify_capture_ended", [](int64_t device) { supa::notify_capture_ended(device_arg(device)); });
   m.def("_install_accelerator_settings_hook", &install_accelerator_settings_hook, py::arg("apply"), py::arg("keys"));
   m.def("_set_blas_workspace_sizes", &supa::set_blas_workspace_sizes, py::arg("workspace"), py::arg("lt_workspace"));
   m.def("_current_blas_handle", [](int64_t device) {

@@ -2,9 +2,8 @@
 
 The syntax is parsed by supa_emu/allocator_settings.py. As on CUDA, each string sets
 `max_split_size_mb`, `garbage_collection_threshold` and `roundup_power2_divisions` (to their
-defaults where it does not name them); the others keep their value. The settings that change what is
-reserved and counted act in the native allocator: `max_split_size_mb`,
-`garbage_collection_threshold` and `roundup_power2_divisions`. The others would change a layout
+defaults where it does not name them); the others keep their value. Those three and
+`graph_capture_record_stream_reuse` act in the native allocator. The others would change a layout
 or a driver interaction the emulator does not have; setting them warns that they are not
 modelled (their value is still reported in `_snapshot()["allocator_settings"]`).
 """
@@ -45,7 +44,8 @@ def apply(text: str, source: str = "SUPA allocator config", error: type[Exceptio
                           UserWarning, stacklevel=3)
         _settings[name] = value
     process_state.core()._set_allocator_knobs(
-        _settings["max_split_size"], _settings["garbage_collection_threshold"], _settings["roundup_power2_divisions"])
+        _settings["max_split_size"], _settings["garbage_collection_threshold"], _settings["roundup_power2_divisions"],
+        _settings["graph_capture_record_stream_reuse"])
 
 
 def install_accelerator_hook() -> None:

@@ -16,8 +16,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from supa_emu.device_type import DEVICE_TYPE
 
 from . import _sanitizer_switch
-from ._runtime import _lazy_init, _native, synchronize
+from ._runtime import _lazy_init, _native, current_device, synchronize
 from .memory import empty_cache
+from .streams import current_stream
 
 __all__ = ["is_current_stream_capturing", "graph_pool_handle", "SUPAGraph", "graph",
            "make_graphed_callables"]
@@ -72,6 +73,9 @@ class SUPAGraph(torch._C._acceleratorGraph):
                 "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, "
                 f"got {capture_error_mode}")
         super().capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        # What CUDA's graphs tell their allocator (which blocks freed during capture may be reused).
+        self._capture_device = current_device()
+        _native()._notify_capture_begin(self._capture_device, current_stream().stream_id)
         for generator in self._generators:
             _native()._register_generator_with_capture(generator)
         sanitizer = _sanitizer_switch.active()
@@ -80,10 +84,21 @@ class SUPAGraph(torch._C._acceleratorGraph):
 
     def capture_end(self) -> None:
         """Finish the capture started by `capture_begin`; the graph becomes replayable."""
-        super().capture_end()
+        try:
+            super().capture_end()
+        finally:
+            self._capture_ended()
         sanitizer = _sanitizer_switch.active()
         if sanitizer is not None:
             sanitizer.graph_capture_end(self)
+
+    def _capture_ended(self) -> None:
+        device, self._capture_device = getattr(self, "_capture_device", None), None
+        if device is not None:
+            _native()._notify_capture_ended(device)
+
+    def __del__(self) -> None:
+        self._capture_ended()  # deleted while capturing: the capture ends with it
 
     def replay(self) -> None:
         """Run the captured work again on the tensors it was captured with."""
