@@ -562,6 +562,26 @@ def test_pytorchs_own_settings_entry_sets_the_supa_allocator(allocator_settings_
     assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [0] * 16
 
 
+@pytest.mark.emulation_only
+def test_segments_made_with_and_without_expandable_segments_fill_a_limited_card(allocator_settings_restored):
+    """PyTorch's test_max_split_expandable: CUDA maps a 40 MiB request in an expandable segment as two
+    20 MiB pages, the emulator as a 40 MiB segment; the card fills and empties the same way."""
+    torch.supa.set_per_process_memory_fraction(
+        (120 * MiB + torch.supa.memory_reserved()) / torch.supa.get_device_properties().total_memory)
+    held = []
+    for expandable in (False, True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # expandable_segments:True is not modelled
+            torch.supa._set_allocator_settings(f"expandable_segments:{expandable},max_split_size_mb:40")
+        held.append(torch.empty(40 * MiB, dtype=torch.uint8, device="supa"))
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(40 * MiB, dtype=torch.uint8, device="supa")
+    del held
+    # The cached 40 MiB segments go back to make room.
+    assert torch.empty(120 * MiB, dtype=torch.uint8, device="supa").numel() == 120 * MiB
+    torch.supa._set_allocator_settings("expandable_segments:False")
+
+
 def _allocated_and_max_split_size() -> list:
     x = torch.empty(3 * 2**20 + 100, dtype=torch.uint8, device="supa")
     seen = [torch.supa.memory_allocated(), torch.supa.memory_stats()["max_split_size"]]
