@@ -77,10 +77,11 @@ def _register() -> None:
     from supa_emu import supa as supa_module
 
     torch._register_device_module(DEVICE_TYPE, supa_module)
-    if cfg.allocator_conf:
-        from supa_emu.supa import _allocator_config
+    from supa_emu.supa import _allocator_config
 
+    if cfg.allocator_conf:
         _allocator_config.apply(cfg.allocator_conf, source="PYTORCH_SUPA_ALLOC_CONF")
+    _allocator_config.install_accelerator_hook()
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_storage=True,
         unsupported_dtype=[getattr(torch, name) for name in _UNSUPPORTED_DTYPES])

@@ -1,7 +1,9 @@
 """torch.supa memory API: allocator statistics, caching, limits, OOM, snapshots and pools."""
 
+import contextlib
 import gc
 import re
+import threading
 import warnings
 
 import pytest
@@ -590,8 +592,10 @@ def test_expandable_segments_is_a_documented_no_op_that_warns():
 BAD_ALLOCATOR_SETTINGS = {
     "no_such_knob:1": "unrecognized or malformed entry 'no_such_knob:1'; known keys: ",
     "pinned_num_register_threads:many": "invalid value 'many' for pinned_num_register_threads",
+    "pinned_num_register_threads:3": "pinned_num_register_threads: must be a power of two, at most 128",
+    "pinned_reserve_segment_size_mb:0": "pinned_reserve_segment_size_mb: must be greater than 0",
     "backend:cudaMallocAsync": "only backend is 'native'",
-    "max_split_size_mb:8": "max_split_size_mb: too small, must be > 20",
+    "max_split_size_mb:8": "max_split_size_mb: too small, must be >= 20",
     "garbage_collection_threshold:1.5": "garbage_collection_threshold: must be between 0.0 and 1.0",
     "roundup_power2_divisions:3": "roundup_power2_divisions: the number of divisions must be a power of two",
     # A rejected string changes nothing, not even its valid entries.
@@ -622,7 +626,8 @@ def allocator_settings_restored():
     _allocator_config._settings.update(saved)
     torch.supa.set_per_process_memory_fraction(1.0)
     torch.supa._native()._set_allocator_knobs(saved["max_split_size"], saved["garbage_collection_threshold"],
-                                              saved["roundup_power2_divisions"])
+                                              saved["roundup_power2_divisions"],
+                                              saved["graph_capture_record_stream_reuse"])
 
 
 MiB = 1 << 20
@@ -639,11 +644,55 @@ def test_roundup_power2_divisions_rounds_requests(allocator_settings_restored):
     x = torch.empty(size, dtype=torch.uint8, device="supa")
     assert torch.supa.memory_allocated() - held == 3 * MiB + MiB // 2
     del x
-    # Per-interval form: one division up to 256 MiB, so the plain 512-byte rounding applies here.
+    # Per-interval form: one division below 512 MiB, so the plain 512-byte rounding applies here.
     torch.supa._set_allocator_settings("roundup_power2_divisions:[256:1,>:4]")
     x = torch.empty(size, dtype=torch.uint8, device="supa")
     assert torch.supa.memory_allocated() - held == (size + 32 + 511) // 512 * 512
-    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"][:9] == [1] * 8 + [4]
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [1] * 9 + [4] * 7
+    del x
+    # 'N:d' names the interval [N MiB, 2N MiB): 8 steps of 512 KiB between 4 and 8 MiB.
+    torch.supa._set_allocator_settings("roundup_power2_divisions:[4:8,>:1]")
+    x = torch.empty(5 * MiB + 100, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() - held == 5 * MiB + MiB // 2
+
+
+# PyTorch 2.13's allocator config reads the list form so (the value each of the 16 intervals from
+# 1 MiB gets): an entry sets its own interval, the first also those below, '>' those after the
+# last named; the rest stay 0.
+ROUNDUP_LISTS = {
+    "[64:8,128:2,256:2,512:2,1024:1,>:1]": [8] * 7 + [2] * 3 + [1] * 6,
+    "[256:1,>:4]": [1] * 9 + [4] * 7,
+    "[1:2,64:8,>:1]": [2, 0, 0, 0, 0, 0, 8] + [1] * 9,
+    "[64:8,1024:1]": [8] * 7 + [0, 0, 0, 1] + [0] * 5,
+    "[256:1,64:8]": [1] * 6 + [8, 1, 1] + [0] * 7,
+    "[>:2]": [0] + [2] * 15,
+}
+
+
+@pytest.mark.emulation_only
+@pytest.mark.parametrize("text", list(ROUNDUP_LISTS))
+def test_roundup_power2_divisions_list_reads_as_pytorchs(text, allocator_settings_restored):
+    torch.supa._set_allocator_settings(f"roundup_power2_divisions:{text}")
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == ROUNDUP_LISTS[text]
+
+
+@pytest.mark.emulation_only
+def test_each_settings_string_resets_the_accounting_settings_it_does_not_name(allocator_settings_restored):
+    size = 3 * MiB + 100  # +32 bytes of padding
+    held = torch.supa.memory_allocated()
+    with pytest.warns(UserWarning, match="not modelled"):
+        torch.supa._set_allocator_settings("roundup_power2_divisions:4,max_split_size_mb:40,"
+                                           "garbage_collection_threshold:0.5,pinned_num_register_threads:8")
+    torch.supa._set_allocator_settings("expandable_segments:False")
+    # As on CUDA: rounding, max_split_size and the threshold are back to their defaults ...
+    x = torch.empty(size, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() - held == (size + 32 + 511) // 512 * 512
+    assert torch.supa.memory_stats()["max_split_size"] == -1
+    settings = torch.supa.memory._snapshot()["allocator_settings"]
+    assert settings["garbage_collection_threshold"] == 0.0
+    # ... and a setting the string does not name otherwise keeps its value.
+    assert settings["pinned_num_register_threads"] == 8
+    torch.supa._set_allocator_settings("pinned_num_register_threads:1")
 
 
 @pytest.mark.emulation_only
@@ -689,6 +738,44 @@ def test_garbage_collection_threshold_releases_the_oldest_cached_blocks(allocato
     cached = {s["address"] for s in torch.supa.memory_snapshot() if s["allocated_size"] == 0}
     assert cached == set(addresses[1:])
     del fresh
+
+
+@pytest.mark.emulation_only
+def test_pytorchs_own_settings_entry_sets_the_supa_allocator(allocator_settings_restored):
+    size = 3 * MiB + 100  # +32 bytes of padding
+    held = torch.supa.memory_allocated()
+    torch._C._accelerator_setAllocatorSettings("roundup_power2_divisions:4")
+    x = torch.empty(size, dtype=torch.uint8, device="supa")
+    assert torch.supa.memory_allocated() - held == 3 * MiB + MiB // 2
+    del x
+    # A bad entry raises ValueError, as CUDA's allocator config does, and changes nothing.
+    for bad in ("foo:1,bar:2", "release_lock_on_cudamalloc:none", "pinned_num_register_threads:none",
+                "pinned_num_register_threads:1024"):
+        with pytest.raises(ValueError):
+            torch._C._accelerator_setAllocatorSettings(bad)
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [4] * 16
+    torch._C._accelerator_setAllocatorSettings("")
+    assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [0] * 16
+
+
+@pytest.mark.emulation_only
+def test_segments_made_with_and_without_expandable_segments_fill_a_limited_card(allocator_settings_restored):
+    """PyTorch's test_max_split_expandable: CUDA maps a 40 MiB request in an expandable segment as two
+    20 MiB pages, the emulator as a 40 MiB segment; the card fills and empties the same way."""
+    torch.supa.set_per_process_memory_fraction(
+        (120 * MiB + torch.supa.memory_reserved()) / torch.supa.get_device_properties().total_memory)
+    held = []
+    for expandable in (False, True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # expandable_segments:True is not modelled
+            torch.supa._set_allocator_settings(f"expandable_segments:{expandable},max_split_size_mb:40")
+        held.append(torch.empty(40 * MiB, dtype=torch.uint8, device="supa"))
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(40 * MiB, dtype=torch.uint8, device="supa")
+    del held
+    # The cached 40 MiB segments go back to make room.
+    assert torch.empty(120 * MiB, dtype=torch.uint8, device="supa").numel() == 120 * MiB
+    torch.supa._set_allocator_settings("expandable_segments:False")
 
 
 def _allocated_and_max_split_size() -> list:
@@ -933,6 +1020,8 @@ def test_record_stream_keeps_a_block_until_the_stream_reaches_its_free():
     active = torch.supa.memory_stats()["active_bytes.all.current"]
     del tmp
     assert torch.supa.memory_stats()["active_bytes.all.current"] == active  # still in use on the card
+    (state,) = [b["state"] for s in torch.supa.memory_snapshot() for b in s["blocks"] if b["address"] == ptr]
+    assert state == "active_pending_free"
     with torch.supa.stream(side):
         assert torch.empty(256, device="supa").data_ptr() != ptr  # not handed out again too soon
     torch.supa.current_stream().synchronize()
@@ -964,6 +1053,111 @@ def test_empty_cache_waits_for_all_streams_and_counts_it():
     assert stats["num_sync_all_streams"] == before + 1
     assert torch.supa.current_stream().query()
     assert stats["active_bytes.all.current"] == torch.supa.memory_allocated()
+
+
+# Blocks freed during a graph capture after use on other streams (CUDA's graph-capture rules).
+
+@pytest.fixture
+def record_stream_reuse_in_capture(allocator_settings_restored):
+    torch.supa._set_allocator_settings("graph_capture_record_stream_reuse:True")
+    yield
+
+
+@contextlib.contextmanager
+def _capturing(stream):
+    """The block's work on `stream` is captured into a graph (begun and ended explicitly)."""
+    g = torch.supa.SUPAGraph()
+    with torch.supa.stream(stream):
+        g.capture_begin()
+        try:
+            yield
+        finally:
+            g.capture_end()
+
+
+def _used_on_and_freed(streams):
+    """A block of the capturing (current) stream, read by `streams` once they join the capture
+    (record_stream), then freed: its address, and what the streams wrote."""
+    data = torch.ones(8, device="supa")
+    reads = []
+    for stream in streams:
+        stream.wait_stream(torch.supa.current_stream())
+        with torch.supa.stream(stream):
+            reads.append(data + 1)
+            data.record_stream(stream)
+    address = data.data_ptr()
+    del data
+    return address, reads
+
+
+def test_a_block_freed_during_capture_after_use_on_another_stream_waits_for_the_capture_to_end():
+    capturing, side = torch.supa.Stream(), torch.supa.Stream()
+    block = 512
+    with _capturing(capturing):
+        address, reads = _used_on_and_freed([side])
+        capturing.wait_stream(side)  # joined, but events cannot be queried during capture
+        again = torch.empty(8, device="supa")
+        assert again.data_ptr() != address
+        held = torch.supa.memory_stats()["active_bytes.all.current"]
+    assert torch.supa.memory_stats()["active_bytes.all.current"] == held  # the freed block is still active
+    # The first request once no graph captures lets it go as any freed block.
+    fresh = torch.empty(8, device="supa")
+    assert torch.supa.memory_stats()["active_bytes.all.current"] == held - block + block
+    del reads, again, fresh
+
+
+@pytest.mark.emulation_only
+def test_record_stream_reuse_in_capture_waits_until_the_capturing_stream_joins_the_users(
+        record_stream_reuse_in_capture):
+    capturing, side = torch.supa.Stream(), torch.supa.Stream()
+    with _capturing(capturing):
+        address, reads = _used_on_and_freed([side])
+        before_join = torch.empty(8, device="supa")
+        capturing.wait_stream(side)
+        after_join = torch.empty(8, device="supa")
+    assert before_join.data_ptr() != address
+    assert after_join.data_ptr() == address
+
+
+@pytest.mark.emulation_only
+def test_record_stream_reuse_in_capture_needs_every_user_joined(record_stream_reuse_in_capture):
+    s1, s2, s3, s4 = (torch.supa.Stream() for _ in range(4))
+    with _capturing(s1):
+        address, reads = _used_on_and_freed([s2, s3, s4])
+        s1.wait_stream(s2)
+        s3.wait_stream(s4)  # s1 has not waited for s3 nor s4 yet
+        partial = torch.empty(8, device="supa")
+        s1.wait_stream(s3)  # ... now for both, s4 through s3
+        joined = torch.empty(8, device="supa")
+    assert partial.data_ptr() != address
+    assert joined.data_ptr() == address
+
+
+@pytest.mark.emulation_only
+def test_record_stream_reuse_in_capture_needs_an_event_recorded_after_the_free(record_stream_reuse_in_capture):
+    capturing, side = torch.supa.Stream(), torch.supa.Stream()
+    with _capturing(capturing):
+        data = torch.ones(8, device="supa")
+        side.wait_stream(capturing)
+        with torch.supa.stream(side):
+            read = data + 1
+            data.record_stream(side)
+            early = side.record_event()
+            read.add_(1)  # more work on the side stream after the event: it may still read the block
+        address = data.data_ptr()
+        del data
+        capturing.wait_event(early)
+        stale = torch.empty(8, device="supa")
+    assert stale.data_ptr() != address
+
+
+@pytest.mark.emulation_only
+def test_record_stream_reuse_in_capture_is_a_setting_kept_across_strings(allocator_settings_restored):
+    torch.supa._set_allocator_settings("graph_capture_record_stream_reuse:True")
+    torch.supa._set_allocator_settings("max_split_size_mb:40")
+    assert torch.supa.memory._snapshot()["allocator_settings"]["graph_capture_record_stream_reuse"] is True
+    torch.supa._set_allocator_settings("graph_capture_record_stream_reuse:False")
+    assert torch.supa.memory._snapshot()["allocator_settings"]["graph_capture_record_stream_reuse"] is False
 
 
 def test_record_stream_refuses_a_stream_of_another_device_type():
@@ -1064,3 +1258,45 @@ def test_use_on_oom_lets_a_request_short_of_memory_take_the_pools_cache():
             torch.supa.empty_cache()
     finally:
         torch.supa.set_per_process_memory_fraction(1.0, dev)
+
+
+def test_a_thread_allocates_into_a_pool_through_torch_supa_C():
+    """The real package's pool entry points (torch._C._cuda_* under the transfer), as CUDA-graph
+    tooling uses them: one thread's allocations go to a pool while another thread's do not."""
+    pool = torch.supa.graph_pool_handle()
+    device = torch.supa.current_device()
+    pool_segments = lambda: [s for s in torch.supa.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]  # noqa: E731
+    inside, outside = [], []
+    started = threading.Barrier(2)
+
+    def in_pool():
+        stream = torch.supa.Stream()
+        with torch.supa.stream(stream):
+            torch_supa._C._supa_beginAllocateCurrentThreadToPool(device, pool)
+            try:
+                started.wait()
+                inside.extend(torch.empty(20 * MiB, dtype=torch.uint8, device="supa") for _ in range(2))
+            finally:
+                torch_supa._C._supa_endAllocateToPool(device, pool)
+        outside.append(torch.empty(20 * MiB, dtype=torch.uint8, device="supa"))  # after the end: general
+
+    def elsewhere():
+        started.wait()
+        outside.extend(torch.empty(20 * MiB, dtype=torch.uint8, device="supa") for _ in range(2))
+
+    threads = [threading.Thread(target=in_pool), threading.Thread(target=elsewhere)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(s["address"] for s in pool_segments()) == sorted(t.data_ptr() for t in inside)
+    assert torch_supa._C._supa_checkPoolLiveAllocations(device, pool, {t.data_ptr() for t in inside})
+    assert not torch_supa._C._supa_checkPoolLiveAllocations(device, pool, {inside[0].data_ptr()})
+    del inside[:]
+    assert torch_supa._C._supa_checkPoolLiveAllocations(device, pool, set())
+    torch.supa.empty_cache()
+    assert len(pool_segments()) == 2  # the pool is held until released
+    torch_supa._C._supa_releasePool(device, pool)
+    torch.supa.empty_cache()
+    assert pool_segments() == []
+    del outside

@@ -167,6 +167,15 @@ def test_specially_mapped_names():
     assert len(torch.cuda.default_generators) == torch.supa.device_count()
     assert torch.cuda.CUDAGraph is torch.supa.SUPAGraph
     assert torch.cuda.is_tf32_supported()
+    # The pool entry points the real package maps onto torch._C (docs/real_stack.md).
+    pool = torch.cuda.graph_pool_handle()
+    torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)
+    try:
+        x = torch.empty(8, device="cuda")
+    finally:
+        torch._C._cuda_endAllocateToPool(0, pool)
+        torch._C._cuda_releasePool(0, pool)
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, {x.data_ptr()})
 
 
 def test_transfer_copies_the_names_of_torch_supa_all_and_the_private_memory_names():

@@ -33,9 +33,12 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <c10/core/AllocatorConfig.h>
+
 #include <limits>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 // From torch/csrc/profiler/python/combined_traceback.h, which cannot be included here: it pulls
 // in nlohmann/json.hpp, which the installed torch does not ship. Both are exported by
@@ -139,7 +142,7 @@ py::list memory_snapshot(int64_t device) {
     segment["address"] = info.address;
     segment["total_size"] = info.total_size;
     segment["allocated_size"] = info.allocated_size;
-    segment["active_size"] = info.allocated_size;
+    segment["active_size"] = info.active_size;
     segment["requested_size"] = info.requested_size;
     segment["stream"] = info.stream;
     segment["segment_type"] = info.small ? "small" : "large";
@@ -152,7 +155,7 @@ py::list memory_snapshot(int64_t device) {
       block["address"] = b.address;
       block["size"] = b.size;
       block["requested_size"] = b.requested;
-      block["state"] = b.allocated ? "active_allocated" : "inactive";
+      block["state"] = b.allocated ? "active_allocated" : b.active ? "active_pending_free" : "inactive";
       py::list frames = b.allocated ? symbolize({supa::block_stack(reinterpret_cast<void*>(b.address))})[0]
                                     : py::list();
       if (auto it = workspaces.find(b.address); b.allocated && it != workspaces.end()) {
@@ -280,6 +283,45 @@ bool can_use_attention(py::handle params, bool debug) {
   return result;
 }
 
+// PyTorch's own settings entry (torch._C._accelerator_setAllocatorSettings) hands the string to
+// the accelerator's config hook, as it does CUDA's: `apply` (supa_emu/supa/_allocator_config.py)
+// applies it to supa's allocator; a bad entry reaches Python as ValueError, CUDA's error type.
+// False, and nothing registered, when another backend's hook owns the device keys already.
+bool install_accelerator_settings_hook(py::function apply, const std::vector<std::string>& keys) {
+  using c10::CachingAllocator::AcceleratorAllocatorConfig;
+  const auto& known = AcceleratorAllocatorConfig::getKeys();
+  if (known.count("backend") != 0) {
+    return false;
+  }
+  std::unordered_set<std::string> device_keys;
+  for (const std::string& key : keys) {
+    if (known.count(key) == 0) {
+      device_keys.insert(key);
+    }
+  }
+  static py::object* g_apply = nullptr;  // never destroyed: c10 may call the hook until exit
+  if (g_apply == nullptr) {
+    g_apply = new py::object(std::move(apply));
+  } else {
+    *g_apply = std::move(apply);
+  }
+  AcceleratorAllocatorConfig::registerDeviceConfigParserHook(
+      [](const std::string& settings) {
+        py::gil_scoped_acquire gil;
+        try {
+          (*g_apply)(settings);
+        } catch (py::error_already_set& e) {
+          const std::string message = py::str(e.value());
+          if (e.matches(PyExc_ValueError)) {
+            TORCH_CHECK_VALUE(false, message);
+          }
+          TORCH_CHECK(false, message);
+        }
+      },
+      device_keys);
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -310,7 +352,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return supa::get_memory_fraction(device_arg(device));
   });
   m.def("_set_allocator_knobs", &supa::set_allocator_knobs, py::arg("max_split_size"), py::arg("gc_threshold"),
-        py::arg("divisions"));
+        py::arg("divisions"), py::arg("capture_record_stream_reuse") = false);
+  m.def("_install_accelerator_settings_hook", &install_accelerator_settings_hook, py::arg("apply"), py::arg("keys"));
   m.def("_set_blas_workspace_sizes", &supa::set_blas_workspace_sizes, py::arg("workspace"), py::arg("lt_workspace"));
   m.def("_current_blas_handle", [](int64_t device) {
     return supa::current_blas_handle(device_arg(device));

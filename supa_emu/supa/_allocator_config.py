@@ -1,14 +1,16 @@
 """Caching-allocator settings at runtime (`_set_allocator_settings`, PYTORCH_SUPA_ALLOC_CONF syntax).
 
-The syntax is parsed by supa_emu/allocator_settings.py. The settings that change what is
-reserved and counted act in the native allocator: `max_split_size_mb`,
-`garbage_collection_threshold` and `roundup_power2_divisions`. The others would change a layout
+The syntax is parsed by supa_emu/allocator_settings.py. As on CUDA, each string sets
+`max_split_size_mb`, `garbage_collection_threshold` and `roundup_power2_divisions` (to their
+defaults where it does not name them); the others keep their value. Those three and
+`graph_capture_record_stream_reuse` act in the native allocator. The others would change a layout
 or a driver interaction the emulator does not have; setting them warns that they are not
 modelled (their value is still reported in `_snapshot()["allocator_settings"]`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -28,19 +30,29 @@ _NOT_MODELLED = {
 }
 
 
-def apply(text: str, source: str = "SUPA allocator config") -> None:
-    """Applies a "key:value,..." string; RuntimeError (naming `source`) for a bad entry."""
+def apply(text: str, source: str = "SUPA allocator config", error: type[Exception] = RuntimeError) -> None:
+    """Applies a "key:value,..." string; `error` (naming `source`) for a bad entry."""
     try:
         parsed = allocator_settings.parse(text)
     except ValueError as exc:
-        raise RuntimeError(f"{source}: {exc}") from None
+        raise error(f"{source}: {exc}") from None
+    for name in allocator_settings.RESET_BY_EACH_STRING:
+        _settings[name] = allocator_settings.DEFAULTS[name]
     for name, (entry, value) in parsed.items():
         if name in _NOT_MODELLED and value != allocator_settings.DEFAULTS[name]:
             warnings.warn(f"SUPA allocator setting {entry} is not modelled by the emulator: {_NOT_MODELLED[name]}",
                           UserWarning, stacklevel=3)
         _settings[name] = value
     process_state.core()._set_allocator_knobs(
-        _settings["max_split_size"], _settings["garbage_collection_threshold"], _settings["roundup_power2_divisions"])
+        _settings["max_split_size"], _settings["garbage_collection_threshold"], _settings["roundup_power2_divisions"],
+        _settings["graph_capture_record_stream_reuse"])
+
+
+def install_accelerator_hook() -> None:
+    """Makes PyTorch's device-generic entry (`torch._C._accelerator_setAllocatorSettings`) set
+    supa's allocator too, as it sets CUDA's; a bad entry raises ValueError there, as on CUDA."""
+    process_state.core()._install_accelerator_settings_hook(
+        functools.partial(apply, source="allocator settings", error=ValueError), list(allocator_settings.KEYS))
 
 
 def _set_allocator_settings(env: str) -> None:

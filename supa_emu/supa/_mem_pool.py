@@ -157,3 +157,34 @@ def use_mem_pool(pool: MemPool, device: _DeviceLike = None) -> Iterator[None]:
         _native()._end_allocate_to_pool(idx, pool.id)
         _native()._release_pool(pool.id)
         ctx._restore()
+
+
+# The pool entry points of the real `torch_supa._C` (torch._C._cuda_* on CUDA), which CUDA-graph
+# tooling (Inductor's graph trees) calls to allocate into a graph's pool outside a capture.
+
+def _begin_allocate_current_thread_to_pool(device: int, pool: tuple[int, int]) -> None:
+    """This thread's allocations on `device` (on any stream) go to `pool` until
+    `_end_allocate_to_pool`; holds the pool (a use, given back by `_release_pool`)."""
+    _lazy_init()
+    _native()._retain_pool(tuple(pool))
+    _native()._begin_allocate_to_pool(device, tuple(pool))
+
+
+def _end_allocate_to_pool(device: int, pool: tuple[int, int]) -> None:
+    """Ends `_begin_allocate_current_thread_to_pool`; the pool stays held until `_release_pool`."""
+    _native()._end_allocate_to_pool(device, tuple(pool))
+
+
+def _release_pool(device: int, pool: tuple[int, int]) -> None:
+    """Gives back a use of `pool`; once none is left, `empty_cache()` returns its free segments."""
+    _native()._release_pool(tuple(pool))
+
+
+def _check_pool_live_allocations(device: int, pool: tuple[int, int], live_data_ptrs: Any) -> bool:
+    """Whether the allocated blocks of `pool` on `device` are exactly those at `live_data_ptrs`."""
+    from ._memory_history import memory_snapshot
+
+    allocated = {block["address"] for segment in memory_snapshot() if segment["device"] == device
+                 and tuple(segment["segment_pool_id"]) == tuple(pool)
+                 for block in segment["blocks"] if block["state"] == "active_allocated"}
+    return allocated == set(live_data_ptrs)

@@ -16,8 +16,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from supa_emu.device_type import DEVICE_TYPE
 
 from . import _sanitizer_switch
-from ._runtime import _lazy_init, _native, synchronize
+from ._runtime import _lazy_init, _native, current_device, synchronize
 from .memory import empty_cache
+from .streams import current_stream
 
 __all__ = ["is_current_stream_capturing", "graph_pool_handle", "SUPAGraph", "graph",
            "make_graphed_callables"]

@@ -4,7 +4,7 @@ Only the ones the emulator answers are here; the rest of the real `_C` (docs/rea
 reached through `torch.supa`.
 """
 
-from supa_emu.supa import _runtime
+from supa_emu.supa import _mem_pool, _runtime
 
 
 def _supa_getCurrentBlasHandle() -> int:
@@ -15,3 +15,9 @@ def _supa_getCurrentBlasHandle() -> int:
 def _supa_clearSublasWorkspaces() -> None:
     """Free every BLAS workspace (as torch._C._cuda_clearCublasWorkspaces on CUDA)."""
     _runtime._clear_sublas_workspaces()
+
+
+_supa_beginAllocateCurrentThreadToPool = _mem_pool._begin_allocate_current_thread_to_pool
+_supa_endAllocateToPool = _mem_pool._end_allocate_to_pool
+_supa_releasePool = _mem_pool._release_pool
+_supa_checkPoolLiveAllocations = _mem_pool._check_pool_live_allocations

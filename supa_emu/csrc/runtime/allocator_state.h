@@ -30,6 +30,15 @@ struct DeviceMemory {
   // Freed blocks that streams they were recorded on have not reached yet, with the time they will
   // (stream_timeline.h): still active, not yet reusable.
   std::vector<std::pair<CardBlock*, int64_t>> pending_free;
+  // Graph captures under way on the card (notify_capture_begin), and the blocks freed during them
+  // that other streams used: each with the points placed on those streams at its free
+  // (capture_order.h; graph_capture_record_stream_reuse), or none: held until no graph captures.
+  int captures_underway = 0;
+  struct CaptureFree {
+    CardBlock* block;
+    std::vector<std::pair<c10::StreamId, uint64_t>> points;
+  };
+  std::vector<CaptureFree> capture_frees;
 };
 
 extern std::mutex g_mutex;

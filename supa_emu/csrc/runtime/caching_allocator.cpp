@@ -13,12 +13,15 @@
 // (inactive_split for the free blocks of split segments, whole blocks in allocated_bytes).
 // A block that other streams used (record_stream) is reused only once they have passed its free
 // on the card's timeline (stream_timeline.h); empty_cache waits for all of them, as a card's does.
+// While a graph captures, such a block waits for the capture's end, or with
+// graph_capture_record_stream_reuse for its stream to wait past those streams (capture_order.h).
 //
 // The state both halves share is in allocator_state.h; an operator kernel's provisional
 // allocations, which the card counts only once handed back as results, are provisional_blocks.cpp.
 #include "caching_allocator.h"
 
 #include "allocator_state.h"
+#include "capture_order.h"
 #include "card_memory.h"
 #include "device_guard.h"
 #include "devices.h"
@@ -240,6 +243,76 @@ void settle_pending_frees(DeviceMemory& mem, bool wait) {
   }
 }
 
+// A freed block that other streams used (record_stream) is reused only once they have reached
+// the free, as a card's allocator waits for events recorded on them (under g_mutex).
+void release_after_uses(DeviceMemory& mem, c10::DeviceIndex device, CardBlock* block) {
+  int64_t ready = 0;
+  for (int64_t used_on : block->used_on) {
+    ready = std::max(ready, stream_ready_ns(device, used_on));
+  }
+  if (ready > now_ns()) {
+    mem.pending_free.emplace_back(block, ready);
+  } else {
+    return_to_cache(mem, block);
+  }
+}
+
+// graph_capture_record_stream_reuse (under g_mutex).
+bool g_capture_record_stream_reuse = false;
+
+// For a block freed during capture that other streams used: a point placed now on each of them
+// (capture_order.h), or none, and the block waits for the end of the capture, when the option is
+// off or a stream it was used on (or its own) is not in the capture, as on CUDA (under g_mutex).
+std::vector<std::pair<c10::StreamId, uint64_t>> capture_free_points(c10::DeviceIndex device, const CardBlock& block) {
+  std::vector<std::pair<c10::StreamId, uint64_t>> points;
+  if (!g_capture_record_stream_reuse || !capture_order_joined(device, block.stream)) {
+    return points;
+  }
+  for (int64_t used_on : block.used_on) {
+    if (!capture_order_joined(device, used_on)) {
+      return points;
+    }
+  }
+  for (int64_t used_on : block.used_on) {
+    points.emplace_back(used_on, capture_order_mark(device, used_on));
+  }
+  return points;
+}
+
+// Before a request on `stream`: once no graph captures, the blocks freed during capture go the
+// way of any freed block; while one does (and the option is on), those of `stream` that it has
+// waited past on every stream they were used on serve it again (under g_mutex).
+void settle_capture_frees(DeviceMemory& mem, c10::DeviceIndex device, c10::StreamId stream) {
+  auto& frees = mem.capture_frees;
+  if (frees.empty()) {
+    return;
+  }
+  if (mem.captures_underway == 0) {
+    const auto held = std::move(frees);
+    frees.clear();
+    for (const auto& free : held) {
+      release_after_uses(mem, device, free.block);
+    }
+    return;
+  }
+  if (!g_capture_record_stream_reuse) {
+    return;
+  }
+  const auto reusable = [&](const DeviceMemory::CaptureFree& free) {
+    return free.block->stream == stream && !free.points.empty() &&
+           std::all_of(free.points.begin(), free.points.end(), [&](const auto& point) {
+             return capture_order_reached(device, stream, point.first, point.second);
+           });
+  };
+  auto kept = std::stable_partition(frees.begin(), frees.end(), [&](const auto& free) { return !reusable(free); });
+  std::vector<DeviceMemory::CaptureFree> done(kept, frees.end());
+  frees.erase(kept, frees.end());
+  for (const auto& free : done) {
+    free.block->used_on.clear();  // the capture orders its reuse after those streams' uses
+    return_to_cache(mem, free.block);
+  }
+}
+
 }  // namespace
 
 void free_block(void* ptr) {
@@ -267,16 +340,10 @@ void free_block(void* ptr) {
   const size_t size = block->size, requested = block->requested;
   const int64_t stream = block->stream;
   record_memory_event("free_requested", device, ptr, requested, stack, size, stream);
-  // A block that other streams used (record_stream) is reused only once they have reached this
-  // free, as a card's allocator waits for events recorded on them.
-  int64_t ready = 0;
-  for (int64_t used_on : block->used_on) {
-    ready = std::max(ready, stream_ready_ns(device, used_on));
-  }
-  if (ready > now_ns()) {
-    mem.pending_free.emplace_back(block, ready);
+  if (!block->used_on.empty() && mem.captures_underway > 0) {
+    mem.capture_frees.push_back({block, capture_free_points(device, *block)});
   } else {
-    return_to_cache(mem, block);
+    release_after_uses(mem, device, block);
   }
   record_memory_event("free_completed", device, ptr, requested, stack, size, stream);
 }
@@ -305,6 +372,7 @@ void* hand_out_block(size_t nbytes, c10::DeviceIndex device) {
   const c10::StreamId stream = current_stream_id(device);
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceMemory& mem = memory_of(device);
+  settle_capture_frees(mem, device, stream);
   settle_pending_frees(mem, /*wait=*/false);
   return place_block(mem, device, nbytes, pool, stream, stack)->ptr;
 }
@@ -476,10 +544,12 @@ double get_memory_fraction(c10::DeviceIndex device) {
   return memory_of(device).card.fraction();
 }
 
-void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions) {
+void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions,
+                         bool capture_record_stream_reuse) {
   TORCH_CHECK(divisions.size() == kRoundUpIntervals, "supa_emu: expected ", kRoundUpIntervals,
               " roundup_power2_divisions intervals, got ", divisions.size());
   std::lock_guard<std::mutex> lock(g_mutex);
+  g_capture_record_stream_reuse = capture_record_stream_reuse;
   // Blocks keep the oversize status they were created with, so the counters stay balanced.
   g_policy.max_split_size = max_split_size < 0 ? -1 : max_split_size;
   g_policy.gc_threshold = gc_threshold;
@@ -488,6 +558,20 @@ void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std:
   }
   for (auto& mem : g_devices) {
     mem->stats.max_split_size = g_policy.max_split_size;
+  }
+}
+
+void notify_capture_begin(c10::DeviceIndex device, c10::StreamId stream) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  memory_of(device).captures_underway++;
+  capture_order_begin(device, stream);
+}
+
+void notify_capture_ended(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceMemory& mem = memory_of(device);
+  if (mem.captures_underway > 0 && --mem.captures_underway == 0) {
+    capture_order_end(device);
   }
 }
 
@@ -505,12 +589,19 @@ std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device) {
       if (device >= 0 && segment.device != device) {
         continue;
       }
-      SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, segment.small, segment.pool, segment.stream, {}};
+      SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, 0, segment.small, segment.pool, segment.stream,
+                       {}};
       for (const CardBlock* b : mem->card.blocks_of(segment)) {
-        info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, b->allocated});
-        if (b->allocated) {
+        // The card holds a freed block until the streams that used it pass the free: active, not allocated.
+        const bool allocated = b->allocated && g_blocks.count(b->ptr) != 0;
+        info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, allocated ? b->requested : 0, allocated,
+                               b->allocated});
+        if (allocated) {
           info.allocated_size += b->size;
           info.requested_size += b->requested;
+        }
+        if (b->allocated) {
+          info.active_size += b->size;
         }
       }
       out.push_back(std::move(info));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Stream.h>
 #include <c10/core/StorageImpl.h>
 
 #include <cstddef>
@@ -36,8 +37,18 @@ std::optional<LiveBlock> live_block(const void* ptr);
 void set_memory_fraction(double fraction, c10::DeviceIndex device);
 double get_memory_fraction(c10::DeviceIndex device);
 // The allocator settings that change accounting; max_split_size < 0 means unlimited;
-// `divisions` has one entry per roundup_power2_divisions interval (kRoundUpIntervals).
-void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions);
+// `divisions` has one entry per roundup_power2_divisions interval (kRoundUpIntervals);
+// `capture_record_stream_reuse`: graph_capture_record_stream_reuse (notify_capture_begin).
+void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions,
+                         bool capture_record_stream_reuse = false);
+// A graph begins (ends) capturing `stream` on `device`, as CUDA's graphs tell its allocator. While
+// one captures, a freed block that other streams used (record_stream) is not handed out again
+// until no graph captures and those streams have passed its free, as on CUDA, where the events
+// that would tell cannot be queried during capture. With graph_capture_record_stream_reuse it
+// serves its own stream again within the capture once that stream has waited on events those
+// streams recorded after the free (capture_order.h).
+void notify_capture_begin(c10::DeviceIndex device, c10::StreamId stream);
+void notify_capture_ended(c10::DeviceIndex device);
 int64_t capacity(c10::DeviceIndex device);
 // A segment and its blocks in address order, for torch.supa.memory._snapshot().
 struct BlockInfo {
@@ -45,12 +56,14 @@ struct BlockInfo {
   size_t size;
   size_t requested;  // 0 unless allocated
   bool allocated;
+  bool active;  // allocated, or freed but not yet reusable (streams that used it have not passed the free)
 };
 struct SegmentInfo {
   int device;
   uintptr_t address;
   size_t total_size;
   size_t allocated_size;
+  size_t active_size;  // allocated, and freed but not yet reusable
   size_t requested_size;
   bool small;
   std::pair<unsigned long long, unsigned long long> pool;  // (graph pool, user pool)

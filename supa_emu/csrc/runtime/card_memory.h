@@ -117,7 +117,7 @@ struct CardBlock {
   uint64_t freed_at = 0;  // order of the last free on its card, for garbage collection
   bool oversize = false;  // decided when it was handed out (max_split_size at that time)
   int64_t stream = 0;     // its segment's
-  std::vector<int64_t> used_on;  // other streams that used it (record_stream), while allocated
+  std::vector<int64_t> used_on{};  // other streams that used it (record_stream), while allocated
   CardSegment* segment = nullptr;
   CardBlock* prev = nullptr;  // neighbours in the segment
   CardBlock* next = nullptr;

@@ -3,10 +3,12 @@
 // Work runs synchronously on the host; a stream is busy only for the time `_sleep` queued on it
 // (stream_timeline.h), and an event completes when the work its stream had queued at its record
 // does. Streams have identities (ids per device, 0 is the default stream); events carry the
-// time their stream reaches them, which is what elapsed_time measures.
+// time their stream reaches them, which is what elapsed_time measures, and during a graph capture
+// the order they give the capture's streams (capture_order.h).
 #include "device_guard.h"
 
 #include "caching_allocator.h"
+#include "capture_order.h"
 #include "devices.h"
 #include "gpu_trace.h"
 #include "graph.h"
@@ -27,7 +29,7 @@ struct HostEvent {
   bool recorded = false;
   bool timing;
   int64_t time_ns = 0;  // when the recording stream reaches the event (stream_timeline.h)
-  const void* capture = nullptr;  // the graph capture it was recorded in (graph.h), if any
+  CapturePointsPtr capture_points;  // recorded during a graph capture: what a wait on it orders after
 };
 
 // An index-less device means the current one, as in CUDA's stream functions.
@@ -105,18 +107,15 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
     e->recorded = true;
     e->time_ns = stream_ready_ns(stream.device_index(), stream.id());
-    e->capture = capture_of(stream.device_index(), stream.id());
+    e->capture_points = capture_points_at_record(stream.device_index(), stream.id());
     report_to_gpu_trace([&](const auto& trace) {
       trace->trace_gpu_event_record(kSupa, reinterpret_cast<uintptr_t>(e), static_cast<uintptr_t>(stream.id()));
     });
   }
   void block(void* event, const c10::Stream& stream) const override {
     if (event != nullptr) {
-      const auto* e = static_cast<HostEvent*>(event);
-      stream_wait_until(stream.device_index(), stream.id(), e->time_ns);
-      if (e->capture != nullptr) {
-        join_capture(e->capture, stream.device_index(), stream.id());
-      }
+      stream_wait_until(stream.device_index(), stream.id(), static_cast<HostEvent*>(event)->time_ns);
+      capture_order_wait(stream.device_index(), stream.id(), static_cast<HostEvent*>(event)->capture_points);
       report_to_gpu_trace([&](const auto& trace) {
         trace->trace_gpu_event_wait(kSupa, reinterpret_cast<uintptr_t>(event), static_cast<uintptr_t>(stream.id()));
       });
@@ -156,7 +155,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     report_to_gpu_trace([](const auto& trace) { trace->trace_gpu_device_synchronization(kSupa); });
   }
   bool isStreamCapturing(const c10::Stream& stream) const override {
-    return capture_of(stream.device_index(), stream.id()) != nullptr;
+    return is_capturing() && capture_order_joined(stream.device_index(), stream.id());
   }
   void recordDataPtrOnStream(const c10::DataPtr& data_ptr, const c10::Stream& stream) const override {
     device_allocator()->recordStream(data_ptr, stream);

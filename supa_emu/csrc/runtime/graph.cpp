@@ -13,6 +13,7 @@
 #include "graph.h"
 
 #include "caching_allocator.h"
+#include "capture_order.h"
 #include "device_guard.h"
 #include "devices.h"
 #include "generator.h"
@@ -145,6 +146,7 @@ class SupaGraph final : public at::GraphImplInterface {
   ~SupaGraph() override {
     SupaGraph* self = this;
     if (g_capturing.compare_exchange_strong(self, nullptr)) {
+      notify_capture_ended(device_);
       end_generator_capture();
     }
     give_up_pool();
@@ -163,10 +165,7 @@ class SupaGraph final : public at::GraphImplInterface {
     retain_pool(pool_);  // its segments stay while a graph may replay into them
     holds_pool_ = true;
     device_ = current_device();
-    {
-      std::lock_guard<std::mutex> lock(streams_mutex_);
-      streams_.assign(1, current_stream_id(device_));
-    }
+    notify_capture_begin(device_, current_stream_id(device_));  // the capture's stream order starts
     calls_.clear();
     invalidated_ = false;
     add_generator_state(philox_state_of(default_generator(current_device())));
@@ -179,6 +178,7 @@ class SupaGraph final : public at::GraphImplInterface {
   void capture_end() override {
     TORCH_CHECK(g_capturing.load() == this, "capture_end() called on a graph that is not capturing");
     g_capturing = nullptr;
+    notify_capture_ended(device_);
     end_generator_capture();
     if (invalidated_) {
       calls_.clear();
@@ -252,18 +252,7 @@ class SupaGraph final : public at::GraphImplInterface {
     return captures(device_, current_stream_id(device_));
   }
   bool captures(c10::DeviceIndex device, c10::StreamId stream) const {
-    if (device != device_) {
-      return false;
-    }
-    std::lock_guard<std::mutex> lock(streams_mutex_);
-    return std::find(streams_.begin(), streams_.end(), stream) != streams_.end();
-  }
-  // A stream that waits on an event recorded in this capture joins it, as on a card.
-  void join(c10::DeviceIndex device, c10::StreamId stream) {
-    std::lock_guard<std::mutex> lock(streams_mutex_);
-    if (device == device_ && std::find(streams_.begin(), streams_.end(), stream) == streams_.end()) {
-      streams_.push_back(stream);
-    }
+    return device == device_ && capture_order_joined(device, stream);
   }
 
   void invalidate() {
@@ -312,9 +301,7 @@ class SupaGraph final : public at::GraphImplInterface {
   std::vector<RecordedCall> calls_;
   std::vector<std::pair<PhiloxStatePtr, uint64_t>> generator_states_;  // state, offset increment per replay
   c10::MempoolId_t pool_{0, 0};
-  c10::DeviceIndex device_ = 0;
-  mutable std::mutex streams_mutex_;
-  std::vector<c10::StreamId> streams_;  // the capturing stream first, then those that joined it
+  c10::DeviceIndex device_ = 0;  // the capture's; its streams are capture_order.h's
   bool keep_graph_;
   bool holds_pool_ = false;
   bool captured_ = false;
@@ -343,18 +330,6 @@ std::vector<c10::IValue> with_own_lists(c10::ArrayRef<c10::IValue> arguments) {
 bool is_capturing() {
   const SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
   return graph != nullptr && graph->captures_current_stream();
-}
-
-const void* capture_of(c10::DeviceIndex device, c10::StreamId stream) {
-  const SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
-  return graph != nullptr && graph->captures(device, stream) ? graph : nullptr;
-}
-
-void join_capture(const void* capture, c10::DeviceIndex device, c10::StreamId stream) {
-  SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
-  if (graph != nullptr && graph == capture) {
-    graph->join(device, stream);
-  }
 }
 
 c10::MempoolId_t capture_pool() {

@@ -10,13 +10,9 @@
 
 namespace supa {
 
-// True when the current stream (of this thread, on the capture's device) is being captured.
+// True when the current stream (of this thread, on the capture's device) is being captured: the
+// capturing stream, or one that joined the capture by waiting on its events (capture_order.h).
 bool is_capturing();
-// The capture a stream belongs to (an identity for join_capture), or null.
-const void* capture_of(c10::DeviceIndex device, c10::StreamId stream);
-// A stream waited on an event recorded in `capture` (capture_of at the record): it joins that
-// capture if it is still underway.
-void join_capture(const void* capture, c10::DeviceIndex device, c10::StreamId stream);
 // The pool of the graph capturing the current stream; {0, 0} when it is not captured.
 c10::MempoolId_t capture_pool();
 // True on the thread that replays a graph, while it runs the recorded calls again.

@@ -202,6 +202,10 @@ def _patch_torch_c() -> None:
     c._cuda_ipc_collect = _c_entry(supa.ipc_collect)
     c._cuda_clearCublasWorkspaces = _c_entry(supa._clear_sublas_workspaces)
     c._graph_pool_handle = _c_entry(supa.graph_pool_handle)
+    from supa_emu.torch_supa import _C as supa_c
+
+    for name in ("beginAllocateCurrentThreadToPool", "endAllocateToPool", "releasePool", "checkPoolLiveAllocations"):
+        setattr(c, f"_cuda_{name}", _c_entry(getattr(supa_c, f"_supa_{name}")))
     # Inductor's CUDA-graph trees import this when torch.backends.cuda.is_built() (now True);
     # the real package supplies the SUPA allocator's checkpoint state, which the emulator does
     # not model (mode="reduce-overhead" runs without graphs here).
