@@ -1065,12 +1065,13 @@ def record_stream_reuse_in_capture(allocator_settings_restored):
 
 @contextlib.contextmanager
 def _capturing(stream):
-    """The block's work on `stream` is captured into a graph (begun and ended explicitly)."""
+    """The block's work on `stream` is captured into a graph (begun and ended explicitly), which the
+    `with` statement receives (it holds card memory of its own until deleted)."""
     g = torch.supa.SUPAGraph()
     with torch.supa.stream(stream):
         g.capture_begin()
         try:
-            yield
+            yield g
         finally:
             g.capture_end()
 
@@ -1093,7 +1094,7 @@ def _used_on_and_freed(streams):
 def test_a_block_freed_during_capture_after_use_on_another_stream_waits_for_the_capture_to_end():
     capturing, side = torch.supa.Stream(), torch.supa.Stream()
     block = 512
-    with _capturing(capturing):
+    with _capturing(capturing) as graph:
         address, reads = _used_on_and_freed([side])
         capturing.wait_stream(side)  # joined, but events cannot be queried during capture
         again = torch.empty(8, device="supa")
@@ -1103,7 +1104,7 @@ def test_a_block_freed_during_capture_after_use_on_another_stream_waits_for_the_
     # The first request once no graph captures lets it go as any freed block.
     fresh = torch.empty(8, device="supa")
     assert torch.supa.memory_stats()["active_bytes.all.current"] == held - block + block
-    del reads, again, fresh
+    del reads, again, fresh, graph
 
 
 @pytest.mark.emulation_only

@@ -187,6 +187,9 @@ CardBlock* count_placed(DeviceMemory& mem, c10::DeviceIndex device, const Placem
     mem.stats.oversize_allocations.increase(1);
   }
   record_memory_event("alloc", device, block->ptr, nbytes, stack, block->size, block->stream);
+  // As CUDA's allocator: the profiler's memory view (profile_memory=True) sees each block.
+  c10::reportMemoryUsageToProfiler(block->ptr, static_cast<int64_t>(block->size), mem.stats.allocated_bytes[0].current,
+                                   mem.stats.reserved_bytes[0].current, c10::Device(kSupa, device));
   return block;
 }
 
@@ -340,6 +343,8 @@ void free_block(void* ptr) {
   const size_t size = block->size, requested = block->requested;
   const int64_t stream = block->stream;
   record_memory_event("free_requested", device, ptr, requested, stack, size, stream);
+  c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(size), mem.stats.allocated_bytes[0].current,
+                                   mem.stats.reserved_bytes[0].current, c10::Device(kSupa, device));
   if (!block->used_on.empty() && mem.captures_underway > 0) {
     mem.capture_frees.push_back({block, capture_free_points(device, *block)});
   } else {
@@ -594,8 +599,7 @@ std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device) {
       for (const CardBlock* b : mem->card.blocks_of(segment)) {
         // The card holds a freed block until the streams that used it pass the free: active, not allocated.
         const bool allocated = b->allocated && g_blocks.count(b->ptr) != 0;
-        info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, allocated ? b->requested : 0, allocated,
-                               b->allocated});
+        info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, allocated, b->allocated});
         if (allocated) {
           info.allocated_size += b->size;
           info.requested_size += b->requested;

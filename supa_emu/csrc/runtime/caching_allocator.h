@@ -54,7 +54,7 @@ int64_t capacity(c10::DeviceIndex device);
 struct BlockInfo {
   uintptr_t address;
   size_t size;
-  size_t requested;  // 0 unless allocated
+  size_t requested;  // what its (last) caller asked for
   bool allocated;
   bool active;  // allocated, or freed but not yet reusable (streams that used it have not passed the free)
 };

@@ -375,8 +375,7 @@ void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& poli
 
 Release CardMemory::cache(CardBlock* block) {
   ++changes_;
-  block->allocated = false;
-  block->requested = 0;
+  block->allocated = false;  // it keeps the size of its last request, as CUDA's free blocks do
   block->freed_at = ++frees_;
   return merge_free(block);
 }

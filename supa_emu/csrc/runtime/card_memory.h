@@ -109,7 +109,7 @@ struct CardSegment {
 struct CardBlock {
   void* ptr;
   size_t size;       // what the statistics count
-  size_t requested;  // what the caller asked for (0 while free)
+  size_t requested;  // what the caller asked for (while free: what its last caller asked for)
   int device;
   bool allocated;
   PoolId pool{0, 0};
