@@ -6,6 +6,7 @@
 #include "../runtime/graph.h"
 #include "../runtime/host_alias.h"
 #include "../runtime/pinned_host_allocator.h"
+#include "../runtime/storage_resize.h"
 #include "../runtime/stream_timeline.h"
 #include "shape_only.h"
 

@@ -51,6 +51,11 @@ DeviceMemory& memory_of(c10::DeviceIndex device);
 [[noreturn]] void raise_host_oom(DeviceMemory& mem, c10::DeviceIndex device, size_t size, int error);
 // The block size that serves a request; raises for a request of 1 EiB or more, as CUDA does.
 size_t block_size(size_t nbytes, c10::DeviceIndex device);
+// A statistic moves in "all" and in the pool (small or large) of the block or segment; count
+// statistics (allocation, segment, active) by one per block.
+void update(c10::CachingDeviceAllocator::StatArray& stat, bool small, int64_t amount);
+void update(c10::CachingDeviceAllocator::StatArray& stat, bool small, size_t size, bool increase);
+void count_block(c10::CachingDeviceAllocator::StatArray& stat, bool small, bool increase);
 // The free blocks of split segments ("inactive_split"), as the card reports their change.
 void count_inactive_split(c10::CachingDeviceAllocator::DeviceStats& stats, bool small, int blocks, int64_t bytes);
 // Counts a block the card handed out for a request of `nbytes` as allocated (`split_counted`: the

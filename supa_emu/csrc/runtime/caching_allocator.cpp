@@ -11,20 +11,17 @@
 // reserved memory passes that fraction of the card (see BlockPolicy). Segments, splitting and
 // merging are the card's (card_memory.h); the statistics count them as PyTorch's allocator does
 // (inactive_split for the free blocks of split segments, whole blocks in allocated_bytes).
-// A block that other streams used (record_stream) is reused only once they have passed its free
-// on the card's timeline (stream_timeline.h); empty_cache waits for all of them, as a card's does.
-// While a graph captures, such a block waits for the capture's end, or with
-// graph_capture_record_stream_reuse for its stream to wait past those streams (capture_order.h).
-//
-// The state both halves share is in allocator_state.h; an operator kernel's provisional
-// allocations, which the card counts only once handed back as results, are provisional_blocks.cpp.
+// When a freed block may serve again (record_stream, graph capture) is freed_blocks.cpp's; empty_cache
+// waits for the streams it depends on, as a card's does. The state the halves share is in
+// allocator_state.h; an operator kernel's provisional allocations, which the card counts only once
+// handed back as results, are provisional_blocks.cpp.
 #include "caching_allocator.h"
 
 #include "allocator_state.h"
-#include "capture_order.h"
 #include "card_memory.h"
 #include "device_guard.h"
 #include "devices.h"
+#include "freed_blocks.h"
 #include "gpu_trace.h"
 #include "graph.h"
 #include "mem_pool.h"
@@ -32,7 +29,6 @@
 #include "memory_history.h"
 #include "out_of_memory.h"
 #include "provisional_blocks.h"
-#include "stream_timeline.h"
 
 #include <c10/util/Exception.h>
 
@@ -70,24 +66,6 @@ namespace {
 
 using namespace allocator_state;
 
-// A statistic moves in "all" and in the pool (small or large) of the block or segment.
-void update(StatArray& stat, bool small, int64_t amount) {
-  const size_t pool = small ? 1 : 2;
-  for (size_t i : {size_t{0}, pool}) {
-    amount >= 0 ? stat[i].increase(static_cast<size_t>(amount)) : stat[i].decrease(static_cast<size_t>(-amount));
-  }
-}
-
-void update(StatArray& stat, bool small, size_t size, bool increase) {
-  update(stat, small, increase ? static_cast<int64_t>(size) : -static_cast<int64_t>(size));
-}
-
-// Count statistics (allocation, segment, active) move by one per block.
-void count_block(StatArray& stat, bool small, bool increase) {
-  update(stat, small, increase ? 1 : -1);
-}
-
-
 // A segment the card gives back to the host (called by the card, under g_mutex).
 void segment_released(DeviceMemory& mem, const CardSegment& segment) {
   record_memory_event("segment_free", static_cast<c10::DeviceIndex>(segment.device), segment.ptr, segment.size,
@@ -114,6 +92,24 @@ std::atomic<bool> g_report_blocks{false};
 }  // namespace
 
 namespace allocator_state {
+
+// A statistic moves in "all" and in the pool (small or large) of the block or segment.
+void update(StatArray& stat, bool small, int64_t amount) {
+  const size_t pool = small ? 1 : 2;
+  for (size_t i : {size_t{0}, pool}) {
+    amount >= 0 ? stat[i].increase(static_cast<size_t>(amount)) : stat[i].decrease(static_cast<size_t>(-amount));
+  }
+}
+
+void update(StatArray& stat, bool small, size_t size, bool increase) {
+  update(stat, small, increase ? static_cast<int64_t>(size) : -static_cast<int64_t>(size));
+}
+
+// Count statistics (allocation, segment, active) move by one per block.
+void count_block(StatArray& stat, bool small, bool increase) {
+  update(stat, small, increase ? 1 : -1);
+}
+
 
 void count_inactive_split(DeviceStats& stats, bool small, int blocks, int64_t bytes) {
   update(stats.inactive_split, small, blocks);
@@ -209,114 +205,6 @@ CardBlock* place_block(DeviceMemory& mem, c10::DeviceIndex device, size_t nbytes
 }
 
 }  // namespace allocator_state
-
-namespace {
-
-// A freed block leaves the active count and returns to the card's cache (under g_mutex).
-void return_to_cache(DeviceMemory& mem, CardBlock* block) {
-  const bool small = block->small;
-  count_block(mem.stats.active, small, false);
-  update(mem.stats.active_bytes, small, block->size, false);
-  block->used_on.clear();
-  const Release changed = mem.card.cache(block);  // may merge `block` away
-  count_inactive_split(mem.stats, small, changed.inactive_split, changed.inactive_split_bytes);
-}
-
-// Returns the pending blocks whose streams have passed their free to the cache (under g_mutex);
-// `wait`: first waits until every one has (a synchronisation of the card's streams).
-void settle_pending_frees(DeviceMemory& mem, bool wait) {
-  auto& pending = mem.pending_free;
-  if (pending.empty()) {
-    return;
-  }
-  if (wait) {
-    int64_t last = 0;
-    for (const auto& [block, ready] : pending) {
-      last = std::max(last, ready);
-    }
-    wait_until_ns(last);
-  }
-  const int64_t now = now_ns();
-  auto reached = std::stable_partition(pending.begin(), pending.end(),
-                                       [now](const auto& entry) { return entry.second > now; });
-  std::vector<std::pair<CardBlock*, int64_t>> done(reached, pending.end());
-  pending.erase(reached, pending.end());
-  for (const auto& [block, ready] : done) {
-    return_to_cache(mem, block);
-  }
-}
-
-// A freed block that other streams used (record_stream) is reused only once they have reached
-// the free, as a card's allocator waits for events recorded on them (under g_mutex).
-void release_after_uses(DeviceMemory& mem, c10::DeviceIndex device, CardBlock* block) {
-  int64_t ready = 0;
-  for (int64_t used_on : block->used_on) {
-    ready = std::max(ready, stream_ready_ns(device, used_on));
-  }
-  if (ready > now_ns()) {
-    mem.pending_free.emplace_back(block, ready);
-  } else {
-    return_to_cache(mem, block);
-  }
-}
-
-// graph_capture_record_stream_reuse (under g_mutex).
-bool g_capture_record_stream_reuse = false;
-
-// For a block freed during capture that other streams used: a point placed now on each of them
-// (capture_order.h), or none, and the block waits for the end of the capture, when the option is
-// off or a stream it was used on (or its own) is not in the capture, as on CUDA (under g_mutex).
-std::vector<std::pair<c10::StreamId, uint64_t>> capture_free_points(c10::DeviceIndex device, const CardBlock& block) {
-  std::vector<std::pair<c10::StreamId, uint64_t>> points;
-  if (!g_capture_record_stream_reuse || !capture_order_joined(device, block.stream)) {
-    return points;
-  }
-  for (int64_t used_on : block.used_on) {
-    if (!capture_order_joined(device, used_on)) {
-      return points;
-    }
-  }
-  for (int64_t used_on : block.used_on) {
-    points.emplace_back(used_on, capture_order_mark(device, used_on));
-  }
-  return points;
-}
-
-// Before a request on `stream`: once no graph captures, the blocks freed during capture go the
-// way of any freed block; while one does (and the option is on), those of `stream` that it has
-// waited past on every stream they were used on serve it again (under g_mutex).
-void settle_capture_frees(DeviceMemory& mem, c10::DeviceIndex device, c10::StreamId stream) {
-  auto& frees = mem.capture_frees;
-  if (frees.empty()) {
-    return;
-  }
-  if (mem.captures_underway == 0) {
-    const auto held = std::move(frees);
-    frees.clear();
-    for (const auto& free : held) {
-      release_after_uses(mem, device, free.block);
-    }
-    return;
-  }
-  if (!g_capture_record_stream_reuse) {
-    return;
-  }
-  const auto reusable = [&](const DeviceMemory::CaptureFree& free) {
-    return free.block->stream == stream && !free.points.empty() &&
-           std::all_of(free.points.begin(), free.points.end(), [&](const auto& point) {
-             return capture_order_reached(device, stream, point.first, point.second);
-           });
-  };
-  auto kept = std::stable_partition(frees.begin(), frees.end(), [&](const auto& free) { return !reusable(free); });
-  std::vector<DeviceMemory::CaptureFree> done(kept, frees.end());
-  frees.erase(kept, frees.end());
-  for (const auto& free : done) {
-    free.block->used_on.clear();  // the capture orders its reuse after those streams' uses
-    return_to_cache(mem, free.block);
-  }
-}
-
-}  // namespace
 
 void free_block(void* ptr) {
   if (drop_provisional(ptr)) {
@@ -554,7 +442,7 @@ void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std:
   TORCH_CHECK(divisions.size() == kRoundUpIntervals, "supa_emu: expected ", kRoundUpIntervals,
               " roundup_power2_divisions intervals, got ", divisions.size());
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_capture_record_stream_reuse = capture_record_stream_reuse;
+  set_capture_record_stream_reuse(capture_record_stream_reuse);
   // Blocks keep the oversize status they were created with, so the counters stay balanced.
   g_policy.max_split_size = max_split_size < 0 ? -1 : max_split_size;
   g_policy.gc_threshold = gc_threshold;
@@ -563,20 +451,6 @@ void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std:
   }
   for (auto& mem : g_devices) {
     mem->stats.max_split_size = g_policy.max_split_size;
-  }
-}
-
-void notify_capture_begin(c10::DeviceIndex device, c10::StreamId stream) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  memory_of(device).captures_underway++;
-  capture_order_begin(device, stream);
-}
-
-void notify_capture_ended(c10::DeviceIndex device) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceMemory& mem = memory_of(device);
-  if (mem.captures_underway > 0 && --mem.captures_underway == 0) {
-    capture_order_end(device);
   }
 }
 
@@ -620,25 +494,6 @@ void* raw_alloc(size_t nbytes, c10::DeviceIndex device) {
 
 void raw_delete(void* ptr) {
   delete_device_ptr(ptr);
-}
-
-void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
-  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
-  const c10::DeviceIndex device = storage->device().index();
-  c10::DataPtr fresh;
-  if (nbytes == 0) {
-    fresh = c10::DataPtr(nullptr, nullptr, &delete_device_ptr, c10::Device(kSupa, device));
-  } else {
-    void* ptr = allocate_block(nbytes, device);
-    fresh = c10::DataPtr(ptr, ptr, &delete_device_ptr, c10::Device(kSupa, device));
-    const size_t keep = std::min(nbytes, storage->nbytes());
-    if (keep > 0 && storage->data() != nullptr) {
-      std::memcpy(ptr, storage->data(), keep);
-    }
-    memcheck_resized(storage->data(), ptr, storage->data() != nullptr ? keep : 0, nbytes);
-  }
-  storage->set_data_ptr_noswap(std::move(fresh));
-  storage->set_nbytes(nbytes);
 }
 
 }  // namespace supa

@@ -38,17 +38,9 @@ void set_memory_fraction(double fraction, c10::DeviceIndex device);
 double get_memory_fraction(c10::DeviceIndex device);
 // The allocator settings that change accounting; max_split_size < 0 means unlimited;
 // `divisions` has one entry per roundup_power2_divisions interval (kRoundUpIntervals);
-// `capture_record_stream_reuse`: graph_capture_record_stream_reuse (notify_capture_begin).
+// `capture_record_stream_reuse`: graph_capture_record_stream_reuse (freed_blocks.h).
 void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions,
                          bool capture_record_stream_reuse = false);
-// A graph begins (ends) capturing `stream` on `device`, as CUDA's graphs tell its allocator. While
-// one captures, a freed block that other streams used (record_stream) is not handed out again
-// until no graph captures and those streams have passed its free, as on CUDA, where the events
-// that would tell cannot be queried during capture. With graph_capture_record_stream_reuse it
-// serves its own stream again within the capture once that stream has waited on events those
-// streams recorded after the free (capture_order.h).
-void notify_capture_begin(c10::DeviceIndex device, c10::StreamId stream);
-void notify_capture_ended(c10::DeviceIndex device);
 int64_t capacity(c10::DeviceIndex device);
 // A segment and its blocks in address order, for torch.supa.memory._snapshot().
 struct BlockInfo {
@@ -74,7 +66,5 @@ struct SegmentInfo {
 std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device);
 void* raw_alloc(size_t nbytes, c10::DeviceIndex device);
 void raw_delete(void* ptr);
-// Grow or shrink a supa storage in place (keeps the common prefix of the bytes).
-void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes);
 
 }  // namespace supa

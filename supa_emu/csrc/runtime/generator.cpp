@@ -7,6 +7,7 @@
 
 #include "devices.h"
 #include "graph.h"
+#include "host_alias.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
@@ -211,8 +212,9 @@ void write_extragraph(PhiloxState& state) {
   if (!state.seed_on_card.defined()) {
     return;
   }
-  state.seed_on_card.fill_(static_cast<int64_t>(state.seed_extragraph));
-  state.offset_on_card.fill_(static_cast<int64_t>(state.offset_extragraph));
+  // Through host views: the runtime's own bookkeeping, not an operator of the program's streams.
+  host_view(state.seed_on_card).fill_(static_cast<int64_t>(state.seed_extragraph));
+  host_view(state.offset_on_card).fill_(static_cast<int64_t>(state.offset_extragraph));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "capture_order.h"
 #include "device_guard.h"
 #include "devices.h"
+#include "freed_blocks.h"
 #include "generator.h"
 #include "host_alias.h"
 #include "mem_pool.h"

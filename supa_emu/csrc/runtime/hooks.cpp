@@ -6,6 +6,7 @@
 #include "devices.h"
 #include "generator.h"
 #include "pinned_host_allocator.h"
+#include "storage_resize.h"
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 
