@@ -3,7 +3,7 @@
 Run: python bench/upstream_test_cuda.py [--test-file PATH] [--timeout S] [-- PYTEST ARGS]
 
 The test file is PyTorch's, not this project's, so it is not in this repository: pass its path
-(--test-file, or set SUPA_EMU_TORCH_TEST_CUDA). Take it from a PyTorch checkout at the tag of the
+(--test-file). Take it from a PyTorch checkout at the tag of the
 installed torch, e.g. `git -C pytorch show v2.13.0:test/test_cuda.py > test_cuda.py`;
 `python -c "import torch; print(torch.version.git_version)"` names the exact commit. Its helpers
 (torch.testing._internal) come with the torch wheel.
@@ -174,16 +174,15 @@ def summarise(rows: list[tuple[str, str, str, str]], seconds: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--test-file", type=pathlib.Path, default=os.environ.get("SUPA_EMU_TORCH_TEST_CUDA"),
-                        help="PyTorch's test/test_cuda.py (default: $SUPA_EMU_TORCH_TEST_CUDA)")
+    parser.add_argument("--test-file", type=pathlib.Path, required=True, help="PyTorch's test/test_cuda.py")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a test may take (300)")
     parser.add_argument("--junitxml", type=pathlib.Path, default=pathlib.Path("upstream_test_cuda.xml"),
                         help="where the JUnit report goes (./upstream_test_cuda.xml)")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments, e.g. -k test_graph")
     args = parser.parse_args()
-    if args.test_file is None or not args.test_file.is_file():
-        parser.error("no test file: pass --test-file PATH or set SUPA_EMU_TORCH_TEST_CUDA "
-                     "(PyTorch's test/test_cuda.py; the module docstring says where to get it)")
+    if not args.test_file.is_file():
+        parser.error(f"--test-file {args.test_file}: no such file (PyTorch's test/test_cuda.py; the module "
+                     "docstring says where to get it)")
 
     with tempfile.TemporaryDirectory(prefix="upstream_test_cuda_") as tmp:
         work = pathlib.Path(tmp)
