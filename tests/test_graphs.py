@@ -604,3 +604,20 @@ def test_a_graph_holds_two_card_blocks_per_generator_state_while_it_lives():
     assert active_blocks() - before == 2 * len(states)  # each state's seed and offset on the card
     del g
     assert active_blocks() == before
+
+
+def test_stream_is_capturing_asks_about_the_stream_given():
+    g = torch.supa.SUPAGraph()
+    s0, s1, other = torch.supa.Stream(), torch.supa.Stream(), torch.supa.Stream()
+    with torch.supa.stream(s0):
+        g.capture_begin()
+        torch.ones(1, device="supa").add_(1)
+    try:
+        s1.wait_stream(s0)  # s1 joins the capture; `other` does not; the current stream is not captured
+        assert s0.is_capturing() and s1.is_capturing() and not other.is_capturing()
+        assert not torch.supa.current_stream().is_capturing()
+    finally:
+        s0.wait_stream(s1)
+        with torch.supa.stream(s0):
+            g.capture_end()
+    assert not s0.is_capturing() and not s1.is_capturing()

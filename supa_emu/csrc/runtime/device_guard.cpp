@@ -155,7 +155,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     report_to_gpu_trace([](const auto& trace) { trace->trace_gpu_device_synchronization(kSupa); });
   }
   bool isStreamCapturing(const c10::Stream& stream) const override {
-    return is_capturing() && capture_order_joined(stream.device_index(), stream.id());
+    return is_stream_captured(stream.device_index(), stream.id());
   }
   void recordDataPtrOnStream(const c10::DataPtr& data_ptr, const c10::Stream& stream) const override {
     device_allocator()->recordStream(data_ptr, stream);

@@ -333,6 +333,11 @@ bool is_capturing() {
   return graph != nullptr && graph->captures_current_stream();
 }
 
+bool is_stream_captured(c10::DeviceIndex device, c10::StreamId stream) {
+  const SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
+  return graph != nullptr && graph->captures(device, stream);
+}
+
 c10::MempoolId_t capture_pool() {
   const SupaGraph* graph = g_capturing.load(std::memory_order_acquire);
   return graph != nullptr && graph->captures_current_stream() ? graph->pool() : c10::MempoolId_t{0, 0};

@@ -13,6 +13,8 @@ namespace supa {
 // True when the current stream (of this thread, on the capture's device) is being captured: the
 // capturing stream, or one that joined the capture by waiting on its events (capture_order.h).
 bool is_capturing();
+// True when `stream` on `device` is being captured (the capturing stream or one that joined it).
+bool is_stream_captured(c10::DeviceIndex device, c10::StreamId stream);
 // The pool of the graph capturing the current stream; {0, 0} when it is not captured.
 c10::MempoolId_t capture_pool();
 // True on the thread that replays a graph, while it runs the recorded calls again.

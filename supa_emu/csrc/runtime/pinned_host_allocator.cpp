@@ -58,7 +58,7 @@ class SupaHostAllocatorImpl final : public at::CachingHostAllocatorImpl<c10::Str
     return c10::Stream(c10::Stream::UNSAFE, c10::Device(kSupa, device), current_stream_id(device));
   }
   bool stream_is_capturing(c10::Stream stream) const override {
-    return is_capturing() && stream.id() == current_stream_id(stream.device_index());
+    return is_stream_captured(stream.device_index(), stream.id());
   }
 };
 
