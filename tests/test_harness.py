@@ -336,3 +336,9 @@ def test_a_client_that_finds_no_server_runs_the_command_itself(tmp_path):
     result = harness.fresh_process(forking.client_command(str(tmp_path / "no-server-here"),
                                                           [sys.executable, "-c", "print('ran')"]))
     assert (result.returncode, result.stdout) == (0, "ran\n")
+
+
+def test_test_files_stay_short_enough_to_read_as_one_subject():
+    lengths = {path.name: len(path.read_text().splitlines()) for path in (harness.ROOT / "tests").glob("test_*.py")}
+    assert {name: n for name, n in lengths.items() if n > 600} == {}
+    assert len((harness.ROOT / "tests" / "harness.py").read_text().splitlines()) < 300
