@@ -97,8 +97,8 @@ def test_jobs_waited_for_together_name_themselves_when_one_hangs(tmp_path):
 
 
 def test_output_and_return_code_are_captured():
-    result = harness.fresh_process([sys.executable, "-c", "import sys; print('to out'); print('to err', file=sys.stderr); "
-                                                          "sys.exit(3)"], check=False)
+    code = "import sys; print('to out'); print('to err', file=sys.stderr); sys.exit(3)"
+    result = harness.fresh_process([sys.executable, "-c", code], check=False)
     assert (result.returncode, result.stdout, result.stderr) == (3, "to out\n", "to err\n")
     assert result.output == "to out\nto err\n"
     with pytest.raises(AssertionError, match=r"(?s)exited with 3:\nstdout:\nto out\n\nstderr:\nto err"):
@@ -213,7 +213,8 @@ def test_scripts_in_sequence_start_as_in_a_fresh_process_and_split_by_script(tmp
                       "print('second sees peak', torch.supa.max_memory_allocated(0) - torch.supa.memory_allocated(0))\n"
                       "raise SystemExit(3)\n")
     scripts = [["one", str(first), "--x", "1"], ["two", str(second)], ["three", str(first)]]
-    job = harness.fresh_process([sys.executable, script_sequence.__file__, json.dumps(scripts)], timeout=120, check=False)
+    job = harness.fresh_process([sys.executable, script_sequence.__file__, json.dumps(scripts)], timeout=120,
+                                check=False)
     assert job.returncode == 3, job.describe()
     parts = script_sequence.outputs(job, ["one", "two", "three"])
     assert (parts["one"].returncode, parts["one"].stdout) == (0, "first ['--x', '1']\n")
@@ -222,7 +223,7 @@ def test_scripts_in_sequence_start_as_in_a_fresh_process_and_split_by_script(tmp
     assert (parts["three"].returncode, parts["three"].stdout) == (None, "")
 
 
-# ---- forked interpreters (processes/fork_server.py) -----------------------------------------------------------
+# ---- forked interpreters (processes/fork_server.py) ---------------------------------------------------
 def _interpreter_facts(marker: str) -> dict:
     import random
 
