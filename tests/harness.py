@@ -63,8 +63,9 @@ def fresh_process(what, *args, env: dict | None = None, cwd=ROOT, timeout: float
       after those, one per interpreter; ANY; LAST: may crash, one per interpreter): a function or
       code runs in an interpreter shared with the others of the same environment, one after the
       other, each with its own stdout and result. Call it at import time; it returns a `SharedCase`
-      whose `result()` (a `CaseResult`, checked unless `check=False`) runs the interpreter with every
-      case registered by then, whichever tests run. `name` names a case of code (its place by default).
+      whose `result()` runs the interpreter with every case registered by then, whichever tests run,
+      and gives this case's `CaseResult` (`result(check=False)`: also one that raised). `name` names a
+      case of code (by default its file and line). `timeout` is then the case's own time limit.
     - `wait=False`: it starts and the job is returned; `wait([jobs], timeout)` gives what they did.
     """
     if shared is not None:
