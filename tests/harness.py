@@ -27,10 +27,11 @@ import tempfile
 import textwrap
 
 from processes import calls, jobs, launchers, shared_interpreters
-from processes.calls import Returned, import_test_file  # noqa: F401  (what fresh_process and wait give)
-from processes.jobs import ROOT, Finished, child_env, kill, wait  # noqa: F401
+# What the test files use with fresh_process: what it gives back, its stages, launcher commands and ports.
+from processes.calls import Returned
+from processes.jobs import ROOT, Finished, child_env, wait  # noqa: F401
 from processes.launchers import PORT, deepspeed_command, free_port, torchrun_command  # noqa: F401
-from processes.shared_interpreters import ANY, LAST, PRISTINE, UNTOUCHED, CaseResult, SharedCase  # noqa: F401
+from processes.shared_interpreters import ANY, LAST, PRISTINE, UNTOUCHED, SharedCase  # noqa: F401
 
 
 def fresh_process(what, *args, env: dict | None = None, cwd=ROOT, timeout: float = 300, check: bool = True,
