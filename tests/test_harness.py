@@ -150,6 +150,8 @@ def test_a_command_that_lost_its_port_runs_once_more_on_another(tmp_path):
     retried = ports_tried("RuntimeError: Address already in use")
     assert len(retried) == 2 and all(port.isdigit() for port in retried)
     assert len(ports_tried("some other failure")) == 1
+    with pytest.raises(TypeError, match="as an element of a command list"):
+        f"--master-port={harness.PORT}"
 
 
 def _start_a_job_and_leave() -> int:

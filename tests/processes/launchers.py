@@ -14,6 +14,10 @@ class _FreePort:
     def __repr__(self) -> str:
         return "PORT"
 
+    def __str__(self) -> str:  # in a string it could not be replaced: said at once, not as a failed rendezvous
+        raise TypeError("harness.PORT stands for a port as an element of a command list of its own, "
+                        "not inside a string")
+
 
 PORT = _FreePort()
 
