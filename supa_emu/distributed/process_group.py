@@ -40,7 +40,8 @@ class GroupKind(NamedTuple):
 
 
 class Watcher:
-    """What sees every bccl group of this process and every collective it issues (`watch`)."""
+    """What sees the bccl groups c10d creates in this process and every collective any group of
+    this class issues, bccl's or a planned rank's gloo groups' (`watch`)."""
 
     def group_created(self, rank: int) -> None:
         """A bccl group is about to be created by c10d, with this process as `rank`."""
