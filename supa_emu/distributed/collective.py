@@ -89,10 +89,6 @@ class Collective:
         written = [(t, any(t is i for i in inputs), True) for t in outputs]
         return written + [(t, True, False) for t in inputs if not any(t is o for o in outputs)]
 
-    def tensors(self) -> list:
-        """The tensors of the call, which must outlive the transport's use of their memory."""
-        return [*self.inputs, *self.outputs]
-
 
 # ---- the records of the c10d entry points ------------------------------------------------------
 def all_reduce(group_kind, tensors, opts) -> Collective:

@@ -12,8 +12,9 @@ The group is bccl's own ProcessGroupBCCL with this transport: every bccl group o
 (`install`), and its gloo groups too, as ("cpu", "gloo", this transport) (gloo_groups.py), so a
 planned call is checked, counted and recorded by the code that checks, counts and records a real
 one, and the rule is written once, here. Like the gloo transport, this one moves data through
-host views of the group's tensors and allocates nothing on the card. Where the answer depends on values only other ranks hold (uneven all_to_all
-splits, a scatter's or recv's data), the call is flagged for the report.
+host views of the group's tensors and allocates nothing on the card. Where the answer depends on
+values only other ranks hold (uneven all_to_all splits, a scatter's or recv's data), the call is
+flagged for the report.
 
 In shapes mode a call whose payload on the card is larger than what the card moves there
 (csrc/aten/shape_only.h, card_bytes_move: 64 KiB) moves no data; its outputs keep their contents
@@ -93,7 +94,8 @@ class UniformTransport(Transport):
         return self._bytes_move(payload)
 
     def _done(self, call: Collective, host: Optional[HostCall] = None) -> BCCLWork:
-        return BCCLWork([], host.epilogue() if host is not None else None, call.results, call.tensors())
+        epilogue = host.epilogue() if host is not None else None
+        return BCCLWork([], epilogue, call.results, (*call.inputs, *call.outputs))
 
     def _reduced(self, view: torch.Tensor, call: Collective) -> None:
         reduce_uniform(contribution(view, call.reduce_op, call.kind, in_place=True), call.kind, self._size)

@@ -84,7 +84,7 @@ class GlooTransport(Transport):
     def _started(self, call: Collective, parts, host: Optional[HostCall] = None, ticket=None) -> GlooWork:
         handoff.hold(parts)
         epilogue = host.epilogue() if host is not None else None
-        work = GlooWork(parts, epilogue, call.results, call.tensors(), self._agreement, ticket)
+        work = GlooWork(parts, epilogue, call.results, (*call.inputs, *call.outputs), self._agreement, ticket)
         self._started_works.add(work)
         return work
 
