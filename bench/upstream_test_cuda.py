@@ -1,8 +1,9 @@
-"""Run PyTorch's own test/test_cuda.py on the emulated cards and summarise the outcome.
+"""Run one of PyTorch's own CUDA test files on the emulated cards and summarise the outcome.
 
-Run: python bench/upstream_test_cuda.py [--test-file PATH] [--timeout S] [-- PYTEST ARGS]
+Run: python bench/upstream_test_cuda.py --test-file PATH [--timeout S] [--junitxml PATH] [-- PYTEST ARGS]
 
-The test file is PyTorch's, not this project's, so it is not in this repository: pass its path
+The file is any of PyTorch's CUDA test files (test/test_cuda.py, test/test_cuda_multigpu.py...):
+it is PyTorch's, not this project's, so it is not in this repository: pass its path
 (--test-file). Take it from a PyTorch checkout at the tag of the
 installed torch, e.g. `git -C pytorch show v2.13.0:test/test_cuda.py > test_cuda.py`;
 `python -c "import torch; print(torch.version.git_version)"` names the exact commit. Its helpers
@@ -11,7 +12,8 @@ installed torch, e.g. `git -C pytorch show v2.13.0:test/test_cuda.py > test_cuda
 The file runs unchanged apart from these adaptations, made to a copy in a temporary directory:
 - a name it imports from torch.testing._internal that the installed torch lacks is defined after
   the import instead (a newer test_cuda.py imports TEST_CUDAMALLOCASYNC from common_utils, torch
-  2.13's test_cuda.py defined it itself); any other missing name stops the run with its name;
+  2.13's test_cuda.py defined it itself; test_cuda_multigpu.py imports skipIfSandcastle, which
+  2.13 lacks: it skips on Meta's CI only); any other missing name stops the run with its name;
 - where the file's torchvision import is commented out, so that HAS_TORCHVISION is True whether
   or not torchvision is installed, the import is restored, so test_resnet skips without it.
 It runs with SUPA_EMULATE=1 and SUPA_EMU_DEVICE_COUNT=2 (the transfer makes "cuda" the emulated
@@ -42,10 +44,14 @@ import xml.etree.ElementTree as ET
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# Names newer test files import from torch.testing._internal that torch 2.13 does not have, with
-# the definition the older file carried itself.
+# Names other versions of the test files import from torch.testing._internal that torch 2.13 does
+# not have, with an equivalent made of what the file imports itself.
 FALLBACKS = {
+    # a newer test_cuda.py imports it; torch 2.13's test_cuda.py defined it so
     "TEST_CUDAMALLOCASYNC": 'TEST_CUDA and torch.cuda.get_allocator_backend() == "cudaMallocAsync"',
+    # test_cuda_multigpu.py imports it; torch 2.13 keeps only skip_but_pass_in_sandcastle*: skip a
+    # test on Meta's Sandcastle CI only, so here never
+    "skipIfSandcastle": "lambda reason: unittest.skipIf(torch.testing._internal.common_utils.IS_SANDCASTLE, reason)",
 }
 
 # A test's outcomes from mildest to worst; the summary lists them in REPORTED's order.
@@ -84,7 +90,7 @@ def pytest_unconfigure(config):
 
 
 def adapt(source: str) -> str:
-    """test_cuda.py's text with the adaptations the module docstring lists."""
+    """The test file's text with the adaptations the module docstring lists."""
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     edits = []  # (first line, last line, replacement), applied from the bottom up
@@ -174,29 +180,32 @@ def summarise(rows: list[tuple[str, str, str, str]], seconds: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--test-file", type=pathlib.Path, required=True, help="PyTorch's test/test_cuda.py")
+    parser.add_argument("--test-file", type=pathlib.Path, required=True,
+                        help="PyTorch's test/test_cuda.py, test/test_cuda_multigpu.py...")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a test may take (300)")
-    parser.add_argument("--junitxml", type=pathlib.Path, default=pathlib.Path("upstream_test_cuda.xml"),
-                        help="where the JUnit report goes (./upstream_test_cuda.xml)")
+    parser.add_argument("--junitxml", type=pathlib.Path, default=None,
+                        help="where the JUnit report goes (./upstream_NAME.xml for the test file NAME.py)")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments, e.g. -k test_graph")
     args = parser.parse_args()
     if not args.test_file.is_file():
-        parser.error(f"--test-file {args.test_file}: no such file (PyTorch's test/test_cuda.py; the module "
+        parser.error(f"--test-file {args.test_file}: no such file (PyTorch's test/test_cuda.py or another "
+                     "of its CUDA test files; the module "
                      "docstring says where to get it)")
 
-    with tempfile.TemporaryDirectory(prefix="upstream_test_cuda_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="upstream_cuda_tests_") as tmp:
         work = pathlib.Path(tmp)
-        (work / "test_cuda.py").write_text(adapt(args.test_file.read_text()))
+        name = args.test_file.name  # its own name: pytest's node ids and the report's classes keep it
+        (work / name).write_text(adapt(args.test_file.read_text()))
         (work / "conftest.py").write_text(WATCHDOG_CONFTEST)
         (work / "pytest.ini").write_text("[pytest]\nmarkers =\n    serial: common_utils.serialTest\n")
         (work / "watchdog").mkdir()
-        junit = args.junitxml.resolve()
+        junit = (args.junitxml or pathlib.Path(f"upstream_{args.test_file.stem}.xml")).resolve()
         env = dict(os.environ, SUPA_EMULATE="1", SUPA_EMU_DEVICE_COUNT="2", BRTB_TRANSFER_SILENCE="1",
                    PYTORCH_TESTING_DEVICE_ONLY_FOR="cuda", UPSTREAM_TEST_TIMEOUT=str(args.timeout),
                    UPSTREAM_WATCHDOG_DIR=str(work / "watchdog"),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         env.setdefault("SUPA_EMU_MEMORY", "8GiB")
-        command = [sys.executable, "-m", "pytest", "test_cuda.py", "-c", "pytest.ini", "--rootdir", tmp,
+        command = [sys.executable, "-m", "pytest", name, "-c", "pytest.ini", "--rootdir", tmp,
                    "-p", "no:cacheprovider", "-p", "no:benchmark", "-n", "1", "--max-worker-restart", "100000",
                    f"--junitxml={junit}", "-q", "-rN", "--tb=short", *args.pytest_args]
         print(" ".join(command), flush=True)

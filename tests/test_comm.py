@@ -50,6 +50,19 @@ def test_broadcast_copies_to_each_card_and_keeps_the_source_on_its_own(source):
     assert (results[0] is x) == (source == "supa:0")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.float64])
+def test_broadcast_of_a_sparse_tensor_copies_it_to_each_card(dtype):
+    # float64 made on the card (as test_cuda_multigpu's genSparseTensor makes it) never crosses from the host.
+    values = torch.randn(6, device=card(0)).to(dtype)
+    indices = torch.tensor([[0, 1, 1, 0, 2, 1], [2, 0, 1, 2, 0, 0]], device=card(0))
+    x = torch.sparse_coo_tensor(indices, values, (3, 3)).coalesce()
+    results = comm.broadcast(x, (0, 1))
+    assert results[0] is x
+    assert results[1].device == card(1) and results[1].is_sparse and results[1].dtype == dtype
+    assert results[1]._values().device == card(1)
+    assert_same_values(results[1], x)
+
+
 @pytest.mark.parametrize("source", ["cpu", "supa:0"])
 def test_broadcast_into_out_tensors(source):
     x = torch.randn(5, 5).to(source)

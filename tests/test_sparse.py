@@ -101,6 +101,29 @@ def test_in_place_sparse_ops_update_the_supa_tensor():
     assert s._nnz() == 0 and s.to_dense().cpu().abs().sum() == 0
 
 
+def test_a_device_option_or_a_copy_source_may_name_another_card():
+    """As on CUDA: empty_like(x, device=), .to(card) and copy_ between cards of sparse tensors (what
+    torch.cuda.comm.broadcast does with one) make the result on the named card; an op that mixes
+    the operands of two cards is still refused."""
+    if torch.supa.device_count() < 2:
+        pytest.skip("needs 2 SUPA cards")
+    d = _dense()
+    s = d.to_sparse().to(DEV).coalesce()
+    other = torch.device("supa", 1)
+    for made in (torch.empty_like(s, device=other), torch.zeros_like(s, device=other), s.to(other)):
+        assert made.device == other and made.layout == torch.sparse_coo
+        assert made._values().device == other and made._indices().device == other
+    moved = s.to(other)
+    torch.testing.assert_close(moved.to_dense().cpu(), d, rtol=0, atol=0)
+    target = torch.empty_like(s, device=other)
+    target.copy_(s)
+    assert target.device == other and target._values().device == other
+    torch.testing.assert_close(target.to_dense().cpu(), d, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device, but found at least two "
+                                           r"devices, supa:0 and supa:1! \(argument 'other' of aten::add.Tensor\)"):
+        torch.add(s, moved)
+
+
 def test_mixing_a_cpu_sparse_operand_is_rejected_as_on_cuda():
     s = _dense().to_sparse()
     with pytest.raises(RuntimeError, match="same device|supa"):

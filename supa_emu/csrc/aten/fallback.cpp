@@ -48,6 +48,12 @@ bool accepts_host_indices(const c10::OperatorName& name, const std::string& argu
           name.name == "aten::_index_put_impl_");
 }
 
+// A copy's source may live on another card (CUDA's copy_ reads across devices; comm.broadcast of a
+// sparse tensor copies into one made on each card).
+bool reads_from_any_card(const c10::OperatorName& name, const std::string& argument) {
+  return argument == "src" && (name.name == "aten::copy_" || name.name == "aten::copy_sparse_to_sparse_");
+}
+
 std::string device_name(const c10::Device& d) {
   return d.str();
 }
@@ -102,7 +108,11 @@ class FallbackCall {
           }
         }
       } else if (value.isDevice() && value.toDevice().type() == kSupa) {
-        note_device(value.toDevice(), arg.name());
+        // A device option says where the results go (empty_like(x, device=), _to_copy): as on CUDA,
+        // it need not be the operands' card.
+        const c10::Device requested = value.toDevice();
+        requested_device_ = requested.has_index() ? requested.index() : current_device();
+        requested_argument_ = arg.name();
         value = c10::IValue(c10::Device(kernel_device_type()));
       } else if (value.isInt() && value.toInt() != static_cast<int64_t>(c10::kStrided) && is_layout(arg.real_type())) {
         full_dispatch_ = true;  // a factory asked for a sparse result
@@ -111,6 +121,16 @@ class FallbackCall {
                   arg.type()->castRaw<c10::OptionalType>()->getElementType()->kind() ==
                       c10::TypeKind::GeneratorType)) {
         generators.push_back(first + i);
+      }
+    }
+    if (requested_device_ >= 0) {
+      const bool writes = std::any_of(operands_.begin(), operands_.end(), [](const auto& o) { return o.written; }) ||
+                          std::any_of(sparse_operands_.begin(), sparse_operands_.end(),
+                                      [](const auto& o) { return o.written; });
+      if (writes) {
+        note_device(c10::Device(kSupa, requested_device_), requested_argument_);  // results are its operands
+      } else {
+        device_ = requested_device_;
       }
     }
     if (device_ < 0) {
@@ -216,7 +236,9 @@ class FallbackCall {
     }
     TORCH_CHECK(type == kSupa, "Expected all tensors to be on the same device, but found at least two devices, supa",
                 " and ", t.device(), "! (argument '", argument, "' of ", op_.schema().operator_name(), ")");
-    note_device(t.device(), argument);
+    if (!reads_from_any_card(op_.schema().operator_name(), argument)) {
+      note_device(t.device(), argument);
+    }
     largest_operand_numel_ = std::max(largest_operand_numel_, static_cast<uint64_t>(t.numel()));
     if (t.layout() != c10::kStrided) {
       // Sparse: a CPU sparse tensor over host views of its index and value tensors.
@@ -367,6 +389,8 @@ class FallbackCall {
   HostKernel kernel_;  // runs on the host operands; nullptr: the op's own CPU kernel
   bool shape_rule_;    // the op's shape rule on meta operands instead of a kernel (shapes mode)
   c10::DeviceIndex device_ = -1;
+  c10::DeviceIndex requested_device_ = -1;  // a Device argument's card, where results go
+  std::string requested_argument_;
   std::string host_tensor_arg_;
   // Small inline buffers: a typical call then allocates nothing for its bookkeeping.
   c10::SmallVector<HostOperand, 4> operands_;
