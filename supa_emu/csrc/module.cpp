@@ -440,10 +440,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Raise the runtime's invalid-device-ordinal error for an index outside [0, device count)");
   m.def("_queue_stream_work", [](int64_t device, int64_t stream_id, int64_t ns) {
     supa::check_device_index(device);
-    const auto index = static_cast<c10::DeviceIndex>(device);
-    if (!supa::record_stream_work_in_capture(index, stream_id, ns)) {
-      supa::queue_stream_work(index, stream_id, ns);
-    }
+    supa::queue_sleep(static_cast<c10::DeviceIndex>(device), stream_id, ns);
   }, py::arg("device"), py::arg("stream_id"), py::arg("ns"),
      "Make the stream busy for `ns` more nanoseconds after its queued work (torch.supa._sleep)");
   m.def("_event_elapsed_time", &event_elapsed_ms, "Milliseconds between two recorded timing events");

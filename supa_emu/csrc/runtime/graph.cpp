@@ -366,13 +366,13 @@ void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& 
   }
 }
 
-bool record_stream_work_in_capture(c10::DeviceIndex device, c10::StreamId stream, int64_t ns) {
+void queue_sleep(c10::DeviceIndex device, c10::StreamId stream, int64_t ns) {
   SupaGraph* graph = g_capturing.load();
-  if (graph == nullptr || !graph->captures(device, stream)) {
-    return false;
+  if (graph != nullptr && graph->captures(device, stream)) {
+    graph->record_stream_work(ns);
+  } else {
+    queue_stream_work(device, stream, ns);
   }
-  graph->record_stream_work(ns);
-  return true;
 }
 
 void refuse_during_capture(const std::string& what) {
