@@ -487,3 +487,15 @@ if __name__ == "__main__":  # a torchrun rank of test_cuda_written_ddp_script_un
     run_as_main(sys.argv[1:])
     print_line(json.dumps({"event": "supa", "max_memory_allocated": torch.supa.max_memory_allocated(),
                            "memory_allocated": torch.supa.memory_allocated()}))
+
+
+def test_host_empty_cache_binding_is_the_cards_as_the_real_transfer_maps_it():
+    # torch._C._host_emptyCache exists in a CUDA build only; the real transfer maps it to torch_supa's.
+    live = torch.arange(1 << 14, dtype=torch.float32).pin_memory()
+    cached = torch.ones(1 << 14).pin_memory()
+    reused = cached.data_ptr()
+    del cached
+    assert torch.ones(1 << 14).pin_memory().data_ptr() == reused  # the freed block was cached
+    torch._C._host_emptyCache()
+    assert live.is_pinned() and torch.equal(live, torch.arange(1 << 14, dtype=torch.float32))
+    assert torch._C._host_emptyCache is not torch.accelerator.empty_host_cache

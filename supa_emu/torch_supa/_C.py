@@ -4,6 +4,8 @@ Only the ones the emulator answers are here; the rest of the real `_C` (docs/rea
 reached through `torch.supa`.
 """
 
+import torch
+
 from supa_emu.supa import _mem_pool, _runtime
 
 
@@ -15,6 +17,12 @@ def _supa_getCurrentBlasHandle() -> int:
 def _supa_clearSublasWorkspaces() -> None:
     """Free every BLAS workspace (as torch._C._cuda_clearCublasWorkspaces on CUDA)."""
     _runtime._clear_sublas_workspaces()
+
+
+def _host_emptyCache() -> None:
+    """Release the pinned host blocks the caching host allocator keeps unused (torch._C._host_emptyCache
+    of a CUDA build; the pinned allocator is PyTorch's, registered for supa)."""
+    torch.accelerator.empty_host_cache()
 
 
 _supa_beginAllocateCurrentThreadToPool = _mem_pool._begin_allocate_current_thread_to_pool

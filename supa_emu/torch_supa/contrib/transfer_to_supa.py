@@ -206,6 +206,7 @@ def _patch_torch_c() -> None:
 
     for name in ("beginAllocateCurrentThreadToPool", "endAllocateToPool", "releasePool", "checkPoolLiveAllocations"):
         setattr(c, f"_cuda_{name}", _c_entry(getattr(supa_c, f"_supa_{name}")))
+    c._host_emptyCache = _c_entry(supa_c._host_emptyCache)
     # Inductor's CUDA-graph trees import this when torch.backends.cuda.is_built() (now True);
     # the real package supplies the SUPA allocator's checkpoint state, which the emulator does
     # not model (mode="reduce-overhead" runs without graphs here).
