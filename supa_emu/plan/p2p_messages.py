@@ -37,18 +37,19 @@ from supa_emu.plan import call_record, rank_record, world
 
 PLAYED = "played.json"
 STALLED = "stalled"
-_POLL_S = (0.001, 0.05)  # the first and the longest pause between looks for a message
+_POLL_S = (0.0005, 0.01)  # the first and the longest pause between looks for a message
 
 _directory: Optional[str] = None
 _rank: Optional[int] = None
 _played = None  # the set of ranks the plan plays, or None: any peer may be played (all-stages)
 _counts: Dict[Tuple, int] = {}
+_planner: Optional[int] = None  # the planner's process id: a rank stops waiting when it is gone
 
 
 def open_log(directory: str, rank: int) -> None:
     """This process plays `rank` and exchanges its messages in `directory` (the plan's shared one)."""
-    global _directory, _rank, _played
-    _directory, _rank = directory, rank
+    global _directory, _rank, _played, _planner
+    _directory, _rank, _planner = directory, rank, os.getppid()
     os.makedirs(os.path.join(directory, "p2p"), exist_ok=True)
     with open(os.path.join(directory, PLAYED)) as spec:
         played = json.load(spec)
@@ -78,7 +79,8 @@ def _path(*parts: str) -> str:
 
 
 def _write_atomically(path: str, write) -> None:
-    temporary = f"{path}.{os.getpid()}.tmp"
+    directory, name = os.path.split(path)
+    temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # a name no reader lists
     write(temporary)
     os.replace(temporary, path)
 
@@ -161,6 +163,9 @@ def _wait(name: str, source: int) -> torch.Tensor:
         if os.path.exists(_path(f"ended-{source}")) and not os.path.exists(path):
             raise world.PlanError(f"planner: rank {_rank} waits at {_call_site()} for a message from rank {source} "
                                   f"({name}), which ended without sending it")
+        if os.getppid() != _planner:
+            raise world.PlanError(f"planner: rank {_rank} waits for a message from rank {source}, and the planner "
+                                  f"that played it ended")
         if os.path.exists(_path(STALLED)):
             raise world.PlanError(f"planner: rank {_rank} waits at {_call_site()} for a message from rank {source} "
                                   f"({name}) while every played rank waits for another: the program's sends and "

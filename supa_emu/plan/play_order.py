@@ -34,6 +34,16 @@ def play(ranks: List[int], all_stages: bool, shared: str, start: Callable, colle
     ended. Returns the records by rank."""
     p2p_messages.write_played(shared, ranks, all_stages)
     queue, running, records = list(ranks), {}, {}
+    try:
+        _play(queue, running, records, all_stages, shared, start, collect)
+    finally:
+        for process in running.values():  # the planner failed or was interrupted: its ranks end with it
+            process.kill()
+            process.wait()
+    return records
+
+
+def _play(queue: List[int], running: dict, records: dict, all_stages: bool, shared: str, start, collect) -> None:
     waits_since = None  # (when, what every running rank waits for) while all of them wait
     while queue or running:
         if not running:
@@ -62,4 +72,3 @@ def play(ranks: List[int], all_stages: bool, shared: str, start: Callable, colle
         elif time.monotonic() - waits_since[0] > _STALL_S:
             p2p_messages.mark_stalled(shared)
         time.sleep(_POLL_S)
-    return records
