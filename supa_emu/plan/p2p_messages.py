@@ -18,13 +18,9 @@ played rank's recv from a played peer takes the message its peer sent:
   and fails the rank with the call site for data a program reads as sizes or objects: guessing
   those would read left-over card memory as a size.
 
-Files in the shared directory (the planner's side is play_order.py): `played.json` (the ranks the
-plan plays, or all-stages: any peer may be started), `p2p/` (the messages), `want-P` (a rank waits
-for rank P), `waiting-R` (rank R waits for the message named inside), `ended-R` (rank R's process
-ended) and `stalled` (every running rank waits for a message no one can send).
+The files are the plan's shared directory's (plan_directory.py); the planner's side is play_order.py.
 """
 
-import json
 import os
 import re
 import time
@@ -34,12 +30,11 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from supa_emu.plan import call_record, rank_record, world
+from supa_emu.plan.plan_directory import PlanDirectory
 
-PLAYED = "played.json"
-STALLED = "stalled"
 _POLL_S = (0.0005, 0.01)  # the first and the longest pause between looks for a message
 
-_directory: Optional[str] = None
+_directory: Optional[PlanDirectory] = None
 _rank: Optional[int] = None
 _played = None  # the set of ranks the plan plays, or None: any peer may be played (all-stages)
 _counts: Dict[Tuple, int] = {}
@@ -49,17 +44,8 @@ _planner: Optional[int] = None  # the planner's process id: a rank stops waiting
 def open_log(directory: str, rank: int) -> None:
     """This process plays `rank` and exchanges its messages in `directory` (the plan's shared one)."""
     global _directory, _rank, _played, _planner
-    _directory, _rank, _planner = directory, rank, os.getppid()
-    os.makedirs(os.path.join(directory, "p2p"), exist_ok=True)
-    with open(os.path.join(directory, PLAYED)) as spec:
-        played = json.load(spec)
-    _played = None if played["all_stages"] else set(played["ranks"])
-
-
-def write_played(directory: str, ranks, all_stages: bool) -> None:
-    """The planner's statement of which ranks it plays (read by every rank process at its start)."""
-    with open(os.path.join(directory, PLAYED), "w") as spec:
-        json.dump({"ranks": sorted(ranks), "all_stages": all_stages}, spec)
+    _directory, _rank, _planner = PlanDirectory(directory), rank, os.getppid()
+    _played = _directory.played()
 
 
 def carried(tensor: torch.Tensor) -> bool:
@@ -74,30 +60,11 @@ def _numbered(group: str, source: int, destination: int, tag: int, direction: st
     return f"{re.sub(r'[^A-Za-z0-9_-]', '_', group)}.{source}-{destination}.{tag}.{_counts[key]}.pt"
 
 
-def _path(*parts: str) -> str:
-    return os.path.join(_directory, *parts)
-
-
-def _write_atomically(path: str, write) -> None:
-    directory, name = os.path.split(path)
-    temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # a name no reader lists
-    write(temporary)
-    os.replace(temporary, path)
-
-
-def _write_text(path: str, text: str = "") -> None:
-    def write(temporary: str) -> None:
-        with open(temporary, "w") as out:
-            out.write(text)
-
-    _write_atomically(path, write)
-
-
 def send(group: str, source: int, destination: int, tag: int, host: torch.Tensor) -> None:
     """Logs the message `host` (the sent tensor's host memory) for its receiver, if it is kept."""
     name = _numbered(group, source, destination, tag, "sent")
     if _directory is not None and carried(host):
-        _write_atomically(_path("p2p", name), lambda path: torch.save(host.clone(), path))
+        _directory.write_atomically(_directory.message(name), lambda path: torch.save(host.clone(), path))
 
 
 def receive(group: str, source: Optional[int], destination: int, tag: int,
@@ -151,53 +118,24 @@ def _call_site() -> str:
 def _wait(name: str, source: int) -> torch.Tensor:
     """The message `name` from played rank `source`, once it is there (the planner starts `source`
     if it has not started); a PlanError if `source` ended without it or every played rank waits."""
-    path = _path("p2p", name)
-    pause = _POLL_S[0]
-    announced = False
-    while not os.path.exists(path):
+    pause, announced = _POLL_S[0], False
+    while not _directory.delivered(name):
         if not announced:
             world.save_root_values()  # the peer may start now: give it the broadcasts made so far
-            _write_text(_path(f"waiting-{_rank}"), name)
-            _write_text(_path(f"want-{source}"))
+            _directory.wait_for(_rank, name, source)
             announced = True
-        if os.path.exists(_path(f"ended-{source}")) and not os.path.exists(path):
+        if _directory.ended(source) and not _directory.delivered(name):
             raise world.PlanError(f"planner: rank {_rank} waits at {_call_site()} for a message from rank {source} "
                                   f"({name}), which ended without sending it")
         if os.getppid() != _planner:
             raise world.PlanError(f"planner: rank {_rank} waits for a message from rank {source}, and the planner "
                                   f"that played it ended")
-        if os.path.exists(_path(STALLED)):
+        if _directory.stalled():
             raise world.PlanError(f"planner: rank {_rank} waits at {_call_site()} for a message from rank {source} "
                                   f"({name}) while every played rank waits for another: the program's sends and "
                                   f"receives do not match")
         time.sleep(pause)
         pause = min(pause * 2, _POLL_S[1])
     if announced:
-        os.remove(_path(f"waiting-{_rank}"))
-    return torch.load(path)
-
-
-def waits(directory: str, rank: int) -> Optional[str]:
-    """The message rank `rank` waits for (its file name), or None (for the planner)."""
-    try:
-        with open(os.path.join(directory, f"waiting-{rank}")) as waiting:
-            return waiting.read()
-    except FileNotFoundError:
-        return None
-
-
-def delivered(directory: str, name: str) -> bool:
-    return os.path.exists(os.path.join(directory, "p2p", name))
-
-
-def wanted(directory: str) -> set:
-    """The ranks played ranks wait for (for the planner, which starts them)."""
-    return {int(entry[len("want-"):]) for entry in os.listdir(directory) if entry.startswith("want-")}
-
-
-def mark_ended(directory: str, rank: int) -> None:
-    _write_text(os.path.join(directory, f"ended-{rank}"))
-
-
-def mark_stalled(directory: str) -> None:
-    _write_text(os.path.join(directory, STALLED))
+        _directory.done_waiting(_rank)
+    return torch.load(_directory.message(name))

@@ -22,7 +22,7 @@ rather than waiting for ever.
 import time
 from typing import Callable, Dict, List
 
-from supa_emu.plan import p2p_messages
+from supa_emu.plan.plan_directory import PlanDirectory
 
 _POLL_S = 0.02
 _STALL_S = 0.5  # how long every running rank must wait for the same messages to be called stalled
@@ -32,10 +32,11 @@ def play(ranks: List[int], all_stages: bool, shared: str, start: Callable, colle
     """Plays `ranks` (and, with `all_stages`, any rank a played one waits for): `start(rank)` starts
     a rank's process (a subprocess.Popen), `collect(rank, returncode)` gives its record once it
     ended. Returns the records by rank."""
-    p2p_messages.write_played(shared, ranks, all_stages)
+    directory = PlanDirectory(shared)
+    directory.write_played(ranks, all_stages)
     queue, running, records = list(ranks), {}, {}
     try:
-        _play(queue, running, records, all_stages, shared, start, collect)
+        _play(queue, running, records, all_stages, directory, start, collect)
     finally:
         for process in running.values():  # the planner failed or was interrupted: its ranks end with it
             process.kill()
@@ -43,7 +44,8 @@ def play(ranks: List[int], all_stages: bool, shared: str, start: Callable, colle
     return records
 
 
-def _play(queue: List[int], running: dict, records: dict, all_stages: bool, shared: str, start, collect) -> None:
+def _play(queue: List[int], running: dict, records: dict, all_stages: bool, directory: PlanDirectory, start,
+          collect) -> None:
     waits_since = None  # (when, what every running rank waits for) while all of them wait
     while queue or running:
         if not running:
@@ -55,20 +57,20 @@ def _play(queue: List[int], running: dict, records: dict, all_stages: bool, shar
             if code is not None:
                 records[rank] = collect(rank, code)
                 del running[rank]
-                p2p_messages.mark_ended(shared, rank)
-        for peer in sorted(p2p_messages.wanted(shared)):
+                directory.mark_ended(rank)
+        for peer in sorted(directory.wanted()):
             if peer not in running and peer not in records and (all_stages or peer in queue):
                 if peer in queue:
                     queue.remove(peer)
                 running[peer] = start(peer)
                 waits_since = None
-        waiting = {rank: p2p_messages.waits(shared, rank) for rank in running}
-        stuck = running and all(name is not None and not p2p_messages.delivered(shared, name)
+        waiting = {rank: directory.waits(rank) for rank in running}
+        stuck = running and all(name is not None and not directory.delivered(name)
                                 for name in waiting.values())
         if not stuck:
             waits_since = None
         elif waits_since is None or waits_since[1] != waiting:
             waits_since = (time.monotonic(), waiting)
         elif time.monotonic() - waits_since[0] > _STALL_S:
-            p2p_messages.mark_stalled(shared)
+            directory.mark_stalled()
         time.sleep(_POLL_S)
