@@ -111,7 +111,7 @@ def test_a_played_receiver_gets_what_its_played_sender_sent(tmp_path):
                 r"every played rank waits for another: the program's sends and receives do not match"),
     ("silent", r"rank 0 waits at .*p2p_exchange\.py:\d+ \(<module>\) for a message from rank 1 \(.*\), which ended "
                r"without sending it"),
-])
+], ids=["crossed", "silent"])
 def test_receives_no_played_rank_will_send_fail_instead_of_waiting(tmp_path, case, error):
     planned, result = plan([str(EXCHANGE), str(tmp_path / "out"), case], 2, tmp_path / "plan.json", "--rank",
                            "all-stages", check=False, timeout=300)
