@@ -3,7 +3,8 @@
 
 Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each in its own process
 that plays that rank of an N-card world (see supa_emu/plan/__init__.py), one after the other
-(side by side where one waits for another's message: play_order.py), then prints each rank's peak memory and collectives and writes the JSON report and the plot.
+(side by side where one waits for another's message: play_order.py), then prints each rank's
+peak memory and collectives and writes the JSON report and the plot.
 With --mode shapes, operators take their results from PyTorch's shape rules instead of running
 their kernels (docs/shapes_mode.md): the same figures, at the cost of the Python program alone.
 Exit status: 0 when every planned rank ran to the end, 1 when one failed (out of memory
