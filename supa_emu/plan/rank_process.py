@@ -5,8 +5,8 @@ Started by the planner with the environment a launcher gives (RANK, WORLD_SIZE, 
 ...) plus SUPA_PLAN_SIMULATE=1, under which activation installed the uniform transport for its
 bccl groups (supa_emu.plan.install). It hosts the rendezvous store itself (as torchrun's agent
 does, TORCHELASTIC_USE_AGENT_STORE), so init_process_group by env:// finds a store and no peer is
-waited for; plays its rank (world.py), gloo groups under the uniform rule too and object
-collectives flagged for the report; records memory and collectives from the first line of the
+waited for; plays its rank (world.py), gloo groups under the uniform rule too (gloo_groups.py) and
+object collectives flagged for the report; records memory and collectives from the first line of the
 script on; runs the script unchanged as __main__ (a module as `python -m` runs it); and writes
 this rank's record (with the failure, if the script failed) to RECORD as JSON. SHARED is the
 plan's directory shared by its ranks: the small values roots broadcast, written by the first rank
@@ -89,7 +89,7 @@ def main(argv) -> int:
     import torch.distributed as dist
 
     from supa_emu import process_state
-    from supa_emu.plan import call_record, p2p_messages, rank_record, uniform_host_group, world
+    from supa_emu.plan import call_record, gloo_groups, p2p_messages, rank_record, world
 
     host_memory = process_state.config().plan_host_memory
     process_state.core()._limit_host_tensors(host_memory or _available_host_memory())
@@ -101,7 +101,7 @@ def main(argv) -> int:
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     world.play(rank, world_size, os.path.join(shared, ROOT_VALUES))
     p2p_messages.open_log(shared, rank)
-    uniform_host_group.install()
+    gloo_groups.install()
     call_record.flag_object_collectives()
 
     failure = None
