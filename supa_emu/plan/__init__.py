@@ -4,9 +4,11 @@
 script unchanged in one process per planned rank (rank_process.py). There, bccl groups carry
 their calls with the uniform transport (uniform_transport.py): the world has N ranks of which
 only this one exists (world.py), and every collective answers as if each rank held this rank's
-data, so the program takes its real path with its real shapes. The card, its caching allocator
-and its memory history are the ones a real run uses; rank_record.py reads the peak, its phase
-and a timeline from that history, and call_record.py counts the collectives. report.py and
+data, so the program takes its real path with its real shapes. Point-to-point messages are not
+uniform: a played rank's sends reach the played rank that receives them (p2p_messages.py), which
+plays beside it where the two need each other's messages (play_order.py). The card, its caching
+allocator and its memory history are the ones a real run uses; rank_record.py reads the peak, its
+phase and a timeline from that history, and call_record.py counts the collectives. report.py and
 plot.py put the ranks together. The same recording runs in a real job under SUPA_PLAN_RECORD=DIR,
 to compare. With `--mode shapes` operators take their results from PyTorch's shape rules instead of
 running their kernels, with the same figures (supa_emu/shapes.py, docs/shapes_mode.md).

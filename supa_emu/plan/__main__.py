@@ -1,9 +1,10 @@
-"""`python -m supa_emu.plan --world-size N [--rank R]... [--cards-per-host K] [--mode compute|shapes] [--json OUT] [--plot OUT] -- SCRIPT [ARGS...]`
+"""`python -m supa_emu.plan --world-size N [--rank R[,R...]|all-stages]... [--cards-per-host K] [--mode compute|shapes] [--json OUT] [--plot OUT] -- SCRIPT [ARGS...]`
 (or `-- -m MODULE [ARGS...]`, run as `python -m MODULE` would run it)
 
 Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each in its own process
-that plays that rank of an N-card world (see supa_emu/plan/__init__.py), one after the other,
-then prints each rank's peak memory and collectives and writes the JSON report and the plot.
+that plays that rank of an N-card world (see supa_emu/plan/__init__.py), one after the other
+(side by side where one waits for another's message: play_order.py), then prints each rank's
+peak memory and collectives and writes the JSON report and the plot.
 With --mode shapes, operators take their results from PyTorch's shape rules instead of running
 their kernels (docs/shapes_mode.md): the same figures, at the cost of the Python program alone.
 Exit status: 0 when every planned rank ran to the end, 1 when one failed (out of memory
@@ -19,9 +20,10 @@ import sys
 import tempfile
 
 from supa_emu.config import PLAN_MODES
-from supa_emu.plan import plot, report
+from supa_emu.plan import play_order, plot, report
 
 MAX_CARDS_PER_HOST = 64  # SUPA_EMU_DEVICE_COUNT's limit
+ALL_STAGES = "all-stages"
 
 
 class UsageError(Exception):
@@ -31,8 +33,10 @@ class UsageError(Exception):
 def parse(argv):
     parser = argparse.ArgumentParser(prog="python -m supa_emu.plan", description=__doc__.split("\n\n")[1])
     parser.add_argument("--world-size", type=int, required=True, help="cards in the planned job (N)")
-    parser.add_argument("--rank", type=int, action="append", dest="ranks",
-                        help="a rank to play (repeatable); default N-1; rank 0 is always played, first")
+    parser.add_argument("--rank", action="append", dest="ranks",
+                        help="ranks to play: R, a list R,R,... (repeatable), or all-stages (rank 0 and the ranks "
+                             "it exchanges messages with: one per pipeline stage); default N-1; rank 0 is always "
+                             "played, first")
     parser.add_argument("--cards-per-host", type=int, help="cards per host (LOCAL_WORLD_SIZE); default min(N, 8)")
     parser.add_argument("--mode", default="compute",
                         help="compute (default): run every operator's kernel; shapes: take results from PyTorch's "
@@ -46,7 +50,8 @@ def parse(argv):
     if n < 1:
         raise UsageError(f"--world-size {n}: a world has at least 1 rank")
     # Rank 0 is always played, first: later ranks take the values it broadcasts (world.root_value).
-    args.ranks = sorted(set(args.ranks or [n - 1]) | {0})
+    args.ranks, args.all_stages = _ranks(args.ranks or [str(n - 1)])
+    args.ranks = sorted(set(args.ranks) | {0})
     outside = [r for r in args.ranks if not 0 <= r < n]
     if outside:
         raise UsageError(f"--rank {outside[0]} is outside the world of {n} ranks (0 to {n - 1})")
@@ -70,6 +75,21 @@ def parse(argv):
         raise UsageError(f"{command[0]}: no such script")
     args.target, args.script, args.script_args = command[:1], command[0], command[1:]
     return args
+
+
+def _ranks(values) -> tuple:
+    """(the ranks named, whether all-stages was asked) of the --rank values."""
+    ranks, all_stages = [], False
+    for value in values:
+        for item in value.split(","):
+            if item.strip() == ALL_STAGES:
+                all_stages = True
+                continue
+            try:
+                ranks.append(int(item))
+            except ValueError:
+                raise UsageError(f"--rank {value}: accepted a rank, a list of ranks (0,4) or {ALL_STAGES}") from None
+    return ranks, all_stages
 
 
 def _check_module(name: str) -> None:
@@ -101,15 +121,24 @@ def rank_environment(rank: int, world_size: int, cards_per_host: int, mode: str 
     return env
 
 
-def run_rank(rank: int, args, values: str) -> dict:
-    with tempfile.TemporaryDirectory(prefix="supa_emu-plan-") as directory:
-        path = os.path.join(directory, "rank.json")
-        command = [sys.executable, "-m", "supa_emu.plan.rank_process", path, values, *args.target, *args.script_args]
-        result = subprocess.run(command, env=rank_environment(rank, args.world_size, args.cards_per_host, args.mode))
-        if os.path.exists(path):
-            with open(path) as record:
-                return json.load(record)
-    return report.lost_rank(rank, result.returncode)
+def start_rank(rank: int, args, shared: str) -> subprocess.Popen:
+    print(f"plan: rank {rank} of {args.world_size} ({args.mode} mode): {args.script} "
+          f"{' '.join(args.script_args)}", flush=True)
+    command = [sys.executable, "-m", "supa_emu.plan.rank_process", _record_path(shared, rank), shared,
+               *args.target, *args.script_args]
+    return subprocess.Popen(command, env=rank_environment(rank, args.world_size, args.cards_per_host, args.mode))
+
+
+def collect_rank(rank: int, returncode: int, shared: str) -> dict:
+    path = _record_path(shared, rank)
+    if os.path.exists(path):
+        with open(path) as record:
+            return json.load(record)
+    return report.lost_rank(rank, returncode)
+
+
+def _record_path(shared: str, rank: int) -> str:
+    return os.path.join(shared, f"rank-{rank}.json")
 
 
 def main(argv=None) -> int:
@@ -118,12 +147,9 @@ def main(argv=None) -> int:
     except UsageError as error:
         print(f"plan: error: {error}", file=sys.stderr)
         return 2
-    records = {}
     with tempfile.TemporaryDirectory(prefix="supa_emu-plan-") as shared:
-        for rank in args.ranks:
-            print(f"plan: rank {rank} of {args.world_size} ({args.mode} mode): {args.script} "
-                  f"{' '.join(args.script_args)}", flush=True)
-            records[rank] = run_rank(rank, args, os.path.join(shared, "root_values.pt"))
+        records = play_order.play(args.ranks, args.all_stages, shared, lambda rank: start_rank(rank, args, shared),
+                                  lambda rank, code: collect_rank(rank, code, shared))
     full = report.build(args.world_size, args.cards_per_host, args.script, args.script_args, records, args.mode)
     print(report.text(full), flush=True)
     if args.json:

@@ -12,6 +12,7 @@ WIDTH, HEIGHT = 760, 360
 LEFT, RIGHT, TOP, BOTTOM = 70, 20, 40, 50
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 SUFFIXES = (".svg", ".html")
+FAILED = "FAILED: figures up to the failure"  # how every report marks a rank that did not run to the end
 
 
 def _size(value: float) -> str:
@@ -80,7 +81,7 @@ def svg(report: Dict) -> str:
                      f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
         label = (f'rank {rank}: peak {_size(entry["peak_allocated"])} allocated ({entry["peak_phase"]}), '
                  f'{_size(entry["peak_reserved"])} reserved{", OUT OF MEMORY" if entry["oom"] else ""}'
-                 f'{", FAILED" if entry.get("failure") else ""}')
+                 f'{", " + FAILED if entry.get("failure") else ""}')
         parts.append(f'<line x1="{LEFT + 10}" x2="{LEFT + 30}" y1="{TOP + 14 + 16 * i}" y2="{TOP + 14 + 16 * i}" '
                      f'stroke="{colour}" stroke-width="2"/><text x="{LEFT + 36}" y="{TOP + 18 + 16 * i}">'
                      f'{html.escape(label)}</text>')
@@ -98,11 +99,12 @@ def write(report: Dict, path: str) -> None:
         rows = "".join(
             f"<tr><td>{rank}</td><td>{_size(r['peak_allocated'])}</td><td>{_size(r['peak_reserved'])}</td>"
             f"<td>{html.escape(r['peak_phase'])}</td><td>{'yes' if r['oom'] else 'no'}</td>"
-            f"<td>{sum(c['count'] for c in r['collectives'])}</td></tr>"
+            f"<td>{sum(c['count'] for c in r['collectives'])}</td>"
+            f"<td>{FAILED if r.get('failure') else 'to the end'}</td></tr>"
             for rank, r in sorted(report["ranks"].items(), key=lambda item: int(item[0])))
         content = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>supa_emu plan</title></head><body>"
                    f"{chart}<table border='1' cellpadding='4'><tr><th>rank</th><th>peak allocated</th>"
                    f"<th>peak reserved</th><th>phase of the peak</th><th>out of memory</th>"
-                   f"<th>collective calls</th></tr>{rows}</table></body></html>")
+                   f"<th>collective calls</th><th>ran</th></tr>{rows}</table></body></html>")
     with open(path, "w") as out:
         out.write(content)

@@ -1,5 +1,5 @@
-"""The process that plays one rank: `python -m supa_emu.plan.rank_process RECORD VALUES SCRIPT [ARGS...]`
-(or `... VALUES -m MODULE [ARGS...]`).
+"""The process that plays one rank: `python -m supa_emu.plan.rank_process RECORD SHARED SCRIPT [ARGS...]`
+(or `... SHARED -m MODULE [ARGS...]`).
 
 Started by the planner with the environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK,
 ...) plus SUPA_PLAN_SIMULATE=1, under which activation installed the uniform transport for its
@@ -8,9 +8,10 @@ does, TORCHELASTIC_USE_AGENT_STORE), so init_process_group by env:// finds a sto
 waited for; plays its rank (world.py), gloo groups under the uniform rule too (gloo_groups.py) and
 object collectives flagged for the report; records memory and collectives from the first line of the
 script on; runs the script unchanged as __main__ (a module as `python -m` runs it); and writes
-this rank's record (with the failure, if the script failed) to RECORD as JSON. VALUES holds the
-small values roots broadcast, written by the first rank played and read by the others
-(world.root_value).
+this rank's record (with the failure, if the script failed) to RECORD as JSON. SHARED is the
+plan's directory shared by its ranks: the small values roots broadcast, written by the first rank
+played and read by the others (world.root_value), and the point-to-point messages of the played
+ranks (p2p_messages.py).
 
 What a planned rank cannot do fails at once with one line: starting other ranks
 (torch.multiprocessing.spawn), and holding more host tensors than the host can give it (a model
@@ -50,6 +51,7 @@ def _runner(target: list):
     return script, [os.path.dirname(os.path.abspath(script))], lambda: runpy.run_path(script, run_name="__main__")
 
 
+ROOT_VALUES = "root_values.pt"  # in the shared directory
 SPAWN_REFUSED = ("planner: the script spawns its own ranks (torch.multiprocessing.spawn): a planned rank cannot "
                  "start other ranks; the planner starts one process per rank as a launcher does, so run the script "
                  "without spawning and take RANK and WORLD_SIZE from the environment")
@@ -81,13 +83,13 @@ def _available_host_memory() -> int:
 
 
 def main(argv) -> int:
-    record_path, values_path, *command = argv
+    record_path, shared, *command = argv
     target, args = (command[:2], command[2:]) if command[0] == "-m" else (command[:1], command[1:])
     import torch  # noqa: F401  (activates the emulator: SUPA_EMULATE=1 is in the environment)
     import torch.distributed as dist
 
     from supa_emu import process_state
-    from supa_emu.plan import call_record, gloo_groups, rank_record, world
+    from supa_emu.plan import call_record, gloo_groups, p2p_messages, rank_record, world
 
     host_memory = process_state.config().plan_host_memory
     process_state.core()._limit_host_tensors(host_memory or _available_host_memory())
@@ -97,7 +99,8 @@ def main(argv) -> int:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, None, True, wait_for_workers=False)
     os.environ["MASTER_PORT"] = str(store.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    world.play(rank, world_size, values_path)
+    world.play(rank, world_size, os.path.join(shared, ROOT_VALUES))
+    p2p_messages.open_log(shared, rank)
     gloo_groups.install()
     call_record.flag_object_collectives()
 

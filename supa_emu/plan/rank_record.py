@@ -221,11 +221,11 @@ def _kernels_run(kind: str) -> list:
             return "PyTorch has no shape rule for it; its kernel ran"
         return _VALUE_DEPENDENT_EXPLAINED[shapes.value_dependent_kind(op)]
 
-    return [{"what": f"{note['op']}: {explained(note['op'])}", "count": note["count"], "site": _site(note["frames"])}
+    return [{"what": f"{note['op']}: {explained(note['op'])}", "count": note["count"], "site": site(note["frames"])}
             for note in shapes.notes() if note["kind"] == kind]
 
 
-def _site(frames) -> str:
+def site(frames) -> str:
     """The user's line that led to a call, and the innermost Python frame where that is elsewhere."""
     where = _location(frames)
     innermost = _described(frames[0]) if frames else None

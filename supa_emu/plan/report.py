@@ -7,12 +7,14 @@ index, seconds since recording started, allocated, reserved] points), collective
 group_size, dtype, bytes, count}]), value_dependent ([{what, count, site}]), no_shape_rule (shapes
 mode's operators that ran their kernels for want of a shape rule, [{what, count, site}]),
 sections ([{name, peak_allocated, peak_reserved, collectives}], see rank_record.section), failure
-({error, traceback} or null)}.
+({error, traceback} or null), failed (true when the rank did not run to the end: its figures are
+those up to its failure)}, largest -> peak_allocated / peak_reserved -> {rank, bytes, failed}: the
+largest figure over the played ranks and the rank that holds it.
 """
 
 from typing import Dict
 
-from supa_emu.plan.plot import _size
+from supa_emu.plan.plot import FAILED, _size
 
 
 def lost_rank(rank: int, returncode: int) -> dict:
@@ -25,22 +27,35 @@ def lost_rank(rank: int, returncode: int) -> dict:
 
 
 def build(world_size: int, cards_per_host: int, script: str, args, records: Dict[int, dict], mode: str) -> dict:
+    ranks = {str(rank): dict(record, failed=record["failure"] is not None) for rank, record in sorted(records.items())}
     return {"world_size": world_size, "cards_per_host": cards_per_host, "mode": mode, "script": script,
             "args": list(args),
             "capacity": max(r["capacity"] for r in records.values()),
-            "ranks": {str(rank): record for rank, record in sorted(records.items())}}
+            "ranks": ranks, "largest": {key: _largest(ranks, key) for key in ("peak_allocated", "peak_reserved")}}
+
+
+def _largest(ranks: Dict[str, dict], key: str) -> dict:
+    rank, record = max(ranks.items(), key=lambda item: (item[1][key], -int(item[0])))
+    return {"rank": int(rank), "bytes": record[key], "failed": record["failed"]}
+
 
 
 def text(report: dict) -> str:
     lines = [f"plan of {report['script']} on {report['world_size']} cards "
              f"({report['cards_per_host']} per host, {_size(report['capacity'])} each), {report['mode']} mode",
              f"{'rank':>5}  {'peak allocated':>15}  {'peak reserved':>14}  {'phase of the peak':<18}  "
-             f"{'OOM':<3}  {'collective calls':>16}  {'bytes sent/received':>19}"]
+             f"{'OOM':<3}  {'collective calls':>16}  {'bytes sent/received':>19}  ran"]
     for rank, r in report["ranks"].items():
         calls = sum(c["count"] for c in r["collectives"])
         volume = sum(c["count"] * c["bytes"] for c in r["collectives"])
         lines.append(f"{rank:>5}  {_size(r['peak_allocated']):>15}  {_size(r['peak_reserved']):>14}  "
-                     f"{r['peak_phase']:<18}  {'yes' if r['oom'] else 'no':<3}  {calls:>16}  {_size(volume):>19}")
+                     f"{r['peak_phase']:<18}  {'yes' if r['oom'] else 'no':<3}  {calls:>16}  {_size(volume):>19}  "
+                     f"{FAILED if r['failed'] else 'to the end'}")
+    if len(report["ranks"]) > 1:
+        allocated, reserved = report["largest"]["peak_allocated"], report["largest"]["peak_reserved"]
+        lines.append(f"largest: {_size(allocated['bytes'])} allocated on rank {allocated['rank']}"
+                     f"{' (FAILED)' if allocated['failed'] else ''}, {_size(reserved['bytes'])} reserved on rank "
+                     f"{reserved['rank']}{' (FAILED)' if reserved['failed'] else ''}")
     for rank, r in report["ranks"].items():
         for oom in r["oom_events"]:
             where = f" at {oom['location']}" if oom.get("location") else ""

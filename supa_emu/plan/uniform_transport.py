@@ -36,7 +36,7 @@ from supa_emu.distributed.collective import Collective
 from supa_emu.distributed.host_memory import HostCall, contribution, host_view
 from supa_emu.distributed.transport import Transport
 from supa_emu.distributed.work import BCCLWork
-from supa_emu.plan import call_record, world
+from supa_emu.plan import call_record, p2p_messages, world
 
 _RedOp = dist.ReduceOp.RedOpType
 
@@ -217,11 +217,23 @@ class UniformTransport(Transport):
         return self._done(call)
 
     def send(self, call: Collective) -> BCCLWork:
+        # The message log keeps it for a played receiver (p2p_messages.py), by global ranks.
+        ranks = self._options.global_ranks_in_group or range(self._size)
+        p2p_messages.send(self._options.group_name, ranks[self._rank], ranks[call.peer], call.tag,
+                          host_view(call.inputs[0]))
         return self._done(call)
 
     def recv(self, call: Collective) -> BCCLWork:
-        call_record.flag("recv: the data another rank sends is not known; the buffer keeps its contents")
-        return self._done(call)
+        ranks, view = self._options.global_ranks_in_group or range(self._size), host_view(call.outputs[0])
+        message = p2p_messages.receive(self._options.group_name, None if call.peer is None else ranks[call.peer],
+                                       ranks[self._rank], call.tag, view)
+
+        def deliver():  # when waited for, as a real recv completes: the sends of its batch come first
+            received = message()
+            if received is not None:
+                view.copy_(received.reshape(view.shape))
+
+        return BCCLWork([], deliver, call.results, (*call.inputs, *call.outputs))
 
     # ---- the group's life ------------------------------------------------------------------------
     def exchange_split(self, store: dist.Store, prefix: str, members: Optional[List[int]]) -> List[Optional[List[int]]]:

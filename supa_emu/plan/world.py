@@ -23,7 +23,9 @@ _groups_created = 0
 # parameter syncs, where the local value is the right answer.
 ROOT_VALUE_LIMIT = 1 << 16
 _values_file: Optional[str] = None
+_keeps_values = False  # whether this rank is the first played, which keeps the values for the others
 _root_values: Dict[tuple, torch.Tensor] = {}
+_values_read: Optional[int] = None  # the modification time of the values file when last read
 _broadcasts: Dict[str, int] = {}
 
 
@@ -34,11 +36,22 @@ class PlanError(RuntimeError):
 def play(rank: int, world_size: int, values_file: Optional[str] = None) -> None:
     """Makes this process the one that plays `rank` of a `world_size`-rank world; `values_file`
     holds (or, if absent, receives) the small values the roots of broadcasts sent."""
-    global _played, _values_file
+    global _played, _values_file, _keeps_values
     _played = (rank, world_size, os.getpid())
     _values_file = values_file
-    if values_file is not None and os.path.exists(values_file):
-        _root_values.update(torch.load(values_file))
+    _keeps_values = values_file is not None and not os.path.exists(values_file)
+    _load_root_values()
+
+
+def _load_root_values() -> None:
+    """Takes the first rank's values, when its file changed since this rank last read it."""
+    global _values_read
+    if _values_file is None or _keeps_values or not os.path.exists(_values_file):
+        return
+    written = os.stat(_values_file).st_mtime_ns
+    if written != _values_read:
+        _root_values.update(torch.load(_values_file))
+        _values_read = written
 
 
 def admit(group_rank: int, group_size: int) -> None:
@@ -70,11 +83,13 @@ def root_value(group_name: str, host: torch.Tensor, is_root: bool) -> Optional[t
     key = (group_name, _broadcasts[group_name], host.dtype, host.numel())
     small = host.numel() * host.element_size() <= ROOT_VALUE_LIMIT
     if is_root:
-        if small and _values_file is not None and not os.path.exists(_values_file):
+        if small and _keeps_values:
             _root_values[key] = host.clone()
         return None
     if not small:
         return None  # a large value: every rank holds this rank's
+    if key not in _root_values:
+        _load_root_values()  # the first rank may run beside this one (pipeline stages) and have saved more
     if key not in _root_values:
         call_record.flag("broadcast: the root's value is not known (its rank was not played first); "
                          "this rank's own value stands in")
@@ -82,6 +97,9 @@ def root_value(group_name: str, host: torch.Tensor, is_root: bool) -> Optional[t
 
 
 def save_root_values() -> None:
-    """Keeps this rank's small broadcast values for the ranks played later (the first played rank only)."""
-    if _values_file is not None and not os.path.exists(_values_file):
-        torch.save(_root_values, _values_file)
+    """Keeps this rank's small broadcast values so far for the ranks played later (the first played
+    rank only; again whenever it waits for a rank that may start then: see p2p_messages.py)."""
+    if _keeps_values:
+        temporary = f"{_values_file}.{os.getpid()}.tmp"
+        torch.save(_root_values, temporary)
+        os.replace(temporary, _values_file)

@@ -1,0 +1,89 @@
+"""The plan's shared directory: the files through which the planner and its rank processes meet.
+
+The planner (play_order.py) creates it and says there which ranks it plays; each rank process
+keeps there what its peers need (root_values.pt: world.py; p2p/: its point-to-point messages,
+p2p_messages.py) and says which message it waits for. No torch here: the planner itself never
+imports it.
+
+Files: `played.json` (the ranks played, or all-stages), `p2p/NAME` (one message), `want-P` (a
+rank waits for rank P), `waiting-R` (rank R waits for the message named inside), `ended-R` (rank
+R's process ended), `stalled` (every running rank waits for a message no one can send). A file
+appears whole (written under a hidden name, then renamed).
+"""
+
+import json
+import os
+from typing import Callable, Optional, Set
+
+
+class PlanDirectory:
+    def __init__(self, path: str):
+        self.path = path
+
+    def _file(self, *parts: str) -> str:
+        return os.path.join(self.path, *parts)
+
+    def write_atomically(self, path: str, write: Callable[[str], None]) -> None:
+        directory, name = os.path.split(path)
+        temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # a name no reader lists
+        write(temporary)
+        os.replace(temporary, path)
+
+    def _write_text(self, name: str, text: str = "") -> None:
+        def write(temporary: str) -> None:
+            with open(temporary, "w") as out:
+                out.write(text)
+
+        self.write_atomically(self._file(name), write)
+
+    # ---- which ranks are played (written by the planner) -----------------------------------------
+    def write_played(self, ranks, all_stages: bool) -> None:
+        os.makedirs(self._file("p2p"), exist_ok=True)
+        self._write_text("played.json", json.dumps({"ranks": sorted(ranks), "all_stages": all_stages}))
+
+    def played(self) -> Optional[Set[int]]:
+        """The ranks the plan plays, or None: any rank a played one waits for is played (all-stages)."""
+        with open(self._file("played.json")) as spec:
+            played = json.load(spec)
+        return None if played["all_stages"] else set(played["ranks"])
+
+    # ---- messages --------------------------------------------------------------------------------
+    def message(self, name: str) -> str:
+        return self._file("p2p", name)
+
+    def delivered(self, name: str) -> bool:
+        return os.path.exists(self.message(name))
+
+    # ---- who waits for whom ----------------------------------------------------------------------
+    def wait_for(self, rank: int, name: str, source: int) -> None:
+        """Rank `rank` waits for message `name` from rank `source` (which the planner starts if it can)."""
+        self._write_text(f"waiting-{rank}", name)
+        self._write_text(f"want-{source}")
+
+    def done_waiting(self, rank: int) -> None:
+        os.remove(self._file(f"waiting-{rank}"))
+
+    def waits(self, rank: int) -> Optional[str]:
+        """The message rank `rank` waits for, or None."""
+        try:
+            with open(self._file(f"waiting-{rank}")) as waiting:
+                return waiting.read()
+        except FileNotFoundError:
+            return None
+
+    def wanted(self) -> Set[int]:
+        """The ranks that played ranks wait for."""
+        return {int(entry[len("want-"):]) for entry in os.listdir(self.path) if entry.startswith("want-")}
+
+    # ---- the end of a rank, and of waiting -------------------------------------------------------
+    def mark_ended(self, rank: int) -> None:
+        self._write_text(f"ended-{rank}")
+
+    def ended(self, rank: int) -> bool:
+        return os.path.exists(self._file(f"ended-{rank}"))
+
+    def mark_stalled(self) -> None:
+        self._write_text("stalled")
+
+    def stalled(self) -> bool:
+        return os.path.exists(self._file("stalled"))
