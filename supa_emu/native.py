@@ -54,8 +54,8 @@ def _sources() -> list[pathlib.Path]:
 # it. bccl's files join the bindings, which parse the c10d headers they need anyway. A new .cpp
 # file joins "runtime".
 _UNIT_FILES = {
-    "bindings": ("module.cpp", "runtime/gpu_trace.cpp", "bccl/all_gather.cpp", "bccl/signature_board.cpp",
-                 "bccl/reducer_timer.cpp"),
+    "bindings": ("module.cpp", "aten/shapes_bindings.cpp", "runtime/gpu_trace.cpp", "bccl/all_gather.cpp",
+                 "bccl/signature_board.cpp", "bccl/reducer_timer.cpp"),
     "autocast": ("aten/autocast.cpp",),
 }
 

@@ -23,7 +23,7 @@ _READS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
 def value_dependent_kind(op: str) -> str:
     """What a value-dependent call noted as `op` ("aten::name[.overload]") did: "read" (its result is
     the values), "check" (a device-side assertion, skipped) or "shape" (its output's shape)."""
-    name = op.split(".")[0]
+    name = op.split(" ")[0].split(".")[0]
     if name in _READS:
         return "read"
     return "check" if name == "aten::_assert_async" else "shape"
