@@ -356,3 +356,24 @@ def test_a_compiled_training_step_allocates_the_same_blocks_in_both_modes_and_ru
     # Nothing was computed in shapes mode: the loss and the probe read what fresh card blocks hold.
     assert shapes["loss"] == 0.0 and shapes["probe"] == [0.0, 0.0]
     assert shapes["notes"] == [["value-dependent", "aten::_local_scalar_dense"]]
+
+
+@pytest.mark.slow  # two planned ranks that compile
+def test_planning_a_compiled_model_with_flex_attention_gives_the_same_figures_in_both_modes(tmp_path):
+    # The fidelity probe as torchtitan trains: each block compiled, causal flex attention, activation
+    # checkpointing, FSDP2 over 8 cards. Compute mode fills Inductor's cache; shapes mode runs its code.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    probe = [ROOT / "tests" / "data" / "fidelity" / "memory_probe.py", "--engine", "fsdp2", "--layers", "2",
+             "--dim", "256", "--heads", "4", "--seq", "256", "--vocab", "1024", "--ckpt", "--compile",
+             "--attention", "flex"]
+    reports = {}
+    for mode in MODES:
+        out = tmp_path / f"{mode}.json"
+        run([sys.executable, "-m", "supa_emu.plan", "--world-size", "8", "--rank", "0", "--mode", mode, "--json", out,
+             "--", *probe], env=env, timeout=900, check=True)
+        reports[mode] = json.loads(out.read_text())["ranks"]["0"]
+    compute, shapes = reports["compute"], reports["shapes"]
+    assert shapes["failure"] is None and compute["failure"] is None
+    for figure in ("peak_allocated", "peak_reserved", "peak_phase", "collectives"):
+        assert shapes[figure] == compute[figure], figure
+    assert shapes["no_shape_rule"] == []
