@@ -58,10 +58,17 @@ def graph_source(graph_module: torch.fx.GraphModule) -> str:
     return graph_module.code
 
 
+def _on_host(*args, **kwargs) -> torch.device:
+    return torch.device("cpu")
+
+
 @functools.lru_cache(maxsize=256)
 def _function(source: str):
     namespace = {name: builtin.obj for name, builtin in _custom_builtins.items()}
     namespace["torch"] = torch
+    # The kernel computes on host tensors: a tensor the graph makes (`full(..., device=supa:0)`, a
+    # mask's True) is made there too.
+    namespace["device"] = _on_host
     exec(compile(source, "<supa flex attention graph>", "exec"), namespace)
     return functools.partial(namespace["forward"], None)
 
