@@ -54,7 +54,7 @@ def _sources() -> list[pathlib.Path]:
 # it. The bccl backend's files that parse c10d's headers (the bindings parse them anyway) join the
 # bindings. A new .cpp file joins "runtime".
 _UNIT_FILES = {
-    "bindings": ("module.cpp", "runtime/gpu_trace.cpp", "distributed/all_gather.cpp",
+    "bindings": ("module.cpp", "aten/shapes_bindings.cpp", "runtime/gpu_trace.cpp", "distributed/all_gather.cpp",
                  "distributed/signature_board.cpp", "distributed/reducer_timer.cpp"),
     "autocast": ("aten/autocast.cpp",),
 }

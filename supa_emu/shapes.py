@@ -5,8 +5,8 @@ In shapes mode an operator on supa tensors takes its results from PyTorch's shap
 no kernel, except where the rule cannot tell the results: operators whose output shape depends on
 the values (`nonzero`, `masked_select`, `unique`, indexing with a mask) and the few without a shape
 rule run their kernels on the values the card holds, and are noted here with their first call site.
-So are reads (`.item()`) and device-side checks (`_assert_async`, skipped) of values the plan did
-not compute. Integer and boolean results of values the card holds are computed, whatever their size.
+So are reads (`.item()`) and device-side checks (`_assert_async`, skipped, also where compiled into a
+kernel of torch.compile's) of values the plan did not compute. Integer and boolean results of values the card holds are computed, whatever their size.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ _READS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
 
 
 def value_dependent_kind(op: str) -> str:
-    """What a value-dependent call noted as `op` ("aten::name[.overload]") did: "read" (its result is
-    the values), "check" (a device-side assertion, skipped) or "shape" (its output's shape)."""
-    name = op.split(".")[0]
+    """What a value-dependent call noted as `op` ("aten::name[.overload]", or "aten::_assert_async
+    (compiled into KERNEL)" for a check in a compiled kernel that did not run) did: "read" (its result
+    is the values), "check" (a device-side assertion, skipped) or "shape" (its output's shape)."""
+    name = op.split(" ")[0].split(".")[0]
     if name in _READS:
         return "read"
     return "check" if name == "aten::_assert_async" else "shape"

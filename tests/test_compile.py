@@ -282,7 +282,7 @@ def test_compiled_allocation_beyond_the_capacity_raises_out_of_memory():
 
 
 # ------------------------------------------------------------------------------------------------
-# Flex attention: the CPU C++ kernel for inference, the dense definition compiled for training
+# Flex attention: the CPU C++ kernel for inference, fused kernels that hold what a card's hold for training
 # ------------------------------------------------------------------------------------------------
 FLEX_SHAPE = (2, 2, 128, 16)  # batch, heads, sequence, head dim: two 64-token blocks of the mask
 RELATIVE_SLOPE = 0.05
@@ -366,9 +366,8 @@ def test_flex_attention_training_matches_eager_on_cpu(flex_attention, dtype):
     base = torch.supa.memory_allocated(device)
     torch.supa.reset_peak_memory_stats(device)
     out = torch.compile(flex_attention)(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    # The fp32 scores of every (query, key) pair live on the card while the forward runs.
-    batch, heads, length, _ = FLEX_SHAPE
-    assert torch.supa.max_memory_allocated(device) - base >= batch * heads * length * length * 4
+    # The card holds what a fused flex kernel writes: the output, the log-sum-exp and the row maxima.
+    assert torch.supa.max_memory_allocated(device) - base == fused_forward_bytes(FLEX_SHAPE, dtype)
     assert torch.supa.memory_allocated(device) - base >= out.nbytes
     out.float().square().sum().backward()
 
@@ -379,6 +378,57 @@ def test_flex_attention_training_matches_eager_on_cpu(flex_attention, dtype):
     for name, leaf, cpu_leaf in zip(("q", "k", "v", "key bias"), (q, k, v, key_bias), cpu_leaves):
         assert leaf.grad.device == device
         assert_close_relative(leaf.grad, cpu_leaf.grad, tol, f"gradient of {name}")
+
+
+def card_bytes(nbytes: int) -> int:
+    """What the card's allocator counts for a request of `nbytes` (512-byte blocks)."""
+    return -(-nbytes // 512) * 512
+
+
+def fused_forward_bytes(shape, dtype) -> int:
+    """What the Triton flex attention template writes: the output in the query's dtype, and the
+    log-sum-exp and the row maxima in float32 (torch/_inductor/kernel/flex/flex_attention.py)."""
+    batch, heads, length, head_dim = shape
+    rows = batch * heads * length
+    return card_bytes(rows * head_dim * dtype.itemsize) + 2 * card_bytes(rows * 4)
+
+
+@pytest.mark.slow  # compiles a forward and a backward graph
+def test_compiled_flex_attention_holds_the_fused_kernels_buffers_not_the_scores(flex_attention):
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+    device, dtype = last_device(), torch.bfloat16
+    shape = batch, heads, length, head_dim = (1, 4, 1024, 16)  # the dense fp32 scores: 16 MiB; the output 128 KiB
+    generator = torch.Generator().manual_seed(0)
+    cpu = [torch.randn(shape, generator=generator).to(dtype).requires_grad_() for _ in range(3)]
+    # and_masks starts from a True made on the mask's device: the kernel makes it on the host.
+    window = and_masks(causal, lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 300)
+    cpu_mask = create_block_mask(window, batch, heads, length, length, device="cpu")
+    expected = flex_attention(*cpu, block_mask=cpu_mask)
+    grad_out = torch.randn(shape, generator=generator).to(dtype)
+    expected.backward(grad_out)
+
+    q, k, v = (t.detach().to(device).requires_grad_() for t in cpu)
+    block_mask = create_block_mask(window, batch, heads, length, length, device=device)
+    grad = grad_out.to(device)
+    compiled = torch.compile(flex_attention)
+    compiled(q, k, v, block_mask=block_mask).backward(grad)  # compile outside the measurement
+    q.grad = k.grad = v.grad = None
+    gc.collect()
+    torch.supa.synchronize(device)
+    base = torch.supa.memory_allocated(device)
+    torch.supa.reset_peak_memory_stats(device)
+    out = compiled(q, k, v, block_mask=block_mask)
+    assert torch.supa.max_memory_allocated(device) - base == fused_forward_bytes(shape, dtype)
+    before_backward = torch.supa.memory_allocated(device)
+    torch.supa.reset_peak_memory_stats(device)
+    out.backward(grad)
+    # The backward kernel's buffers: delta (float32 rows) and dq, dk, dv, which become the gradients.
+    rows, tensor = batch * heads * length, card_bytes(q.nbytes)
+    assert torch.supa.max_memory_allocated(device) - before_backward == card_bytes(rows * 4) + 3 * tensor
+    for name, leaf, cpu_leaf in zip("qkv", (q, k, v), cpu):
+        assert_close_relative(leaf.grad, cpu_leaf.grad, TOLERANCE[dtype], f"gradient of {name}")
+    assert_close_relative(out, expected, TOLERANCE[dtype], "output")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,11 +22,11 @@ pytestmark = pytest.mark.emulation_only
 MODES = ("compute", "shapes")
 
 
-def recorded(body, mode: str, *args) -> dict:
+def recorded(body, mode: str, *args, env=None) -> dict:
     """What `body(dev, out, *args)` leaves in `out`, with the card's history and figures, run in a
-    fresh interpreter in `mode`."""
+    fresh interpreter in `mode` (with `env` added to its environment)."""
     return run_function(_record, body.__name__, *args,
-                        env={"SUPA_PLAN_MODE": mode, "SUPA_EMU_DEVICE_COUNT": "1"}).value
+                        env={"SUPA_PLAN_MODE": mode, "SUPA_EMU_DEVICE_COUNT": "1", **(env or {})}).value
 
 
 def _record(body_name: str, *args) -> dict:
@@ -37,13 +37,29 @@ def _record(body_name: str, *args) -> dict:
     out = {}
     torch.supa.memory._record_memory_history("all", context=None, stacks="python")
     globals()[body_name](dev, out, *args)
-    trace = torch.supa.memory._snapshot()["device_traces"][0]
+    trace = torch.supa.memory._snapshot()["device_traces"][0][out.pop("measured_from", 0):]
     out["events"] = [(e["action"], e["size"]) for e in trace if e["action"] != "free_requested"]
     stats = torch.supa.memory_stats(dev)
     out["figures"] = [stats[k] for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak",
                                          "allocated_bytes.all.current", "allocation.all.allocated",
                                          "segment.all.allocated")]
     return out
+
+
+def _measure_from_here(dev, out):
+    """The figures and events `_record` gives start here (what came before, compiling, is left out).
+
+    Garbage in reference cycles is freed now, and not while measuring: when the cycle collector runs
+    depends on the Python objects a run made before (compiling cold or from the cache)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    gc.disable()
+    torch.supa.reset_peak_memory_stats(dev)
+    torch.supa.reset_accumulated_memory_stats(dev)
+    out["measured_from"] = len(torch.supa.memory._snapshot()["device_traces"][0])
 
 
 def _training(dev, out, dtype_name):
@@ -288,3 +304,106 @@ def test_operators_that_return_nothing_compute_nothing_in_shapes_mode():
     assert compute["first"] != 1.0
     assert shapes["first"] == 1.0  # neither kernel ran: the parameter keeps what the host wrote
     assert shapes["events"] == compute["events"] and shapes["figures"] == compute["figures"]
+
+
+def _compiled_training(dev, out):
+    import torch
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from supa_emu import shapes
+
+    class Block(torch.nn.Module):
+        def __init__(self, d, heads):
+            super().__init__()
+            self.heads = heads
+            self.norm, self.qkv = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d)
+            self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+        def forward(self, x, block_mask):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            x = x + flex_attention(q, k, v, block_mask=block_mask).transpose(1, 2).reshape(b, t, d)
+            return x + self.down(F.gelu(self.up(x)))
+
+    # Compiled per block, as torchtitan compiles its models; causal flex attention in each.
+    seq, d = 256, 128
+    blocks = torch.nn.ModuleList(Block(d, 4) for _ in range(2)).to(dev)
+    compiled = [torch.compile(block) for block in blocks]
+    block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq, seq, device=dev)
+    optimizer = torch.optim.AdamW(blocks.parameters(), lr=1e-3)
+    for step in range(2):
+        if step == 1:  # the first step compiled the blocks: a cold compile in one mode, the cache in the other
+            _measure_from_here(dev, out)
+        h = torch.randn(4, seq, d, generator=torch.Generator().manual_seed(step)).to(dev)
+        for block in compiled:
+            h = block(h, block_mask)
+        loss = h.float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    out["loss"] = loss.item()
+
+    def check_positions(positions):
+        torch._assert_async(torch.all(positions <= seq - 1), "position_ids exceed max_valid_pos")
+        return positions * 2
+
+    def check_activations(activations):
+        torch._assert_async(torch.all(activations > -1e30), "activations out of range")
+
+    # Checks compiled into kernels: of integer positions (computed in both modes), of activations (not
+    # computed in shapes mode: reported, not checked).
+    out["positions"] = int(torch.compile(check_positions)(torch.arange(seq, device=dev).expand(64, -1))[-1, -1])
+    torch.compile(check_activations)(h)
+    # A compiled region whose result is visible: 3.0 where its kernel runs, what the card's fresh block holds where not.
+    out["probe"] = torch.compile(lambda a: a * 2 + 1)(torch.ones(1 << 16).to(dev))[:2].tolist()
+    out["cache_hits"] = counters["inductor"]["fxgraph_cache_hit"]
+    out["notes"] = sorted((n["kind"], n["op"]) for n in shapes.notes())
+
+
+@pytest.mark.slow  # compiles in fresh interpreters
+def test_a_compiled_training_step_allocates_the_same_blocks_in_both_modes_and_runs_no_kernel(tmp_path):
+    def cache(name):
+        return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / name), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+
+    compute, shapes = (recorded(_compiled_training, mode, env=cache(mode)) for mode in MODES)
+    # Shapes mode again, running the code compute mode compiled (from Inductor's on-disk cache).
+    cached = recorded(_compiled_training, "shapes", env=cache("compute"))
+    assert len(compute["events"]) > 150  # the second step, the checks and the probe
+    # The same requests and the same peak, end and count of allocations. Where the blocks are placed (and so
+    # when a segment is reserved) depends on the free blocks the first step left, which differ between the two
+    # cold runs by one 512 KiB block (seen, not yet explained).
+    requests = [[event for event in result["events"] if event[0] == "alloc"] for result in (compute, shapes)]
+    assert requests[0] == requests[1]
+    assert [shapes["figures"][i] for i in (0, 2, 3)] == [compute["figures"][i] for i in (0, 2, 3)]
+    assert compute["loss"] > 0 and compute["probe"] == [3.0, 3.0] and compute["notes"] == []
+    assert compute["positions"] == shapes["positions"] == cached["positions"] == 2 * 255
+    # Nothing was computed in shapes mode: the loss and the probe read what fresh card blocks hold.
+    assert cached["cache_hits"] > 0
+    for result in (shapes, cached):
+        assert result["loss"] == 0.0 and result["probe"] == [0.0, 0.0]
+        [check, read] = result["notes"]
+        assert check[0] == "value-dependent" and check[1].startswith("aten::_assert_async (compiled into cpp_fused_")
+        assert read == ["value-dependent", "aten::_local_scalar_dense"]
+
+
+@pytest.mark.slow  # two planned ranks that compile
+def test_planning_a_compiled_model_with_flex_attention_gives_the_same_figures_in_both_modes(tmp_path):
+    # The fidelity probe as torchtitan trains: each block compiled, causal flex attention, activation
+    # checkpointing, FSDP2 over 8 cards. Compute mode fills Inductor's cache; shapes mode runs its code.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    probe = [ROOT / "tests" / "data" / "fidelity" / "memory_probe.py", "--engine", "fsdp2", "--layers", "2",
+             "--dim", "256", "--heads", "4", "--seq", "256", "--vocab", "1024", "--ckpt", "--compile",
+             "--attention", "flex"]
+    reports = {}
+    for mode in MODES:
+        out = tmp_path / f"{mode}.json"
+        run([sys.executable, "-m", "supa_emu.plan", "--world-size", "8", "--rank", "0", "--mode", mode, "--json", out,
+             "--", *probe], env=env, timeout=900, check=True)
+        reports[mode] = json.loads(out.read_text())["ranks"]["0"]
+    compute, shapes = reports["compute"], reports["shapes"]
+    assert shapes["failure"] is None and compute["failure"] is None
+    for figure in ("peak_allocated", "peak_reserved", "peak_phase", "collectives"):
+        assert shapes[figure] == compute[figure], figure
+    assert shapes["no_shape_rule"] == []

@@ -47,8 +47,40 @@ class SupaScheduling(CppScheduling):
             return super().flush()
 
 
+# How the C++ code generator spells a device-side check (`ops.device_assert_async`) in a kernel.
+_DEVICE_CHECK = "(throw std::runtime_error("
+
+
+def _root_wrapper(wrapper):
+    while getattr(wrapper, "parent_wrapper", None) is not None:
+        wrapper = wrapper.parent_wrapper
+    return wrapper
+
+
 class _SupaWrapperMixin:
-    """What the supa wrapper changes in PyTorch's Python wrapper: where buffers are allocated."""
+    """What the supa wrapper changes in PyTorch's Python wrapper: where buffers are allocated, and
+    that the generated C++ kernels are called through `generated_kernels.run`, which asks the
+    planner's mode at each call."""
+
+    def _define_kernel_helper(self, kernel_name, kernel_body, metadata=None, gpu=True, cpp_definition=None):
+        if not gpu and _DEVICE_CHECK in kernel_body:
+            root = _root_wrapper(self)
+            root.supa_checked_kernels = getattr(root, "supa_checked_kernels", set()) | {kernel_name}
+        return super()._define_kernel_helper(kernel_name, kernel_body, metadata,  # type: ignore[misc]
+                                             gpu, cpp_definition)
+
+    def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None, triton=True, arg_types=None,
+                                     **kwargs):
+        device = device or V.graph.get_current_device_or_throw()
+        if triton or device.type != "cpu" or arg_types is None:
+            return super()._generate_kernel_call_helper(  # type: ignore[misc]
+                kernel_name, call_args, device=device, triton=triton, arg_types=arg_types, **kwargs)
+        # The C++ kernel's non-const pointers are what it writes.
+        written = tuple(i for i, kind in enumerate(arg_types)
+                        if isinstance(kind, str) and kind.endswith("*") and not kind.startswith("const "))
+        checked = kernel_name in getattr(_root_wrapper(self), "supa_checked_kernels", ())
+        check = repr(f"aten::_assert_async (compiled into {kernel_name})") if checked else None
+        self.writeline(f"run_generated_kernel({kernel_name}, {written!r}, {check}, {', '.join(call_args)})")
 
     def make_allocation(self, name, device, dtype, shape, stride, allocation_shape=None,
                         is_pinned=False):
@@ -68,6 +100,10 @@ class _SupaWrapperMixin:
 
 
 class SupaPythonWrapperCodegen(_SupaWrapperMixin, PythonWrapperCodegen):
+    def write_header(self) -> None:
+        super().write_header()
+        self.imports.writeline("from supa_emu.compile.generated_kernels import run as run_generated_kernel")
+
     @staticmethod
     def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
         if is_subgraph:

@@ -3,6 +3,7 @@
 #include "aten/fallback.h"
 #include "aten/sdp_choice.h"
 #include "aten/shape_only.h"
+#include "aten/shapes_bindings.h"
 #include "bccl/card_operands.h"
 #include "distributed/all_gather.h"
 #include "distributed/collective_operands.h"
@@ -330,6 +331,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("count"), py::arg("capacities"), py::arg("dtype_demotion"), py::arg("shapes") = false);
   m.def("_shapes_mode", &supa::shapes_mode);
   m.def("_shapes_notes", &shapes_notes);
+  supa::bind_shapes_mode(m);
   m.def("_card_bytes_move", &supa::card_bytes_move, py::arg("nbytes"),
         "whether the host moves this many bytes of card data (in shapes mode, only small amounts)");
   m.def("_limit_host_tensors", &supa::limit_host_tensors, py::arg("bytes"));

@@ -196,16 +196,13 @@ ShapesRoute shapes_route(const c10::OperatorHandle& op, const torch::jit::Stack&
   return small ? ShapesRoute::kKernel : ShapesRoute::kShapeRule;
 }
 
-void note_kernel_ran(const c10::OperatorHandle& op, KernelReason reason) {
-  const std::string kind = reason == KernelReason::kValueDependent ? "value-dependent" : "no shape rule";
-  const auto& name = op.schema().operator_name();
-  const std::string qualified = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+namespace {
+
+// Counts a note of `kind` for `qualified`; the first one keeps its Python call site.
+void add_note(const std::string& kind, const std::string& qualified) {
   ShapesNotes& s = notes_state();
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    if (reason == KernelReason::kNoShapeRule) {
-      s.without_rule.insert(&op.schema());
-    }
     auto it = s.notes.find({kind, qualified});
     if (it != s.notes.end()) {
       ++it->second.count;
@@ -217,6 +214,40 @@ void note_kernel_ran(const c10::OperatorHandle& op, KernelReason reason) {
   std::lock_guard<std::mutex> lock(s.mutex);
   auto [it, added] = s.notes.emplace(std::make_pair(kind, qualified), ShapesNote{kind, qualified, 0, site});
   ++it->second.count;
+}
+
+}  // namespace
+
+void note_kernel_ran(const c10::OperatorHandle& op, KernelReason reason) {
+  const std::string kind = reason == KernelReason::kValueDependent ? "value-dependent" : "no shape rule";
+  const auto& name = op.schema().operator_name();
+  const std::string qualified = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+  if (reason == KernelReason::kNoShapeRule) {
+    ShapesNotes& s = notes_state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.without_rule.insert(&op.schema());
+  }
+  add_note(kind, qualified);
+}
+
+void note_skipped_check(const std::string& what) {
+  add_note("value-dependent", what);
+}
+
+bool generated_kernel_runs(const std::vector<at::Tensor>& operands, const std::vector<at::Tensor>& written) {
+  uint64_t bytes = 0;
+  bool integral_known = true;
+  for (const at::Tensor& t : operands) {
+    if (!is_supa(t)) {
+      continue;
+    }
+    add_operand(t, &bytes);
+    integral_known = integral_known && at::isIntegralType(t.scalar_type(), /*includeBool=*/true) && !values_unknown(t);
+  }
+  for (const at::Tensor& t : written) {
+    integral_known = integral_known && (!is_supa(t) || at::isIntegralType(t.scalar_type(), /*includeBool=*/true));
+  }
+  return bytes <= kSmallOperandBytes || integral_known;
 }
 
 std::vector<ShapesNote> shapes_notes() {

@@ -61,6 +61,15 @@ bool is_device_assert(const c10::OperatorHandle& op);
 enum class KernelReason { kValueDependent, kNoShapeRule };
 void note_kernel_ran(const c10::OperatorHandle& op, KernelReason reason);
 
+// A kernel torch.compile generated for supa tensors (supa_emu/compile/generated_kernels.py): whether it
+// runs in shapes mode, by the rules an operator in its place follows: its supa operands total at most
+// 64 KiB, or every supa operand, the tensors it writes included, is an integer or boolean tensor that
+// holds values. `operands` are all its tensor arguments, `written` those it writes.
+bool generated_kernel_runs(const std::vector<at::Tensor>& operands, const std::vector<at::Tensor>& written);
+// A device-side check compiled into a generated kernel that did not run: reported as value-dependent
+// under `what`, with the first call site.
+void note_skipped_check(const std::string& what);
+
 struct ShapesNote {
   std::string kind;  // "value-dependent" | "no shape rule"
   std::string op;
