@@ -197,6 +197,9 @@ class CardMemory {
   // caller moves them (the new block may overlap them).
   Placement place_after_give_back(CardBlock* taken, size_t size, const PoolId& pool, const BlockPolicy& policy,
                                   int64_t stream, Release& given_back);
+  // Takes the free memory [ptr, ptr + size) as one block, as take_free does (a block given back
+  // taken again where it was): no block when part of it is not free.
+  Placement take_at(void* ptr, size_t size, const BlockPolicy& policy);
   // Counts the calls that change the card (place, cache, release_cached).
   uint64_t changes() const { return changes_; }
   // Returns the whole free segments to the host: `pool`'s when given, else those of every pool not

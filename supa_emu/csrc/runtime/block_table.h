@@ -1,0 +1,45 @@
+// Whose pointer is this: every address the caching allocator has handed out, with what holds it,
+// looked up by the free, the fallback's results, the device-of-pointer hook and the memory
+// checker. Sharded, each shard under its own lock, as PyTorch's CUDA allocator keeps its allocated
+// blocks; the cards' state is each card's own (card_allocator.h).
+//
+// An address has at most one counted block and at most one provisional block (an operator
+// kernel's, provisional_blocks.cpp): a provisional block set aside while its operator's results
+// are placed keeps its address until it is committed or dropped, and only that operator's own
+// result may be placed over it meanwhile. Which one a free means is said by its deleter.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <mutex>
+#include <unordered_map>
+
+namespace supa {
+
+struct CardBlock;
+struct ProvisionalBlock;
+
+class BlockTable {
+ public:
+  void add_block(CardBlock* block);  // at block->ptr
+  CardBlock* remove_block(const void* ptr);  // null when none starts there
+  CardBlock* find_block(const void* ptr) const;
+  void add_provisional(void* ptr, ProvisionalBlock* block);
+  ProvisionalBlock* remove_provisional(const void* ptr);
+  ProvisionalBlock* find_provisional(const void* ptr) const;
+
+ private:
+  struct Owners {
+    CardBlock* block = nullptr;
+    ProvisionalBlock* provisional = nullptr;
+  };
+  struct Shard {
+    mutable std::mutex mutex;
+    std::unordered_map<const void*, Owners> owners;
+  };
+  static constexpr size_t kShards = 16;
+  Shard& shard(const void* ptr) const;
+  mutable std::array<Shard, kShards> shards_;
+};
+
+}  // namespace supa
