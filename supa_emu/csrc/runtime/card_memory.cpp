@@ -341,8 +341,8 @@ Placement CardMemory::place_after_give_back(CardBlock* taken, size_t size, const
 Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy) {
   Placement placed;
   const CardSegment* segment = segment_of(ptr);
-  CardBlock* block = segment == nullptr ? nullptr : segment->first;
   char* const begin = static_cast<char*>(ptr);
+  CardBlock* block = segment == nullptr ? nullptr : segment->first;
   while (block != nullptr && static_cast<char*>(block->ptr) + block->size <= begin) {
     block = block->next;
   }
@@ -355,7 +355,6 @@ Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy)
     placed.inactive_split -= 1;
     placed.inactive_split_bytes -= static_cast<int64_t>(block->size);
   }
-  // The free memory before and after the range stay free blocks of their own.
   const auto carve = [&](void* at, size_t bytes, bool before) {
     auto* rest = new CardBlock{at, bytes, 0, device_, false, block->pool, block->small};
     rest->segment = block->segment;
@@ -374,7 +373,7 @@ Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy)
       }
       block->next = rest;
     }
-    blocks.insert(rest);
+    blocks.insert(rest);  // the free memory before or after the range, a free block of its own
     placed.inactive_split += 1;
     placed.inactive_split_bytes += static_cast<int64_t>(bytes);
   };
@@ -383,10 +382,9 @@ Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy)
     block->size -= front;
     carve(begin - front, front, true);
   }
-  if (block->size > size) {
-    const size_t back_bytes = block->size - size;
+  if (const size_t after = block->size - size; after > 0) {
     block->size = size;
-    carve(begin + size, back_bytes, false);
+    carve(begin + size, after, false);
   }
   block->oversize = policy.is_oversize(block->size);
   clear(*block);
