@@ -69,6 +69,15 @@ ProvisionalBlock* BlockTable::remove_provisional(const void* ptr) {
   return block;
 }
 
+void BlockTable::commit_in_place(CardBlock* block) {
+  Shard& s = shard(block->ptr);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  Owners& owners = s.owners.at(block->ptr);
+  TORCH_INTERNAL_ASSERT(owners.block == nullptr, "supa_emu: two blocks handed out at one address");
+  owners.provisional = nullptr;
+  owners.block = block;
+}
+
 ProvisionalBlock* BlockTable::find_provisional(const void* ptr) const {
   Shard& s = shard(ptr);
   std::lock_guard<std::mutex> lock(s.mutex);

@@ -27,6 +27,8 @@ class BlockTable {
   void add_provisional(void* ptr, ProvisionalBlock* block);
   ProvisionalBlock* remove_provisional(const void* ptr);
   ProvisionalBlock* find_provisional(const void* ptr) const;
+  // The provisional block at `block->ptr` becomes that counted block (committed where it is).
+  void commit_in_place(CardBlock* block);
 
  private:
   struct Owners {

@@ -89,7 +89,7 @@ void CardAllocator::count_inactive_split(bool small, int blocks, int64_t bytes) 
 }
 
 CardBlock* CardAllocator::count_placed(const Placement& placed, size_t nbytes, const Stack& stack,
-                                       bool split_counted) {
+                                       bool split_counted, bool in_table) {
   CardBlock* block = placed.block;
   const bool small = block->small;
   if (const CardSegment* segment = placed.segment) {
@@ -106,7 +106,7 @@ CardBlock* CardAllocator::count_placed(const Placement& placed, size_t nbytes, c
   }
   block->allocated = true;
   block->requested = nbytes;
-  table_.add_block(block);
+  in_table ? table_.commit_in_place(block) : table_.add_block(block);
   count_block(stats_.allocation, small, true);
   count_block(stats_.active, small, true);
   update(stats_.allocated_bytes, small, block->size, true);

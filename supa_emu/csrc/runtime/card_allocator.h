@@ -46,10 +46,10 @@ class CardAllocator {
   void* take_provisional(size_t nbytes, bool from_card, const PoolId& pool, c10::StreamId stream, uint64_t call);
   // One the table gave up, freed before it was committed: back where it came from.
   void drop_provisional(ProvisionalBlock* block, void* ptr);
-  // One the table gave up, placed as a request made now by operator call `call`: the card's block
-  // (in the table), at `ptr` when it is the block placing hands out, else with the bytes moved there.
-  CardBlock* commit(ProvisionalBlock* block, void* ptr, uint64_t call, const PoolId& pool, c10::StreamId stream,
-                    const Stack& stack);
+  // One in the table, placed as a request made now by operator call `call`: the card's block (in
+  // the table in its place), at `ptr` when it is the block placing hands out, else with the bytes
+  // moved there.
+  CardBlock* commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack);
 
   // A graph begins (ends) capturing on the card (freed_blocks.cpp).
   void capture_begin(c10::StreamId stream);
@@ -78,8 +78,10 @@ class CardAllocator {
   [[noreturn]] void raise_host_oom(size_t size, int error);
   void count_inactive_split(bool small, int blocks, int64_t bytes);
   // Counts a block the card handed out for a request of `nbytes` as allocated and puts it in the
-  // table (`split_counted`: the free blocks' change was counted when it was taken).
-  CardBlock* count_placed(const Placement& placed, size_t nbytes, const Stack& stack, bool split_counted = false);
+  // table (`split_counted`: the free blocks' change was counted when it was taken; `in_table`: it is
+  // there as a provisional block).
+  CardBlock* count_placed(const Placement& placed, size_t nbytes, const Stack& stack, bool split_counted = false,
+                          bool in_table = false);
   CardBlock* place_block(size_t nbytes, const PoolId& pool, c10::StreamId stream, const Stack& stack);
 
   // freed_blocks.cpp

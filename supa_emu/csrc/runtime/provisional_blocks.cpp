@@ -70,18 +70,12 @@ void delete_provisional(void* ptr) {
 }
 
 void* commit_block(void* ptr, c10::DeviceIndex device) {
-  BlockTable& table = block_table();
-  ProvisionalBlock* block = table.remove_provisional(ptr);
-  if (block == nullptr) {
+  // Only its holder commits or frees a provisional block: found here, it stays this caller's.
+  ProvisionalBlock* block = block_table().find_provisional(ptr);
+  if (block == nullptr || block->device != device) {
     return nullptr;
   }
-  if (block->device != device) {
-    table.add_provisional(ptr, block);
-    return nullptr;
-  }
-  const auto stack = memory_event_stack();
-  CardBlock* committed = card_allocator(device).commit(block, ptr, t_operator_call, allocation_pool(device),
-                                                       current_stream_id(device), stack);
+  CardBlock* committed = card_allocator(device).commit(block, ptr, t_operator_call, memory_event_stack());
   report_block_to_gpu_trace(committed->ptr, true);
   return committed->ptr;
 }
@@ -192,8 +186,7 @@ void CardAllocator::take_again(const std::vector<SetAside>& set_aside) {
   }
 }
 
-CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t call, const PoolId& pool,
-                                 c10::StreamId stream, const Stack& stack) {
+CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack) {
   std::unique_ptr<ProvisionalBlock> provisional(block);
   std::lock_guard<std::mutex> lock(mutex_);
   if (block->taken != nullptr) {
@@ -202,9 +195,12 @@ CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t ca
       takes_.committed++;
       Placement in_place;
       in_place.block = block->taken;
-      return count_placed(in_place, block->requested, stack, /*split_counted=*/true);
+      return count_placed(in_place, block->requested, stack, /*split_counted=*/true, /*in_table=*/true);
     }
   }
+  table_.remove_provisional(ptr);
+  const PoolId pool = allocation_pool(device_);
+  const c10::StreamId stream = current_stream_id(device_);
   std::vector<SetAside> set_aside = set_aside_taken(block, call);
   const size_t taken_size = block->taken != nullptr ? block->taken->size : 0;
   Placement placed;
