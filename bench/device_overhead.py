@@ -1,6 +1,6 @@
 """What the emulated `supa` device costs over plain CPU tensors, measured side by side.
 
-Run: SUPA_EMULATE=1 python bench/device_overhead.py [--against CHECKOUT] [--rows tiny]
+Run: SUPA_EMULATE=1 python bench/device_overhead.py [--against CHECKOUT] [--rows WORD ...] [--clock thread]
 
 Each workload runs on CPU tensors in one process and on supa tensors in another, in
 alternating rounds, and the median times are compared. The CPU side is a plain PyTorch process
@@ -11,7 +11,9 @@ noisy: read the ratios, not the absolute times; the load average at start and en
 with them. Targets: <= 1.0x on the training steps and the large op, <= 1 us of emulation
 overhead per tiny op. --against CHECKOUT adds a third side, supa from another checkout of the
 project (its supa_emu first on the path), in the same alternating rounds, and its time and
-supa/base (below 1: this checkout is faster); --rows picks the rows whose name contains a word.
+supa/base (below 1: this checkout is faster); --rows picks the rows whose name contains a word;
+--clock thread times each worker's CPU time instead of wall time (with OMP_NUM_THREADS=1), for a
+machine busy with other work.
 The bf16 rows are far below 1.0x on a host without bf16 matrix instructions,
 where the CPU side's bfloat16 kernels are slow and supa's products and convolutions run in float32.
 """
@@ -32,17 +34,22 @@ import pathlib
 from harness import ROOT, checkout_argument, checkout_env, commit, load, require_supa, running_checkout
 
 
-def _seconds_per_call(fn, inner: int) -> float:
-    start = time.perf_counter()
+def _seconds_per_call(fn, inner: int, clock=time.perf_counter) -> float:
+    start = clock()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - start) / inner
+    return (clock() - start) / inner
+
+
+# --clock thread: the CPU time of the worker's thread, which a machine busy with other work does not
+# stretch as it stretches wall time (with OMP_NUM_THREADS=1 the thread does all of a worker's work).
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 _REPLY = "seconds:"  # marks the worker's answers on its stdout, whatever else a library prints there
 
 
-def serve(device: str) -> None:
+def serve(device: str, clock: str) -> None:
     """A side's worker: builds each workload on `device` when first asked (and runs it once to warm
     allocators and caches), then answers each "<workload> <calls>" line with seconds per call."""
     workloads = {workload.__name__: workload for _, workload, _, _ in ROWS}
@@ -53,21 +60,21 @@ def serve(device: str) -> None:
         if name not in ready:
             ready[name] = workloads[name](device)
             ready[name]()
-        print(f"{_REPLY}{_seconds_per_call(ready[name], int(inner))}", flush=True)
+        print(f"{_REPLY}{_seconds_per_call(ready[name], int(inner), CLOCKS[clock])}", flush=True)
 
 
 class Side:
     """One side of the comparison: a worker process that runs the workloads on one device type."""
 
-    def __init__(self, device: str, checkout: pathlib.Path | None = None):
+    def __init__(self, device: str, clock: str, checkout: pathlib.Path | None = None):
         env = dict(os.environ)
         if device == "cpu":
             env.pop("SUPA_EMULATE", None)  # the reference is plain PyTorch, without the emulator
         if checkout is not None:
             env = checkout_env(env, checkout)
         self.device = device
-        self.process = subprocess.Popen([sys.executable, __file__, "--serve", device], env=env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.process = subprocess.Popen([sys.executable, __file__, "--serve", device, "--clock", clock], env=env,
+                                        text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.version, threads, ran = self._reply().split(maxsplit=2)
         self.threads = int(threads)
         expected = str(checkout or ROOT) if device == "supa" else ran
@@ -237,17 +244,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--against", type=pathlib.Path, metavar="CHECKOUT",
                         help="another checkout of this project, timed as a third side (base)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="thread: each worker's CPU time (run with OMP_NUM_THREADS=1) on a busy machine")
     parser.add_argument("--rows", nargs="+", metavar="WORD", help="only the rows whose name contains a word")
     parser.add_argument("--serve", choices=["cpu", "supa"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.clock)
         return
     require_supa()
     against = checkout_argument(parser, args.against)
-    sides = [Side("cpu"), Side("supa")] + ([Side("supa", against)] if against else [])
+    sides = [Side("cpu", args.clock), Side("supa", args.clock)]
+    if against:
+        sides.append(Side("supa", args.clock, against))
     print(f"torch {sides[1].version}, {sides[1].threads} threads (cpu side: {sides[0].threads}), one process per "
-          f"side, median of {args.rounds} alternating rounds; at start: {load()}")
+          f"side, median of {args.rounds} alternating rounds, {args.clock} clock; at start: {load()}")
     if against:
         print(f"supa: {ROOT} ({commit(ROOT)}); base: {against} ({commit(against)})")
     print(f"{'workload':<48}{'cpu':>12}{'supa':>12}{'supa/cpu':>10}" + (f"{'base':>12}{'supa/base':>11}" if against else ""))

@@ -217,7 +217,17 @@ class CardMemory {
 
   // The free blocks of one (pool, small or large, stream).
   using FreeKey = std::tuple<PoolId, bool, int64_t>;
-  FreeBlocks& free_blocks(const PoolId& pool, bool small, int64_t stream) { return free_[{pool, small, stream}]; }
+  // Requests come mostly from one pool and stream: the last list found is looked up first.
+  FreeBlocks& free_blocks(const PoolId& pool, bool small, int64_t stream) {
+    FreeKey key{pool, small, stream};
+    FreeKey& last = last_free_key_[small ? 1 : 0];
+    FreeBlocks*& found = last_free_[small ? 1 : 0];
+    if (found == nullptr || key != last) {
+      found = &free_[key];  // std::map: the list stays where it is
+      last = key;
+    }
+    return *found;
+  }
   FreeBlocks& free_blocks_of(const CardBlock& block) { return free_blocks(block.pool, block.small, block.stream); }
   CardBlock* find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
@@ -238,6 +248,8 @@ class CardMemory {
   uint64_t frees_ = 0;
   uint64_t changes_ = 0;
   std::map<FreeKey, FreeBlocks> free_;
+  FreeKey last_free_key_[2];             // large, small
+  FreeBlocks* last_free_[2] = {nullptr, nullptr};
   std::map<uintptr_t, CardSegment*> segments_;          // by address
   SegmentReleased on_release_;
   PoolRules pool_rules_;

@@ -43,7 +43,7 @@ void CardAllocator::release_after_uses(CardBlock* block) {
   for (int64_t used_on : block->used_on) {
     ready = std::max(ready, stream_ready_ns(device_, used_on));
   }
-  if (ready > now_ns()) {
+  if (ready > 0 && ready > now_ns()) {  // (no clock read for a block no other stream used)
     pending_free_.emplace_back(block, ready);
   } else {
     return_to_cache(block);
