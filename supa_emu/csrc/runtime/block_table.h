@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 namespace supa {
 
@@ -41,6 +42,12 @@ class BlockTable {
   };
   static constexpr size_t kShards = 16;
   Shard& shard(const void* ptr) const;
+  template <typename T>
+  void add(const void* ptr, T* Owners::*slot, T* value);
+  template <typename T>
+  T* remove(const void* ptr, T* Owners::*slot);
+  template <typename T>
+  T* find(const void* ptr, T* Owners::*slot) const;
   mutable std::array<Shard, kShards> shards_;
 };
 
