@@ -25,6 +25,19 @@ class BlockTable {
   void add_block(CardBlock* block);  // at block->ptr
   CardBlock* remove_block(const void* ptr);  // null when none starts there
   CardBlock* find_block(const void* ptr) const;
+  // Calls `read(block)` under the table's lock when a counted block starts at `ptr` (for a caller
+  // that does not hold the block, which another thread may free meanwhile); whether one does.
+  template <typename Read>
+  bool read_block(const void* ptr, Read&& read) const {
+    Shard& s = shard(ptr);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.owners.find(ptr);
+    if (it == s.owners.end() || it->second.block == nullptr) {
+      return false;
+    }
+    read(*it->second.block);
+    return true;
+  }
   void add_provisional(void* ptr, ProvisionalBlock* block);
   ProvisionalBlock* remove_provisional(const void* ptr);
   ProvisionalBlock* find_provisional(const void* ptr) const;

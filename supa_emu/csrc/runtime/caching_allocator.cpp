@@ -182,8 +182,9 @@ void delete_device_ptr(void* ptr) {
 }
 
 std::optional<c10::MempoolId_t> block_pool(const void* ptr) {
-  const CardBlock* block = g_allocator.table().find_block(ptr);
-  return block == nullptr ? std::nullopt : std::optional<c10::MempoolId_t>(block->pool);
+  std::optional<c10::MempoolId_t> pool;
+  g_allocator.table().read_block(ptr, [&](const CardBlock& block) { pool = block.pool; });
+  return pool;
 }
 
 void* allocate_block(size_t nbytes, c10::DeviceIndex device) {
@@ -204,8 +205,9 @@ c10::DeviceAllocator* device_allocator() {
 }
 
 c10::DeviceIndex device_of_ptr(const void* ptr) {
-  if (const CardBlock* block = g_allocator.table().find_block(ptr)) {
-    return static_cast<c10::DeviceIndex>(block->device);
+  c10::DeviceIndex device = -1;
+  if (g_allocator.table().read_block(ptr, [&](const CardBlock& block) { device = block.device; })) {
+    return device;
   }
   if (const ProvisionalBlock* block = g_allocator.table().find_provisional(ptr)) {
     return block->device;
@@ -219,8 +221,9 @@ c10::DeviceIndex device_of_ptr(const void* ptr) {
 }
 
 std::optional<LiveBlock> live_block(const void* ptr) {
-  if (const CardBlock* block = g_allocator.table().find_block(ptr)) {
-    return LiveBlock{true, block->requested};
+  size_t requested = 0;
+  if (g_allocator.table().read_block(ptr, [&](const CardBlock& block) { requested = block.requested; })) {
+    return LiveBlock{true, requested};
   }
   // Not the start of an allocated block: inside a segment, it is memory that was freed (or a
   // pointer into the middle of a block, which no storage starts at).

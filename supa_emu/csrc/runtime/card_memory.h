@@ -1,8 +1,8 @@
 // The emulated card's memory, as the device would manage it: its capacity, the segments it has
 // reserved from the host, the free blocks cached in them, and the policy that decides which block
 // serves a request. Plain C++ (no PyTorch), so it is unit-tested on its own
-// (tests/cpp/card_memory_test.cpp); the statistics, snapshots and the c10 allocator interface
-// that mirror PyTorch's CUDA caching allocator are built on it in caching_allocator.cpp.
+// (tests/cpp/card_memory_test.cpp); the statistics and snapshots that mirror PyTorch's CUDA
+// caching allocator are built on it in card_allocator.cpp, the c10 allocator in caching_allocator.cpp.
 //
 // The rules are those of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp):
 // - A request is rounded to 512 bytes (or to its roundup_power2_divisions step), with no padding.
@@ -29,7 +29,7 @@
 // block place() hands out reads as zeros (dropped or fresh pages; what remains is cleared), so
 // what a program reads from memory no kernel wrote does not depend on what was there before.
 //
-// Not thread-safe: the caller serialises every call (caching_allocator.cpp holds one mutex).
+// Not thread-safe: the caller serialises every call (the card's CardAllocator holds its lock).
 #pragma once
 
 #include <cstddef>
