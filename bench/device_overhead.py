@@ -1,6 +1,6 @@
 """What the emulated `supa` device costs over plain CPU tensors, measured side by side.
 
-Run: SUPA_EMULATE=1 python bench/device_overhead.py
+Run: SUPA_EMULATE=1 python bench/device_overhead.py [--against CHECKOUT] [--rows WORD ...] [--clock thread]
 
 Each workload runs on CPU tensors in one process and on supa tensors in another, in
 alternating rounds, and the median times are compared. The CPU side is a plain PyTorch process
@@ -9,7 +9,12 @@ slow the reference: run in one process, the two sides shared OpenMP's state, and
 device thread once made the CPU side up to 3x slower too, which hid the cost. Machines are
 noisy: read the ratios, not the absolute times; the load average at start and end is printed
 with them. Targets: <= 1.0x on the training steps and the large op, <= 1 us of emulation
-overhead per tiny op. The bf16 rows are far below 1.0x on a host without bf16 matrix instructions,
+overhead per tiny op. --against CHECKOUT adds a third side, supa from another checkout of the
+project (its supa_emu first on the path), in the same alternating rounds, and its time and
+supa/base (below 1: this checkout is faster); --rows picks the rows whose name contains a word;
+--clock thread times each worker's CPU time instead of wall time (with OMP_NUM_THREADS=1), for a
+machine busy with other work.
+The bf16 rows are far below 1.0x on a host without bf16 matrix instructions,
 where the CPU side's bfloat16 kernels are slow and supa's products and convolutions run in float32.
 """
 
@@ -24,45 +29,57 @@ import time
 
 import torch
 
-from harness import load, require_supa
+import pathlib
+
+from harness import ROOT, checkout_argument, checkout_env, commit, load, require_supa, running_checkout
 
 
-def _seconds_per_call(fn, inner: int) -> float:
-    start = time.perf_counter()
+def _seconds_per_call(fn, inner: int, clock=time.perf_counter) -> float:
+    start = clock()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - start) / inner
+    return (clock() - start) / inner
+
+
+# --clock thread: the CPU time of the worker's thread, which a machine busy with other work does not
+# stretch as it stretches wall time (with OMP_NUM_THREADS=1 the thread does all of a worker's work).
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 _REPLY = "seconds:"  # marks the worker's answers on its stdout, whatever else a library prints there
 
 
-def serve(device: str) -> None:
+def serve(device: str, clock: str) -> None:
     """A side's worker: builds each workload on `device` when first asked (and runs it once to warm
     allocators and caches), then answers each "<workload> <calls>" line with seconds per call."""
     workloads = {workload.__name__: workload for _, workload, _, _ in ROWS}
     ready = {}
-    print(f"{_REPLY}{torch.__version__} {torch.get_num_threads()}", flush=True)
+    print(f"{_REPLY}{torch.__version__} {torch.get_num_threads()} {running_checkout()}", flush=True)
     for line in sys.stdin:
         name, inner = line.split()
         if name not in ready:
             ready[name] = workloads[name](device)
             ready[name]()
-        print(f"{_REPLY}{_seconds_per_call(ready[name], int(inner))}", flush=True)
+        print(f"{_REPLY}{_seconds_per_call(ready[name], int(inner), CLOCKS[clock])}", flush=True)
 
 
 class Side:
     """One side of the comparison: a worker process that runs the workloads on one device type."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, clock: str, checkout: pathlib.Path | None = None):
         env = dict(os.environ)
         if device == "cpu":
             env.pop("SUPA_EMULATE", None)  # the reference is plain PyTorch, without the emulator
+        if checkout is not None:
+            env = checkout_env(env, checkout)
         self.device = device
-        self.process = subprocess.Popen([sys.executable, __file__, "--serve", device], env=env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.version, threads = self._reply().split()
+        self.process = subprocess.Popen([sys.executable, __file__, "--serve", device, "--clock", clock], env=env,
+                                        text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.version, threads, ran = self._reply().split(maxsplit=2)
         self.threads = int(threads)
+        expected = str(checkout or ROOT) if device == "supa" else ran
+        if ran != expected:
+            raise SystemExit(f"the {device} worker ran the checkout {ran}, not {expected}")
 
     def _reply(self) -> str:
         for line in self.process.stdout:
@@ -81,18 +98,17 @@ class Side:
         self.process.stdout.close()
 
 
-def compare(sides, workload, rounds: int, inner: int) -> tuple[float, float]:
-    """Median seconds per call on CPU and on supa, measured in alternating rounds.
+def compare(sides, workload, rounds: int, inner: int) -> list[float]:
+    """Median seconds per call on each side, measured in alternating rounds.
 
     The sides swap places every round (cpu then supa, supa then cpu, ...): whichever runs second
     finds the caches the first one left, which moved a row by up to 0.1 when cpu always ran first.
     """
-    cpu, supa = sides
-    samples = {cpu: [], supa: []}
+    samples = {side: [] for side in sides}
     for round_ in range(rounds):
-        for side in (cpu, supa) if round_ % 2 == 0 else (supa, cpu):
+        for side in sides if round_ % 2 == 0 else reversed(sides):
             samples[side].append(side.seconds_per_call(workload, inner))
-    return statistics.median(samples[cpu]), statistics.median(samples[supa])
+    return [statistics.median(samples[side]) for side in sides]
 
 
 def _adamw_step(parameters, loss, **adamw_options):
@@ -190,6 +206,15 @@ def tiny_inplace_ops(device: str):
     return run
 
 
+def small_allocating_ops(device: str):
+    x, y = (torch.randn(256, device=device) for _ in range(2))
+
+    def run():
+        for _ in range(100):
+            x + y
+    return run
+
+
 def large_elementwise(device: str):
     a = torch.randn(16 * 1024 * 1024, device=device)
     b = torch.randn(16 * 1024 * 1024, device=device)
@@ -209,6 +234,7 @@ ROWS = [
     ("bf16 matrix product (512x512x512)", bf16_matrix_product, 5, "ms"),
     ("bf16 3x3 convolution (8x32x32x32, 32 filters)", bf16_convolution, 5, "ms"),
     ("100 tiny in-place ops (add_ on 16 floats)", tiny_inplace_ops, 20, "us/op"),
+    ("100 small ops with a result (x + y, 256 floats)", small_allocating_ops, 20, "us/op"),
     ("large elementwise add (16M floats)", large_elementwise, 5, "ms"),
 ]
 
@@ -216,22 +242,38 @@ ROWS = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--against", type=pathlib.Path, metavar="CHECKOUT",
+                        help="another checkout of this project, timed as a third side (base)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="thread: each worker's CPU time (run with OMP_NUM_THREADS=1) on a busy machine")
+    parser.add_argument("--rows", nargs="+", metavar="WORD", help="only the rows whose name contains a word")
     parser.add_argument("--serve", choices=["cpu", "supa"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.clock)
         return
     require_supa()
-    sides = Side("cpu"), Side("supa")
+    against = checkout_argument(parser, args.against)
+    sides = [Side("cpu", args.clock), Side("supa", args.clock)]
+    if against:
+        sides.append(Side("supa", args.clock, against))
     print(f"torch {sides[1].version}, {sides[1].threads} threads (cpu side: {sides[0].threads}), one process per "
-          f"side, median of {args.rounds} alternating rounds; at start: {load()}")
-    print(f"{'workload':<48}{'cpu':>12}{'supa':>12}{'supa/cpu':>10}")
+          f"side, median of {args.rounds} alternating rounds, {args.clock} clock; at start: {load()}")
+    if against:
+        print(f"supa: {ROOT} ({commit(ROOT)}); base: {against} ({commit(against)})")
+    print(f"{'workload':<48}{'cpu':>12}{'supa':>12}{'supa/cpu':>10}" + (f"{'base':>12}{'supa/base':>11}" if against else ""))
     for name, workload, inner, unit in ROWS:
-        cpu, supa = compare(sides, workload, args.rounds, inner)
+        if args.rows and not any(word in name for word in args.rows):
+            continue
+        cpu, supa, *base = compare(sides, workload, args.rounds, inner)
         scale = 1e6 / 100 if unit == "us/op" else 1e3
-        print(f"{name:<48}{cpu * scale:>9.2f} {unit:<3}{supa * scale:>8.2f} {unit:<3}{supa / cpu:>8.2f}x")
+        line = f"{name:<48}{cpu * scale:>9.2f} {unit:<3}{supa * scale:>8.2f} {unit:<3}{supa / cpu:>8.2f}x"
+        if base:
+            line += f"{base[0] * scale:>8.2f} {unit:<3}{supa / base[0]:>9.2f}x"
+        print(line)
         if unit == "us/op":
-            print(f"{'  emulation overhead per op':<48}{(supa - cpu) * scale:>21.2f} us")
+            print(f"{'  emulation overhead per op':<48}{(supa - cpu) * scale:>21.2f} us"
+                  + (f"{(base[0] - cpu) * scale:>19.2f} us" if base else ""))
     for side in sides:
         side.close()
     print(f"at end: {load()}")

@@ -36,6 +36,7 @@ CASES = (
     "garbage_collection_least_recently_freed_first",
     "host_out_of_memory",
     "taken_and_given_back",
+    "taken_again_at_its_address",
     "reserved_address_space_backing",
 )
 

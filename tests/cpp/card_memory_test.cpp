@@ -363,6 +363,34 @@ void taken_and_given_back() {
   CHECK(t.card.changes() == changes + 1);
 }
 
+// A block given back is taken again at its address (an operator's result set aside while another
+// is placed): the free memory around it stays free, the split counts as take_free's would.
+void taken_again_at_its_address() {
+  TestCard t(4 * MiB);
+  CardBlock* a = t.take(4 * KiB);
+  CardBlock* b = t.take(2 * KiB);
+  CardBlock* c = t.take(4 * KiB);
+  REQUIRE(a != nullptr && b != nullptr && c != nullptr);
+  void* at = b->ptr;
+  t.card.cache(a);
+  t.card.cache(b);  // merged with a: one free block of 6 KiB before c
+  const size_t free_blocks = t.card.cached_blocks();
+  const Placement taken = t.card.take_at(at, 2 * KiB, BlockPolicy());
+  REQUIRE(taken.block != nullptr);
+  CHECK(taken.block->ptr == at && taken.block->size == 2 * KiB && taken.segment == nullptr);
+  CHECK(taken.inactive_split == 0 && taken.inactive_split_bytes == -2 * int64_t{KiB});  // 6 KiB free -> 4 KiB
+  CHECK(t.card.cached_blocks() == free_blocks);  // the 4 KiB before it, free
+  taken.block->allocated = true;
+  CHECK(t.take(4 * KiB)->ptr == static_cast<char*>(at) - 4 * KiB);
+  CHECK(t.card.take_at(c->ptr, 4 * KiB, BlockPolicy()).block == nullptr);  // allocated: not taken
+  CHECK(t.card.take_at(at, 2 * KiB, BlockPolicy()).block == nullptr);       // taken already
+  t.card.give_back(taken.block);
+  // Inside a free block: free memory stays on both sides.
+  const Placement middle = t.card.take_at(static_cast<char*>(at) + 512, 512, BlockPolicy());
+  REQUIRE(middle.block != nullptr);
+  CHECK(middle.inactive_split == 1 && middle.inactive_split_bytes == -512);
+}
+
 // Shapes mode's backing: a card larger than the host, and blocks that read zeros when handed out again.
 void reserved_address_space_backing() {
   TestCard t(int64_t{1} << 40, supa::Backing::kReservedAddressSpace);
@@ -412,6 +440,7 @@ int main() {
       {"garbage_collection_least_recently_freed_first", garbage_collection_least_recently_freed_first},
       {"host_out_of_memory", host_out_of_memory},
       {"taken_and_given_back", taken_and_given_back},
+      {"taken_again_at_its_address", taken_again_at_its_address},
       {"reserved_address_space_backing", reserved_address_space_backing},
   };
   int failed_cases = 0;

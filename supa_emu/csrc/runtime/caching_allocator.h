@@ -15,9 +15,20 @@
 
 namespace supa {
 
+class BlockTable;
+class CardAllocator;
+
 // `lazy_backing`: segments cost host RAM only where written (the planner's shapes mode).
 void init_memory(const std::vector<int64_t>& capacities, bool lazy_backing);
 c10::DeviceAllocator* device_allocator();
+// The allocator of `device` (raises invalid device ordinal), and the table of whose pointer each
+// block handed out is: for the allocator's own sources (card_allocator.h, provisional_blocks.cpp).
+CardAllocator& card_allocator(c10::DeviceIndex device);
+BlockTable& block_table();
+// Raises for a request of 1 EiB or more, as CUDA does, before any card is asked.
+void check_request_size(size_t nbytes);
+// A block handed out or returned, for the GPU trace (see report_blocks_to_gpu_trace).
+void report_block_to_gpu_trace(void* ptr, bool allocated);
 // A block of `device`'s pool (counted as allocated) and the deleter that gives it back.
 void* allocate_block(size_t nbytes, c10::DeviceIndex device);
 void free_block(void* ptr);

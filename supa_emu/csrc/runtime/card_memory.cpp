@@ -338,6 +338,60 @@ Placement CardMemory::place_after_give_back(CardBlock* taken, size_t size, const
   return placed;
 }
 
+Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy) {
+  Placement placed;
+  const CardSegment* segment = segment_of(ptr);
+  char* const begin = static_cast<char*>(ptr);
+  CardBlock* block = segment == nullptr ? nullptr : segment->first;
+  while (block != nullptr && static_cast<char*>(block->ptr) + block->size <= begin) {
+    block = block->next;
+  }
+  if (block == nullptr || block->allocated || static_cast<char*>(block->ptr) + block->size < begin + size) {
+    return placed;
+  }
+  FreeBlocks& blocks = free_blocks_of(*block);
+  blocks.erase(block);
+  if (block->is_split()) {
+    placed.inactive_split -= 1;
+    placed.inactive_split_bytes -= static_cast<int64_t>(block->size);
+  }
+  const auto carve = [&](void* at, size_t bytes, bool before) {
+    auto* rest = new CardBlock{at, bytes, 0, device_, false, block->pool, block->small};
+    rest->segment = block->segment;
+    rest->stream = block->stream;
+    rest->freed_at = block->freed_at;
+    if (before) {
+      rest->prev = block->prev;
+      rest->next = block;
+      (block->prev != nullptr ? block->prev->next : block->segment->first) = rest;
+      block->prev = rest;
+    } else {
+      rest->prev = block;
+      rest->next = block->next;
+      if (block->next != nullptr) {
+        block->next->prev = rest;
+      }
+      block->next = rest;
+    }
+    blocks.insert(rest);  // the free memory before or after the range, a free block of its own
+    placed.inactive_split += 1;
+    placed.inactive_split_bytes += static_cast<int64_t>(bytes);
+  };
+  if (const size_t front = static_cast<size_t>(begin - static_cast<char*>(block->ptr)); front > 0) {
+    block->ptr = ptr;
+    block->size -= front;
+    carve(begin - front, front, true);
+  }
+  if (const size_t after = block->size - size; after > 0) {
+    block->size = size;
+    carve(begin + size, after, false);
+  }
+  block->oversize = policy.is_oversize(block->size);
+  clear(*block);
+  placed.block = block;
+  return placed;
+}
+
 // Splits `block` (free, out of the free lists) to `size` where the rules allow.
 void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& policy, Placement& placed) {
   const PoolId pool = block->pool;

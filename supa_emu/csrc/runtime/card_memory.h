@@ -1,8 +1,8 @@
 // The emulated card's memory, as the device would manage it: its capacity, the segments it has
 // reserved from the host, the free blocks cached in them, and the policy that decides which block
 // serves a request. Plain C++ (no PyTorch), so it is unit-tested on its own
-// (tests/cpp/card_memory_test.cpp); the statistics, snapshots and the c10 allocator interface
-// that mirror PyTorch's CUDA caching allocator are built on it in caching_allocator.cpp.
+// (tests/cpp/card_memory_test.cpp); the statistics and snapshots that mirror PyTorch's CUDA
+// caching allocator are built on it in card_allocator.cpp, the c10 allocator in caching_allocator.cpp.
 //
 // The rules are those of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp):
 // - A request is rounded to 512 bytes (or to its roundup_power2_divisions step), with no padding.
@@ -29,7 +29,7 @@
 // block place() hands out reads as zeros (dropped or fresh pages; what remains is cleared), so
 // what a program reads from memory no kernel wrote does not depend on what was there before.
 //
-// Not thread-safe: the caller serialises every call (caching_allocator.cpp holds one mutex).
+// Not thread-safe: the caller serialises every call (the card's CardAllocator holds its lock).
 #pragma once
 
 #include <cstddef>
@@ -197,6 +197,9 @@ class CardMemory {
   // caller moves them (the new block may overlap them).
   Placement place_after_give_back(CardBlock* taken, size_t size, const PoolId& pool, const BlockPolicy& policy,
                                   int64_t stream, Release& given_back);
+  // Takes the free memory [ptr, ptr + size) as one block, as take_free does (a block given back
+  // taken again where it was): no block when part of it is not free.
+  Placement take_at(void* ptr, size_t size, const BlockPolicy& policy);
   // Counts the calls that change the card (place, cache, release_cached).
   uint64_t changes() const { return changes_; }
   // Returns the whole free segments to the host: `pool`'s when given, else those of every pool not
@@ -214,7 +217,17 @@ class CardMemory {
 
   // The free blocks of one (pool, small or large, stream).
   using FreeKey = std::tuple<PoolId, bool, int64_t>;
-  FreeBlocks& free_blocks(const PoolId& pool, bool small, int64_t stream) { return free_[{pool, small, stream}]; }
+  // Requests come mostly from one pool and stream: the last list found is looked up first.
+  FreeBlocks& free_blocks(const PoolId& pool, bool small, int64_t stream) {
+    FreeKey key{pool, small, stream};
+    FreeKey& last = last_free_key_[small ? 1 : 0];
+    FreeBlocks*& found = last_free_[small ? 1 : 0];
+    if (found == nullptr || key != last) {
+      found = &free_[key];  // std::map: the list stays where it is
+      last = key;
+    }
+    return *found;
+  }
   FreeBlocks& free_blocks_of(const CardBlock& block) { return free_blocks(block.pool, block.small, block.stream); }
   CardBlock* find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
@@ -235,6 +248,8 @@ class CardMemory {
   uint64_t frees_ = 0;
   uint64_t changes_ = 0;
   std::map<FreeKey, FreeBlocks> free_;
+  FreeKey last_free_key_[2];             // large, small
+  FreeBlocks* last_free_[2] = {nullptr, nullptr};
   std::map<uintptr_t, CardSegment*> segments_;          // by address
   SegmentReleased on_release_;
   PoolRules pool_rules_;

@@ -60,8 +60,7 @@ c10::DataPtr allocate_bounded_host(size_t nbytes) {
 }
 
 void routed_raw_delete(void* ptr) {
-  if (device_of_ptr(ptr) >= 0) {
-    free_block(ptr);
+  if (drop_provisional(ptr)) {  // a kernel's raw allocation inside a fallback
     return;
   }
   if (g_host_bound.limit.load(std::memory_order_relaxed) != 0) {
@@ -84,7 +83,7 @@ class HostRoutingAllocator final : public c10::Allocator {
       return g_base_cpu_allocator->allocate(nbytes);
     }
     void* ptr = allocate_provisional(nbytes, t_output_device, t_take_from_card);
-    return {ptr, ptr, &delete_device_ptr, c10::Device(c10::DeviceType::CPU)};
+    return {ptr, ptr, &delete_provisional, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
     return g_base_cpu_allocator->raw_deleter() ? &routed_raw_delete : nullptr;
@@ -114,19 +113,18 @@ DeviceOutputScope::~DeviceOutputScope() {
 
 c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device) {
   c10::DataPtr& current = host_storage->_mutable_data_ptr_no_checks();
-  if (current.get_deleter() != &delete_device_ptr || device_of_ptr(current.get()) != device) {
+  if (current.get_deleter() != &delete_provisional) {
     return c10::DataPtr();
   }
-  c10::DataPtr taken = host_storage->set_data_ptr(c10::DataPtr());
-  host_storage->set_nbytes(0);
-  void* committed = commit_block(taken.get());
-  if (committed != taken.get()) {
-    // The bytes moved to the card's block, and the provisional memory went back with it.
-    taken.release_context();
-    return {committed, committed, &delete_device_ptr, c10::Device(kSupa, device)};
+  void* committed = commit_block(current.get(), device);
+  if (committed == nullptr) {  // another device's
+    return c10::DataPtr();
   }
-  taken.unsafe_set_device(c10::Device(kSupa, device));
-  return taken;
+  // The card's block now: the provisional block itself, or the block its bytes moved to (its
+  // provisional memory went back with the move).
+  host_storage->set_data_ptr(c10::DataPtr()).release_context();
+  host_storage->set_nbytes(0);
+  return {committed, committed, &delete_device_ptr, c10::Device(kSupa, device)};
 }
 
 void limit_host_tensors(size_t bytes) {

@@ -8,7 +8,7 @@
 namespace supa {
 
 // While alive on a thread, host (CPU) allocations of that thread come from the given
-// device's pool, provisionally (caching_allocator.h). The operator fallback uses it so that the
+// device's pool, provisionally (provisional_blocks.h). The operator fallback uses it so that the
 // outputs CPU kernels allocate already live in device memory and can be handed back without a
 // copy. A negative device sends them to the host. `take_from_card`: each allocation is a free
 // block of the card where one fits (allocate_provisional's from_card), so that results need no

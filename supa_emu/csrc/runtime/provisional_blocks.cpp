@@ -11,16 +11,19 @@
 //   since then was committed in place, in order, and none of those was given back.
 // - Otherwise its request is placed, and before that the other blocks its operator call still
 //   holds taken go aside (their bytes to the host, their blocks back to the card), so that the
-//   card holds nothing of that call uncounted while it places; the bytes then move in.
+//   card holds nothing of that call uncounted while it places; the bytes then move in. Those set
+//   aside are taken again at their addresses once it is placed, where it did not land on them:
+//   an address stays its provisional block's until that is committed or dropped, so no other
+//   thread is handed it meanwhile (only the result just placed may cover it, and the table tells
+//   the two apart: block_table.h).
 //
 // The free blocks of split segments ("inactive_split") are counted as the card holds them, taken
-// blocks included: a take and a give-back change them at once.
+// blocks included: a take and a give-back change them at once. The state is the card's
+// (card_allocator.h); these are its members, run under its lock, and the entry points above them.
 #include "provisional_blocks.h"
 
-#include "allocator_state.h"
-#include "caching_allocator.h"
+#include "card_allocator.h"
 #include "device_guard.h"
-#include "devices.h"
 #include "mem_pool.h"
 #include "memory_history.h"
 
@@ -28,108 +31,15 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <vector>
+#include <memory>
+#include <mutex>
 
 namespace supa {
-
-namespace allocator_state {
 namespace {
-
-// An operator kernel's allocation not yet handed back as a result.
-struct ProvisionalBlock {
-  size_t size;
-  size_t requested;
-  c10::DeviceIndex device;
-  // A block of the card taken as place() would hand it out now, while the card had made `changes`
-  // changes, as the `index`th take since then; none: host memory of `size` bytes at the block's
-  // address, or (`aside` not empty) a taken block's bytes set aside, its block given back.
-  Placement taken;
-  uint64_t changes = 0;
-  uint64_t index = 0;
-  uint64_t call = 0;  // the operator call that took it (begin_operator_allocations)
-  std::vector<char> aside;
-};
-std::unordered_map<void*, ProvisionalBlock> g_provisional;  // under g_mutex
 
 std::atomic<uint64_t> g_operator_calls{0};
 thread_local uint64_t t_operator_call = 0;
 
-// The blocks taken from a card since its last change, in the order they were taken.
-struct TakenSinceChange {
-  uint64_t changes = ~uint64_t{0};  // the card's changes() they were all taken at
-  uint64_t taken = 0;                // how many
-  uint64_t committed = 0;            // the first `committed` were committed in place, in order
-  uint64_t valid = ~uint64_t{0};     // from this index on, taken beside a block given back since
-};
-std::unordered_map<c10::DeviceIndex, TakenSinceChange> g_takes;  // under g_mutex
-
-// Whether placing the request of `block` (taken from `card`) now would hand out that very block.
-bool placed_as_taken(const ProvisionalBlock& block, const CardMemory& card) {
-  if (block.changes != card.changes()) {
-    return false;
-  }
-  const TakenSinceChange& takes = g_takes[block.device];
-  return takes.changes == block.changes && block.index == takes.committed && block.index < takes.valid;
-}
-
-// A taken block goes back to the card: the blocks taken after it were taken beside it.
-void gave_back(const ProvisionalBlock& block) {
-  TakenSinceChange& takes = g_takes[block.device];
-  if (takes.changes == block.changes) {
-    takes.valid = std::min(takes.valid, block.index);
-  }
-}
-
-void count_given_back(DeviceMemory& mem, bool small, const Release& released) {
-  count_inactive_split(mem.stats, small, released.inactive_split, released.inactive_split_bytes);
-}
-
-void give_back_taken(ProvisionalBlock& block, DeviceMemory& mem) {
-  gave_back(block);
-  const bool small = block.taken.block->small;
-  count_given_back(mem, small, mem.card.give_back(block.taken.block));
-  block.taken = Placement{};
-}
-
-// Before a placement: the blocks this thread's operator call still holds taken on the card, other
-// than `keep`, go aside.
-void set_aside_taken(const void* keep, c10::DeviceIndex device, DeviceMemory& mem) {
-  for (auto& [ptr, block] : g_provisional) {
-    if (ptr == keep || block.taken.block == nullptr || block.call != t_operator_call || block.device != device) {
-      continue;
-    }
-    block.aside.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + block.requested);
-    give_back_taken(block, mem);
-  }
-}
-
-}  // namespace
-
-bool drop_provisional(void* ptr) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_provisional.find(ptr);
-  if (it == g_provisional.end()) {
-    return false;
-  }
-  DeviceMemory& mem = memory_of(it->second.device);
-  if (it->second.taken.block != nullptr) {
-    give_back_taken(it->second, mem);
-  } else if (it->second.aside.empty()) {
-    unback(ptr, it->second.size, mem.card.backing());
-  }
-  g_provisional.erase(it);
-  return true;
-}
-
-c10::DeviceIndex provisional_device(const void* ptr) {
-  auto it = g_provisional.find(const_cast<void*>(ptr));
-  return it == g_provisional.end() ? -1 : it->second.device;
-}
-
-}  // namespace allocator_state
-
-namespace {
-using namespace allocator_state;
 }  // namespace
 
 void begin_operator_allocations() {
@@ -137,94 +47,205 @@ void begin_operator_allocations() {
 }
 
 void* allocate_provisional(size_t nbytes, c10::DeviceIndex device, bool from_card) {
-  const size_t size = block_size(nbytes, device);
-  const c10::MempoolId_t pool = from_card ? allocation_pool(device) : c10::MempoolId_t{0, 0};
+  check_request_size(nbytes);
+  const PoolId pool = from_card ? allocation_pool(device) : PoolId{0, 0};
   const c10::StreamId stream = from_card ? current_stream_id(device) : 0;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceMemory& mem = memory_of(device);
+  return card_allocator(device).take_provisional(nbytes, from_card, pool, stream, t_operator_call);
+}
+
+bool drop_provisional(void* ptr) {
+  ProvisionalBlock* block = block_table().remove_provisional(ptr);
+  if (block == nullptr) {
+    return false;
+  }
+  card_allocator(block->device).drop_provisional(block, ptr);
+  return true;
+}
+
+void delete_provisional(void* ptr) {
+  if (ptr != nullptr) {
+    const bool dropped = drop_provisional(ptr);
+    TORCH_INTERNAL_ASSERT(dropped, "supa_emu: freeing unknown provisional pointer");
+  }
+}
+
+void* commit_block(void* ptr, c10::DeviceIndex device) {
+  // Only its holder commits or frees a provisional block: found here, it stays this caller's.
+  ProvisionalBlock* block = block_table().find_provisional(ptr);
+  if (block == nullptr || block->device != device) {
+    return nullptr;
+  }
+  CardBlock* committed = card_allocator(device).commit(block, ptr, t_operator_call, memory_event_stack());
+  report_block_to_gpu_trace(committed->ptr, true);
+  return committed->ptr;
+}
+
+void* CardAllocator::take_provisional(size_t nbytes, bool from_card, const PoolId& pool, c10::StreamId stream,
+                                      uint64_t call) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const size_t size = policy_.round_size(nbytes);
   if (from_card) {
-    const Placement taken = mem.card.take_free(size, pool, g_policy, stream);
+    const Placement taken = card_.take_free(size, pool, policy_, stream);
     if (CardBlock* block = taken.block) {
       block->allocated = true;
-      count_inactive_split(mem.stats, block->small, taken.inactive_split, taken.inactive_split_bytes);
-      const uint64_t changes = mem.card.changes();
-      TakenSinceChange& takes = g_takes[device];
-      if (takes.changes != changes) {
-        takes = TakenSinceChange{changes};
+      count_inactive_split(block->small, taken.inactive_split, taken.inactive_split_bytes);
+      const uint64_t changes = card_.changes();
+      if (takes_.changes != changes) {
+        takes_ = TakenSinceChange{changes};
       }
-      g_provisional.emplace(block->ptr,
-                            ProvisionalBlock{size, nbytes, device, taken, changes, takes.taken++, t_operator_call});
+      auto* record = new ProvisionalBlock{size, nbytes, device_, call, block, changes, takes_.taken++};
+      taken_.push_back(record);
+      table_.add_provisional(block->ptr, record);
       return block->ptr;
     }
   }
-  void* ptr = back(size, mem.card.backing());
+  const Backing backing = card_.backing();
+  lock.unlock();
+  void* ptr = back(size, backing);
   if (ptr == nullptr) {
-    raise_host_oom(mem, device, size, errno);
+    const int error = errno;
+    lock.lock();
+    raise_host_oom(size, error);
   }
-  g_provisional.emplace(ptr, ProvisionalBlock{size, nbytes, device});
+  table_.add_provisional(ptr, new ProvisionalBlock{size, nbytes, device_, call});
   return ptr;
 }
 
-void* commit_block(void* ptr) {
-  c10::DeviceIndex device = -1;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_provisional.find(ptr);
-    if (it == g_provisional.end()) {
-      return ptr;
-    }
-    device = it->second.device;
+void CardAllocator::drop_provisional(ProvisionalBlock* block, void* ptr) {
+  std::unique_ptr<ProvisionalBlock> dropped(block);
+  if (block->taken != nullptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    forget_taken(block);
+    give_back_taken(*block);
+  } else if (block->aside.empty()) {
+    unback(ptr, block->size, card_.backing());
   }
-  const auto stack = memory_event_stack();
-  const c10::MempoolId_t pool = allocation_pool(device);
-  const c10::StreamId stream = current_stream_id(device);
-  void* committed = nullptr;
+}
+
+// Whether placing the request of `block` now would hand out the very block it took.
+bool CardAllocator::placed_as_taken(const ProvisionalBlock& block) const {
+  return block.changes == card_.changes() && takes_.changes == block.changes && block.index == takes_.committed &&
+         block.index < takes_.valid;
+}
+
+// A taken block goes back to the card: the blocks taken after it were taken beside it.
+void CardAllocator::gave_back(const ProvisionalBlock& block) {
+  if (takes_.changes == block.changes) {
+    takes_.valid = std::min(takes_.valid, block.index);
+  }
+}
+
+void CardAllocator::give_back_taken(ProvisionalBlock& block) {
+  gave_back(block);
+  const bool small = block.taken->small;
+  const Release released = card_.give_back(block.taken);
+  count_inactive_split(small, released.inactive_split, released.inactive_split_bytes);
+  block.taken = nullptr;
+}
+
+void CardAllocator::forget_taken(const ProvisionalBlock* block) {
+  taken_.erase(std::find(taken_.begin(), taken_.end(), block));
+}
+
+// Before a placement for operator call `call`: the blocks it still holds taken on the card, other
+// than `keep`, go aside.
+std::vector<CardAllocator::SetAside> CardAllocator::set_aside_taken(const ProvisionalBlock* keep, uint64_t call) {
+  std::vector<SetAside> set_aside;
+  for (ProvisionalBlock* block : taken_) {
+    if (block == keep || block->call != call) {
+      continue;
+    }
+    void* ptr = block->taken->ptr;
+    set_aside.push_back({block, ptr, block->taken->size});
+    block->aside.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + block->requested);
+    give_back_taken(*block);
+  }
+  for (const SetAside& entry : set_aside) {
+    forget_taken(entry.block);
+  }
+  return set_aside;
+}
+
+// After the placement: each block set aside takes its address again where the placed block left
+// it free (its bytes back in it: under reserved backing the given-back pages were dropped). It is
+// no longer what placing would hand out: committing it places it anew.
+void CardAllocator::take_again(const std::vector<SetAside>& set_aside) {
+  for (const SetAside& entry : set_aside) {
+    const Placement taken = card_.take_at(entry.ptr, entry.size, policy_);
+    if (taken.block == nullptr) {
+      continue;
+    }
+    ProvisionalBlock& block = *entry.block;
+    taken.block->allocated = true;
+    count_inactive_split(taken.block->small, taken.inactive_split, taken.inactive_split_bytes);
+    std::memcpy(entry.ptr, block.aside.data(), block.requested);
+    block.aside = std::vector<char>();
+    block.taken = taken.block;
+    block.changes = ~uint64_t{0};
+    taken_.push_back(&block);
+  }
+}
+
+CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack) {
+  std::unique_ptr<ProvisionalBlock> provisional(block);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (block->taken != nullptr) {
+    forget_taken(block);
+    if (placed_as_taken(*block)) {
+      takes_.committed++;
+      Placement in_place;
+      in_place.block = block->taken;
+      return count_placed(in_place, block->requested, stack, /*split_counted=*/true, /*in_table=*/true);
+    }
+  }
+  table_.remove_provisional(ptr);
+  const PoolId pool = allocation_pool(device_);
+  const c10::StreamId stream = current_stream_id(device_);
+  std::vector<SetAside> set_aside = set_aside_taken(block, call);
+  const size_t taken_size = block->taken != nullptr ? block->taken->size : 0;
   Placement placed;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_provisional.find(ptr);
-    ProvisionalBlock provisional = std::move(it->second);
-    g_provisional.erase(it);
-    DeviceMemory& mem = memory_of(device);
-    if (provisional.taken.block != nullptr && placed_as_taken(provisional, mem.card)) {
-      committed = count_placed(mem, device, provisional.taken, provisional.requested, stack, /*split_counted=*/true)->ptr;
-      g_takes[device].committed++;
-    } else {
-      set_aside_taken(ptr, device, mem);
-      if (provisional.taken.block != nullptr && mem.card.backing() == Backing::kHeap) {
-        // Among the card's free blocks where one fits: nothing writes the given-back memory under
-        // heap backing, so the bytes move within the card's memory, if at all.
-        gave_back(provisional);
-        const bool small = provisional.taken.block->small;
-        Release released;
-        placed = mem.card.place_after_give_back(provisional.taken.block, provisional.size, pool, g_policy, stream,
-                                                released);
-        count_given_back(mem, small, released);
-        if (placed.block == nullptr) {  // placing may release memory: the bytes go aside first
-          provisional.aside.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + provisional.requested);
-        }
-        provisional.taken = Placement{};
+  if (block->taken != nullptr && card_.backing() == Backing::kHeap) {
+    // Among the card's free blocks where one fits: nothing writes the given-back memory under
+    // heap backing, so the bytes move within the card's memory, if at all.
+    gave_back(*block);
+    const bool small = block->taken->small;
+    Release released;
+    placed = card_.place_after_give_back(block->taken, block->size, pool, policy_, stream, released);
+    count_inactive_split(small, released.inactive_split, released.inactive_split_bytes);
+    if (placed.block == nullptr) {  // placing may release memory: the bytes go aside first
+      block->aside.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + block->requested);
+    }
+    block->taken = nullptr;
+  }
+  CardBlock* committed = nullptr;
+  if (placed.block != nullptr) {
+    committed = count_placed(placed, block->requested, stack);
+    if (committed->ptr != ptr) {
+      std::memmove(committed->ptr, ptr, block->requested);
+    }
+  } else {
+    const bool host_memory = block->taken == nullptr && block->aside.empty();
+    if (block->taken != nullptr) {  // shapes mode: giving back returns the pages
+      block->aside.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + block->requested);
+      give_back_taken(*block);
+    }
+    try {
+      committed = place_block(block->requested, pool, stream, stack);
+    } catch (...) {
+      // Out of memory: the block stays provisional, for its holder to free.
+      if (taken_size != 0) {
+        set_aside.push_back({block, ptr, taken_size});
       }
-      if (placed.block != nullptr) {
-        committed = count_placed(mem, device, placed, provisional.requested, stack)->ptr;
-        if (committed != ptr) {
-          std::memmove(committed, ptr, provisional.requested);
-        }
-      } else {
-        const bool host_memory = provisional.taken.block == nullptr && provisional.aside.empty();
-        if (provisional.taken.block != nullptr) {  // shapes mode: giving back returns the pages
-          provisional.aside.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + provisional.requested);
-          give_back_taken(provisional, mem);
-        }
-        committed = place_block(mem, device, provisional.requested, pool, stream, stack)->ptr;
-        std::memcpy(committed, host_memory ? ptr : provisional.aside.data(), provisional.requested);
-        if (host_memory) {
-          unback(ptr, provisional.size, mem.card.backing());
-        }
-      }
+      take_again(set_aside);
+      table_.add_provisional(ptr, provisional.release());
+      throw;
+    }
+    std::memcpy(committed->ptr, host_memory ? ptr : block->aside.data(), block->requested);
+    if (host_memory) {
+      unback(ptr, block->size, card_.backing());
     }
   }
-  report_block(committed, true);
+  take_again(set_aside);
   return committed;
 }
 

@@ -1,0 +1,82 @@
+// The table of the addresses the caching allocator handed out (block_table.h).
+#include "block_table.h"
+
+#include "card_memory.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace supa {
+
+BlockTable::Shard& BlockTable::shard(const void* ptr) const {
+  // Blocks are 512-byte aligned: the bits above those spread them over the shards.
+  return shards_[(reinterpret_cast<uintptr_t>(ptr) >> 9) % kShards];
+}
+
+template <typename T>
+void BlockTable::add(const void* ptr, T* Owners::*slot, T* value) {
+  Shard& s = shard(ptr);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  T*& held = s.owners[ptr].*slot;
+  TORCH_INTERNAL_ASSERT(held == nullptr, "supa_emu: two blocks of one kind handed out at one address");
+  held = value;
+}
+
+template <typename T>
+T* BlockTable::remove(const void* ptr, T* Owners::*slot) {
+  Shard& s = shard(ptr);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.owners.find(ptr);
+  if (it == s.owners.end() || it->second.*slot == nullptr) {
+    return nullptr;
+  }
+  T* held = std::exchange(it->second.*slot, nullptr);
+  if (it->second.block == nullptr && it->second.provisional == nullptr) {
+    s.owners.erase(it);
+  }
+  return held;
+}
+
+template <typename T>
+T* BlockTable::find(const void* ptr, T* Owners::*slot) const {
+  Shard& s = shard(ptr);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.owners.find(ptr);
+  return it == s.owners.end() ? nullptr : it->second.*slot;
+}
+
+void BlockTable::add_block(CardBlock* block) {
+  add(block->ptr, &Owners::block, block);
+}
+
+CardBlock* BlockTable::remove_block(const void* ptr) {
+  return remove(ptr, &Owners::block);
+}
+
+CardBlock* BlockTable::find_block(const void* ptr) const {
+  return find(ptr, &Owners::block);
+}
+
+void BlockTable::add_provisional(void* ptr, ProvisionalBlock* block) {
+  add(ptr, &Owners::provisional, block);
+}
+
+ProvisionalBlock* BlockTable::remove_provisional(const void* ptr) {
+  return remove(ptr, &Owners::provisional);
+}
+
+ProvisionalBlock* BlockTable::find_provisional(const void* ptr) const {
+  return find(ptr, &Owners::provisional);
+}
+
+void BlockTable::commit_in_place(CardBlock* block) {
+  Shard& s = shard(block->ptr);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  Owners& owners = s.owners.at(block->ptr);
+  TORCH_INTERNAL_ASSERT(owners.block == nullptr, "supa_emu: two blocks of one kind handed out at one address");
+  owners.provisional = nullptr;
+  owners.block = block;
+}
+
+}  // namespace supa

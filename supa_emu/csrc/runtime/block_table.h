@@ -1,0 +1,67 @@
+// Whose pointer is this: every address the caching allocator has handed out, with what holds it,
+// looked up by the free, the fallback's results, the device-of-pointer hook and the memory
+// checker. Sharded, each shard under its own lock, as PyTorch's CUDA allocator keeps its allocated
+// blocks; the cards' state is each card's own (card_allocator.h).
+//
+// An address has at most one counted block and at most one provisional block (an operator
+// kernel's, provisional_blocks.cpp): a provisional block set aside while its operator's results
+// are placed keeps its address until it is committed or dropped, and only that operator's own
+// result may be placed over it meanwhile. Which one a free means is said by its deleter.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+namespace supa {
+
+struct CardBlock;
+struct ProvisionalBlock;
+
+class BlockTable {
+ public:
+  void add_block(CardBlock* block);  // at block->ptr
+  CardBlock* remove_block(const void* ptr);  // null when none starts there
+  CardBlock* find_block(const void* ptr) const;
+  // Calls `read(block)` under the table's lock when a counted block starts at `ptr` (for a caller
+  // that does not hold the block, which another thread may free meanwhile); whether one does.
+  template <typename Read>
+  bool read_block(const void* ptr, Read&& read) const {
+    Shard& s = shard(ptr);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.owners.find(ptr);
+    if (it == s.owners.end() || it->second.block == nullptr) {
+      return false;
+    }
+    read(*it->second.block);
+    return true;
+  }
+  void add_provisional(void* ptr, ProvisionalBlock* block);
+  ProvisionalBlock* remove_provisional(const void* ptr);
+  ProvisionalBlock* find_provisional(const void* ptr) const;
+  // The provisional block at `block->ptr` becomes that counted block (committed where it is).
+  void commit_in_place(CardBlock* block);
+
+ private:
+  struct Owners {
+    CardBlock* block = nullptr;
+    ProvisionalBlock* provisional = nullptr;
+  };
+  struct Shard {
+    mutable std::mutex mutex;
+    std::unordered_map<const void*, Owners> owners;
+  };
+  static constexpr size_t kShards = 16;
+  Shard& shard(const void* ptr) const;
+  template <typename T>
+  void add(const void* ptr, T* Owners::*slot, T* value);
+  template <typename T>
+  T* remove(const void* ptr, T* Owners::*slot);
+  template <typename T>
+  T* find(const void* ptr, T* Owners::*slot) const;
+  mutable std::array<Shard, kShards> shards_;
+};
+
+}  // namespace supa

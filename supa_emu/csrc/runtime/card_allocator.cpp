@@ -1,0 +1,269 @@
+// One card's caching allocator (card_allocator.h): counted blocks, statistics, settings and
+// snapshots, with the statistics of PyTorch's CUDA caching allocator (inactive_split for the free
+// blocks of split segments, whole blocks in allocated_bytes).
+#include "card_allocator.h"
+
+#include "devices.h"
+#include "mem_pool.h"
+#include "memory_history.h"
+#include "out_of_memory.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace supa {
+namespace {
+
+using c10::CachingAllocator::Stat;
+using c10::CachingAllocator::StatArray;
+using c10::CachingDeviceAllocator::DeviceStats;
+
+// A statistic moves in "all" and in the pool (small or large) of the block or segment.
+void update(StatArray& stat, bool small, int64_t amount) {
+  const size_t pool = small ? 1 : 2;
+  for (size_t i : {size_t{0}, pool}) {
+    amount >= 0 ? stat[i].increase(static_cast<size_t>(amount)) : stat[i].decrease(static_cast<size_t>(-amount));
+  }
+}
+
+void update(StatArray& stat, bool small, size_t size, bool increase) {
+  update(stat, small, increase ? static_cast<int64_t>(size) : -static_cast<int64_t>(size));
+}
+
+// Count statistics (allocation, segment, active) move by one per block.
+void count_block(StatArray& stat, bool small, bool increase) {
+  update(stat, small, increase ? 1 : -1);
+}
+
+template <typename Fn>
+void for_each_stat(DeviceStats& s, Fn fn) {
+  for (StatArray* arr : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
+                         &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
+    for (Stat& stat : *arr) {
+      fn(stat);
+    }
+  }
+  fn(s.oversize_allocations);
+  fn(s.oversize_segments);
+}
+
+}  // namespace
+
+CardAllocator::CardAllocator(c10::DeviceIndex device, int64_t capacity, Backing backing, BlockTable& table)
+    : device_(device),
+      table_(table),
+      card_(
+          device, capacity, [this](const CardSegment& segment) { segment_released(segment); }, backing,
+          {[](const PoolId& pool) { return pool_use_count(pool) > 0; }, &pool_use_on_oom, &pool_no_split}) {
+  stats_.max_split_size = policy_.max_split_size;
+}
+
+// A segment the card gives back to the host (called by the card).
+void CardAllocator::segment_released(const CardSegment& segment) {
+  record_memory_event("segment_free", device_, segment.ptr, segment.size, nullptr, segment.size, segment.stream);
+  count_block(stats_.segment, segment.small, false);
+  update(stats_.reserved_bytes, segment.small, segment.size, false);
+  if (segment.oversize) {
+    stats_.oversize_segments.decrease(1);
+  }
+  stats_.num_device_free++;
+}
+
+// `stack`: the request's, kept with the history's "oom" event (the planner reports where it failed).
+void CardAllocator::raise_oom(size_t size, const Stack& stack) {
+  stats_.num_ooms++;
+  record_memory_event("oom", device_, nullptr, size, stack);
+  throw_card_oom(card_, device_, size, stats_.allocated_bytes[0].current);
+}
+
+void CardAllocator::raise_host_oom(size_t size, int error) {
+  stats_.num_ooms++;
+  throw_host_oom(card_, device_, size, error);
+}
+
+void CardAllocator::count_inactive_split(bool small, int blocks, int64_t bytes) {
+  update(stats_.inactive_split, small, blocks);
+  update(stats_.inactive_split_bytes, small, bytes);
+}
+
+CardBlock* CardAllocator::count_placed(const Placement& placed, size_t nbytes, const Stack& stack,
+                                       bool split_counted, bool in_table) {
+  CardBlock* block = placed.block;
+  const bool small = block->small;
+  if (const CardSegment* segment = placed.segment) {
+    record_memory_event("segment_alloc", device_, segment->ptr, segment->size, stack, segment->size, segment->stream);
+    stats_.num_device_alloc++;
+    count_block(stats_.segment, small, true);
+    update(stats_.reserved_bytes, small, segment->size, true);
+    if (segment->oversize) {
+      stats_.oversize_segments.increase(1);
+    }
+  }
+  if (!split_counted) {
+    count_inactive_split(small, placed.inactive_split, placed.inactive_split_bytes);
+  }
+  block->allocated = true;
+  block->requested = nbytes;
+  in_table ? table_.commit_in_place(block) : table_.add_block(block);
+  count_block(stats_.allocation, small, true);
+  count_block(stats_.active, small, true);
+  update(stats_.allocated_bytes, small, block->size, true);
+  update(stats_.active_bytes, small, block->size, true);
+  update(stats_.requested_bytes, small, nbytes, true);
+  if (block->oversize) {
+    stats_.oversize_allocations.increase(1);
+  }
+  record_memory_event("alloc", device_, block->ptr, nbytes, stack, block->size, block->stream);
+  // As CUDA's allocator: the profiler's memory view (profile_memory=True) sees each block.
+  c10::reportMemoryUsageToProfiler(block->ptr, static_cast<int64_t>(block->size), stats_.allocated_bytes[0].current,
+                                   stats_.reserved_bytes[0].current, c10::Device(kSupa, device_));
+  return block;
+}
+
+// A freed block leaves the active count and returns to the card's cache.
+void CardAllocator::return_to_cache(CardBlock* block) {
+  const bool small = block->small;
+  count_block(stats_.active, small, false);
+  update(stats_.active_bytes, small, block->size, false);
+  block->used_on.clear();
+  const Release changed = card_.cache(block);  // may merge `block` away
+  count_inactive_split(small, changed.inactive_split, changed.inactive_split_bytes);
+}
+
+CardBlock* CardAllocator::place_block(size_t nbytes, const PoolId& pool, c10::StreamId stream, const Stack& stack) {
+  const size_t size = policy_.round_size(nbytes);
+  const Placement placed = card_.place(size, pool, policy_, stream);
+  stats_.num_alloc_retries += placed.retries;
+  if (placed.block == nullptr) {
+    if (placed.host_error != 0) {
+      raise_host_oom(size, placed.host_error);
+    }
+    raise_oom(size, stack);
+  }
+  return count_placed(placed, nbytes, stack);
+}
+
+CardBlock* CardAllocator::allocate(size_t nbytes, const PoolId& pool, c10::StreamId stream, const Stack& stack) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  settle_capture_frees(stream);
+  settle_pending_frees(/*wait=*/false);
+  return place_block(nbytes, pool, stream, stack);
+}
+
+void CardAllocator::free(CardBlock* block, const Stack& stack) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool small = block->small;
+  count_block(stats_.allocation, small, false);
+  update(stats_.allocated_bytes, small, block->size, false);
+  update(stats_.requested_bytes, small, block->requested, false);
+  if (block->oversize) {
+    stats_.oversize_allocations.decrease(1);
+  }
+  // The history names what was asked for, as the card's does; the statistics count whole blocks.
+  void* const ptr = block->ptr;
+  const size_t size = block->size, requested = block->requested;
+  const int64_t stream = block->stream;
+  record_memory_event("free_requested", device_, ptr, requested, stack, size, stream);
+  c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(size), stats_.allocated_bytes[0].current,
+                                   stats_.reserved_bytes[0].current, c10::Device(kSupa, device_));
+  if (!block->used_on.empty() && captures_underway_ > 0) {
+    capture_frees_.push_back({block, capture_free_points(*block)});
+  } else {
+    release_after_uses(block);
+  }
+  record_memory_event("free_completed", device_, ptr, requested, stack, size, stream);
+}
+
+void CardAllocator::record_stream(CardBlock* block, c10::StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stream != block->stream && std::find(block->used_on.begin(), block->used_on.end(), stream) == block->used_on.end()) {
+    block->used_on.push_back(stream);
+  }
+}
+
+void CardAllocator::empty_cache(const PoolId* pool, bool wait_for_streams) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (wait_for_streams) {
+    // As a card's allocator: wait for every stream's use of freed blocks, then release.
+    ++stats_.num_sync_all_streams;
+    settle_pending_frees(/*wait=*/true);
+  }
+  card_.release_cached(pool);
+}
+
+void CardAllocator::set_policy(const BlockPolicy& policy, bool capture_record_stream_reuse) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Blocks keep the oversize status they were created with, so the counters stay balanced.
+  policy_ = policy;
+  capture_record_stream_reuse_ = capture_record_stream_reuse;
+  stats_.max_split_size = policy_.max_split_size;
+}
+
+c10::CachingDeviceAllocator::DeviceStats CardAllocator::stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+void CardAllocator::reset_accumulated_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for_each_stat(stats_, [](Stat& stat) { stat.reset_accumulated(); });
+  stats_.num_alloc_retries = 0;
+  stats_.num_ooms = 0;
+  stats_.num_sync_all_streams = 0;
+  stats_.num_device_alloc = 0;
+  stats_.num_device_free = 0;
+}
+
+void CardAllocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for_each_stat(stats_, [](Stat& stat) { stat.reset_peak(); });
+}
+
+std::pair<size_t, size_t> CardAllocator::memory_info() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {static_cast<size_t>(card_.unreserved()), static_cast<size_t>(card_.capacity())};
+}
+
+void CardAllocator::set_fraction(double fraction) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  card_.set_fraction(fraction);
+}
+
+double CardAllocator::fraction() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return card_.fraction();
+}
+
+bool CardAllocator::holds(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return card_.segment_of(ptr) != nullptr;
+}
+
+std::vector<SegmentInfo> CardAllocator::snapshot() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<SegmentInfo> out;
+  for (const auto& entry : card_.segments()) {
+    const CardSegment& segment = *entry.second;
+    SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, 0, segment.small, segment.pool, segment.stream,
+                     {}};
+    for (const CardBlock* b : card_.blocks_of(segment)) {
+      // The card holds a freed block until the streams that used it pass the free: active, not
+      // allocated (as a block an operator kernel took and has not handed back).
+      const bool allocated = b->allocated && table_.find_block(b->ptr) == b;
+      info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, allocated, b->allocated});
+      if (allocated) {
+        info.allocated_size += b->size;
+        info.requested_size += b->requested;
+      }
+      if (b->allocated) {
+        info.active_size += b->size;
+      }
+    }
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+}  // namespace supa

@@ -1,0 +1,74 @@
+"""An operator kernel's provisional blocks (csrc/runtime/provisional_blocks.cpp) while another thread
+uses the same card: an operator whose first result must be placed anew sets its other results
+aside until it hands them back, and another thread's takes, placements and frees meanwhile never
+meet them. Run in an interpreter of its own under the memory checker (the GPU trace the test
+hooks into stays on for the rest of a process)."""
+
+import threading
+
+import pytest
+import torch
+
+from harness import run_function
+
+pytestmark = pytest.mark.emulation_only
+
+
+def _results_set_aside_against_a_second_thread(rounds: int) -> dict:
+    # torch.unique(return_inverse=, return_counts=) hands back its results in another order than
+    # its CPU kernel allocated them, so the first is placed anew and the other two wait aside while
+    # it is. After each block handed out on this thread (a result committed), the second thread
+    # takes, places and frees blocks of the results' sizes before this one goes on: were an
+    # address set aside given away, a block of the second thread would land on it.
+    from supa_emu.supa import _gpu_trace
+
+    assert torch.supa._memcheck.memory_checker.enabled
+    device = torch.device("supa", 0)
+    values = torch.randn(512).round()
+    expected = torch.unique(values, return_inverse=True, return_counts=True)
+    x = values.to(device)
+    here = threading.get_ident()
+    turn, turn_done = threading.Event(), threading.Event()
+    state = {"in_op": False, "stop": False, "turns": 0}
+
+    def second_thread():
+        while True:
+            turn.wait()
+            turn.clear()
+            if state["stop"]:
+                return
+            blocks = [torch.full((n,), 7.0, device=device) for n in (16, 16, 16, 16, 1024, 1024, 1024)]
+            doubled = [b * 2 for b in blocks]  # taken from the card and committed
+            del blocks, doubled
+            state["turns"] += 1
+            turn_done.set()
+
+    def after_allocation(address: int) -> None:
+        if state["in_op"] and threading.get_ident() == here:
+            turn.set()
+            turn_done.wait()
+            turn_done.clear()
+
+    _gpu_trace.register_callback_for_memory_allocation(after_allocation)
+    other = threading.Thread(target=second_thread, daemon=True)
+    other.start()
+    torch.supa.synchronize()
+    before = torch.supa.memory_allocated(device)
+    wrong = 0
+    for _ in range(rounds):
+        state["in_op"] = True
+        results = torch.unique(x, return_inverse=True, return_counts=True)
+        state["in_op"] = False
+        wrong += sum(not torch.equal(got.cpu(), want) for got, want in zip(results, expected))
+        del results
+    state["stop"] = True
+    turn.set()
+    other.join(60)
+    return {"wrong": wrong, "turns": state["turns"], "leaked": torch.supa.memory_allocated(device) - before}
+
+
+def test_results_set_aside_are_no_other_threads_blocks():
+    outcome = run_function(_results_set_aside_against_a_second_thread, 200, env={"SUPA_EMU_SANITIZE": "memory"}).value
+    assert outcome["wrong"] == 0, f"{outcome['wrong']} results hold bytes of the second thread's blocks"
+    assert outcome["leaked"] == 0
+    assert outcome["turns"] == 200 * 3  # the second thread ran after each result
