@@ -55,8 +55,11 @@ def _sources() -> list[pathlib.Path]:
 # file joins "runtime".
 _UNIT_FILES = {
     "bindings": ("module.cpp", "runtime/gpu_trace.cpp", "bccl/all_gather.cpp", "bccl/signature_board.cpp",
-                 "bccl/reducer_timer.cpp"),
-    "autocast": ("aten/autocast.cpp",),
+                 "bccl/reducer_timer.cpp", "runtime/op_trace_bindings.cpp"),
+    # op_trace.cpp reads RecordFunction's inline accessors, which must see the header as the release
+    # libtorch was built (NDEBUG): it defines NDEBUG first, so it leads a unit whose other file uses
+    # no RecordFunction internals.
+    "autocast": ("runtime/op_trace.cpp", "aten/autocast.cpp"),
 }
 
 

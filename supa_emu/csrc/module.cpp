@@ -1,6 +1,7 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native`).
 #include "aten/blas_ops.h"
 #include "aten/fallback.h"
+#include "runtime/op_trace_bindings.h"
 #include "aten/sdp_choice.h"
 #include "aten/shape_only.h"
 #include "bccl/all_gather.h"
@@ -329,6 +330,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_init", &init, "Create the emulated devices (once per process); shapes: the planner's shapes mode",
         py::arg("count"), py::arg("capacities"), py::arg("dtype_demotion"), py::arg("shapes") = false);
   m.def("_shapes_mode", &supa::shapes_mode);
+  supa::bind_op_trace(m);
   m.def("_shapes_notes", &shapes_notes);
   m.def("_card_bytes_move", &supa::card_bytes_move, py::arg("nbytes"),
         "whether the host moves this many bytes of card data (in shapes mode, only small amounts)");
