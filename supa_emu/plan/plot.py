@@ -89,6 +89,13 @@ def svg(report: Dict) -> str:
     return "\n".join(parts)
 
 
+def _step_time(time) -> str:
+    """A rank's planned step time on its card and MFU (docs/time_on_the_card.md), or a dash."""
+    if not time or time.get("step_seconds") is None:
+        return "-"
+    return f"{time['step_seconds'] * 1e3:.1f} ms on {html.escape(time['card'])} ({time['mfu']:.0%})"
+
+
 def write(report: Dict, path: str) -> None:
     """Writes the chart to `path` (.svg, or .html with the chart and a table)."""
     chart = svg(report)
@@ -98,11 +105,11 @@ def write(report: Dict, path: str) -> None:
         rows = "".join(
             f"<tr><td>{rank}</td><td>{_size(r['peak_allocated'])}</td><td>{_size(r['peak_reserved'])}</td>"
             f"<td>{html.escape(r['peak_phase'])}</td><td>{'yes' if r['oom'] else 'no'}</td>"
-            f"<td>{sum(c['count'] for c in r['collectives'])}</td></tr>"
+            f"<td>{sum(c['count'] for c in r['collectives'])}</td><td>{_step_time(r.get('time'))}</td></tr>"
             for rank, r in sorted(report["ranks"].items(), key=lambda item: int(item[0])))
         content = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>supa_emu plan</title></head><body>"
                    f"{chart}<table border='1' cellpadding='4'><tr><th>rank</th><th>peak allocated</th>"
                    f"<th>peak reserved</th><th>phase of the peak</th><th>out of memory</th>"
-                   f"<th>collective calls</th></tr>{rows}</table></body></html>")
+                   f"<th>collective calls</th><th>planned step (MFU)</th></tr>{rows}</table></body></html>")
     with open(path, "w") as out:
         out.write(content)

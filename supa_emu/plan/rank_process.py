@@ -1,5 +1,5 @@
-"""The process that plays one rank: `python -m supa_emu.plan.rank_process RECORD VALUES SCRIPT [ARGS...]`
-(or `... VALUES -m MODULE [ARGS...]`).
+"""The process that plays one rank: `python -m supa_emu.plan.rank_process RECORD VALUES TIMING SCRIPT [ARGS...]`
+(or `... TIMING -m MODULE [ARGS...]`).
 
 Started by the planner with the environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK,
 ...) plus SUPA_PLAN_SIMULATE=1, under which activation installed the uniform transport for its
@@ -10,7 +10,8 @@ collectives flagged for the report; records memory and collectives from the firs
 script on; runs the script unchanged as __main__ (a module as `python -m` runs it); and writes
 this rank's record (with the failure, if the script failed) to RECORD as JSON. VALUES holds the
 small values roots broadcast, written by the first rank played and read by the others
-(world.root_value).
+(world.root_value). TIMING is the time model's settings as JSON (op_stream.start): the card's
+profile, the NIC, the host's time per launch, whether to keep a trace.
 
 What a planned rank cannot do fails at once with one line: starting other ranks
 (torch.multiprocessing.spawn), and holding more host tensors than the host can give it (a model
@@ -81,13 +82,13 @@ def _available_host_memory() -> int:
 
 
 def main(argv) -> int:
-    record_path, values_path, *command = argv
+    record_path, values_path, timing, *command = argv
     target, args = (command[:2], command[2:]) if command[0] == "-m" else (command[:1], command[1:])
     import torch  # noqa: F401  (activates the emulator: SUPA_EMULATE=1 is in the environment)
     import torch.distributed as dist
 
     from supa_emu import process_state
-    from supa_emu.plan import call_record, rank_record, uniform_host_group, world
+    from supa_emu.plan import call_record, op_stream, rank_record, uniform_host_group, world
 
     host_memory = process_state.config().plan_host_memory
     process_state.core()._limit_host_tensors(host_memory or _available_host_memory())
@@ -103,6 +104,9 @@ def main(argv) -> int:
 
     failure = None
     rank_record.start(None, rank)
+    settings = json.loads(timing) or {}
+    if settings:
+        op_stream.start(settings)
     sys.argv = [target[-1], *args]
     script, user_code, run = _runner(target)
     rank_record.name_user_code(user_code)
@@ -118,8 +122,12 @@ def main(argv) -> int:
         failure = {"error": f"planner: {script} never initialises a process group (init_process_group, "
                             f"deepspeed.init_distributed()); there is no world to plan", "traceback": None}
     world.save_root_values()
+    record = rank_record.record(failure)
+    record["time"] = op_stream.finish()
+    if settings.get("trace"):
+        record["trace"] = op_stream.trace_events()
     with open(record_path, "w") as out:
-        json.dump(rank_record.record(failure), out)
+        json.dump(record, out)
     sys.stdout.flush()
     sys.stderr.flush()
     return 0
