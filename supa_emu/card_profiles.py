@@ -48,6 +48,19 @@ def _pcie5_x16() -> float:
 # graphs remove. 3 us is taken for every card here; Biren publishes no figure.
 _LAUNCH_LATENCY = 3e-6
 
+def _hopper(name: str, memory_gb: int, bandwidth: float, watts: float) -> CardProfile:
+    """An NVIDIA Hopper SXM card. NVIDIA's H100 and H200 datasheets (dense = half the "with
+    sparsity" figures): 989 TFLOPS bf16/fp16, 495 TF32, 67 fp32 (non-tensor), 1,979 TOPS int8;
+    NVLink 4, 900 GB/s both directions together (450 each way); PCIe Gen5 x16."""
+    return CardProfile(
+        name=name, memory_bytes=memory_gb * 10**9,
+        peak_flops={"bf16": 989.4 * TERA, "fp16": 989.4 * TERA, "tf32": 494.7 * TERA, "fp32": 66.9 * TERA,
+                    "int8": 1978.9 * TERA},
+        memory_bandwidth=bandwidth, host_link="PCIe 5.0 x16", host_link_bandwidth=_pcie5_x16(),
+        card_link="NVLink 4 (all-to-all within a host)", card_link_bandwidth=450 * GB,
+        launch_latency=_LAUNCH_LATENCY, power_watts=watts)
+
+
 PROFILES = {
     # Biren BR100: Biren's product page and its Hot Chips 34 (2022) talk: 1,024 TFLOPS bf16/fp16,
     # 512 TFLOPS TF32+, 256 TFLOPS fp32, 2,048 TOPS int8; 64 GB HBM2e at 1.64 TB/s; 8 B-Link ports,
@@ -69,39 +82,19 @@ PROFILES = {
         memory_bandwidth=819 * GB, host_link="PCIe 5.0 x16", host_link_bandwidth=_pcie5_x16(),
         card_link="PCIe 5.0 x16 (peer to peer)", card_link_bandwidth=_pcie5_x16(), launch_latency=_LAUNCH_LATENCY,
         power_watts=300),
-    # NVIDIA H100 SXM5 80 GB, NVIDIA's H100 Tensor Core GPU datasheet (dense = half the "with
-    # sparsity" figures): 989 TFLOPS bf16/fp16, 495 TF32, 67 fp32 (non-tensor), 1,979 TOPS int8;
-    # 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (both directions together); PCIe Gen5 128 GB/s (both
-    # directions); up to 700 W.
-    "H100-SXM-80GB": CardProfile(
-        name="H100-SXM-80GB", memory_bytes=80 * 10**9,
-        peak_flops={"bf16": 989.4 * TERA, "fp16": 989.4 * TERA, "tf32": 494.7 * TERA, "fp32": 66.9 * TERA,
-                    "int8": 1978.9 * TERA},
-        memory_bandwidth=3350 * GB, host_link="PCIe 5.0 x16", host_link_bandwidth=_pcie5_x16(),
-        card_link="NVLink 4 (NVSwitch, all-to-all within a host)", card_link_bandwidth=450 * GB,
-        launch_latency=_LAUNCH_LATENCY, power_watts=700),
+    # NVIDIA H100 SXM5 80 GB, NVIDIA's H100 Tensor Core GPU datasheet: 80 GB HBM3 at 3.35 TB/s; up to
+    # 700 W; throughput and links as _hopper says.
+    "H100-SXM-80GB": _hopper("H100-SXM-80GB", 80, 3350 * GB, 700),
     # The H100 of Meta's Grand Teton hosts that torchtitan's published benchmarks ran on
     # (torchtitan docs/performance.md and benchmarks/: 96 GB HBM2e at 2.4 TB/s, 8 GPUs per host
     # fully connected with NVLink, 400 Gb/s RDMA per GPU, run at the default 500 W limit). NVIDIA
     # publishes no datasheet for it; torchtitan's paper says its peak lies between the SXM's and the
     # NVL's; torchtitan's own MFU uses the SXM figure, taken here too.
-    "H100-96GB-HBM2e": CardProfile(
-        name="H100-96GB-HBM2e", memory_bytes=96 * 10**9,
-        peak_flops={"bf16": 989.4 * TERA, "fp16": 989.4 * TERA, "tf32": 494.7 * TERA, "fp32": 66.9 * TERA,
-                    "int8": 1978.9 * TERA},
-        memory_bandwidth=2400 * GB, host_link="PCIe 5.0 x16", host_link_bandwidth=_pcie5_x16(),
-        card_link="NVLink 4 (all-to-all within a host)", card_link_bandwidth=450 * GB,
-        launch_latency=_LAUNCH_LATENCY, power_watts=500),
+    "H100-96GB-HBM2e": _hopper("H100-96GB-HBM2e", 96, 2400 * GB, 500),
     # NVIDIA H200 SXM, NVIDIA's H200 datasheet: the H100 SXM's throughput (989 TFLOPS bf16 dense,
-    # 1,979 with sparsity); 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s; up to
-    # 700 W. The card the fidelity probe measures (tests/data/fidelity/).
-    "H200": CardProfile(
-        name="H200", memory_bytes=141 * 10**9,
-        peak_flops={"bf16": 989.4 * TERA, "fp16": 989.4 * TERA, "tf32": 494.7 * TERA, "fp32": 66.9 * TERA,
-                    "int8": 1978.9 * TERA},
-        memory_bandwidth=4800 * GB, host_link="PCIe 5.0 x16", host_link_bandwidth=_pcie5_x16(),
-        card_link="NVLink 4 (NVSwitch, all-to-all within a host)", card_link_bandwidth=450 * GB,
-        launch_latency=_LAUNCH_LATENCY, power_watts=700),
+    # 1,979 with sparsity) and links; 141 GB HBM3e at 4.8 TB/s; up to 700 W. The card the fidelity
+    # probe measures (tests/data/fidelity/).
+    "H200": _hopper("H200", 141, 4800 * GB, 700),
 }
 DEFAULT_CARD = "BR104"
 
