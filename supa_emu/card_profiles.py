@@ -86,7 +86,7 @@ PROFILES = {
     # 700 W; throughput and links as _hopper says.
     "H100-SXM-80GB": _hopper("H100-SXM-80GB", 80, 3350 * GB, 700),
     # The H100 of Meta's Grand Teton hosts that torchtitan's published benchmarks ran on
-    # (torchtitan docs/performance.md and benchmarks/: 96 GB HBM2e at 2.4 TB/s, 8 GPUs per host
+    # (torchtitan's performance page and its benchmarks folder: 96 GB HBM2e at 2.4 TB/s, 8 GPUs per host
     # fully connected with NVLink, 400 Gb/s RDMA per GPU, run at the default 500 W limit). NVIDIA
     # publishes no datasheet for it; torchtitan's paper says its peak lies between the SXM's and the
     # NVL's; torchtitan's own MFU uses the SXM figure, taken here too.
