@@ -1,6 +1,7 @@
 """Planned step time on a card for the fidelity reference configurations, and what planning them costs.
 
     SUPA_EMULATE=1 python bench/plan_time.py [--card H200] [--mode shapes] [--only ARGS] [--steps 3] [--overhead]
+    SUPA_EMULATE=1 python bench/plan_time.py --per-op
 
 Each configuration of tests/data/fidelity/h200_reference.jsonl (tests/data/fidelity/memory_probe.py's
 arguments, `--fake-world N` among them) is planned as rank 0 of N with `python -m supa_emu.plan
@@ -10,7 +11,9 @@ the card's measured step time where the reference has one (`step_ms_median`, whi
 records since issue 48; the H200 lines kept so far predate it: "not measured"), and the wall time
 of the plan. With --overhead each configuration is also planned with `--no-time` (no operator
 stream recorded, no time played) just before, and the ratio of the two wall times is printed:
-what recording and timing add to a plan. The load average at start and end is printed with them: the machine may be shared.
+what recording and timing add to a plan. --per-op measures the same in this process, per operator:
+a small layer's forward and backward on supa tensors dispatched with the recorder off and on in
+alternating rounds, and the time model playing what was recorded. The load average at start and end is printed with them: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -52,14 +55,56 @@ def planned(card_args: str, card: str, mode: str, steps: int, timed: bool = True
         return json.loads(out.read_text())["ranks"]["0"]["time"], elapsed
 
 
+def per_op(rounds: int = 5, iterations: int = 300) -> None:
+    """Microseconds per launched operator: dispatch with the recorder off, on, and the model's play."""
+    import torch
+
+    from supa_emu import card_profiles, process_state
+    from supa_emu.plan import time_model
+
+    core = process_state.core()
+    x = torch.randn(64, 256, device="supa", requires_grad=True)
+    layer = torch.nn.Linear(256, 256, device="supa")
+
+    def work():
+        for _ in range(iterations):
+            torch.relu(layer(x)).sum().backward()
+
+    work()
+    off, on, played, launches = [], [], [], 0
+    for _ in range(rounds):
+        started = time.perf_counter()
+        work()
+        off.append(time.perf_counter() - started)
+        core._op_trace_enable(True)
+        started = time.perf_counter()
+        work()
+        on.append(time.perf_counter() - started)
+        core._op_trace_enable(False)
+        entries = core._op_trace_take()
+        launches = sum(1 for e in entries if e[0] == 0)
+        schedule = time_model.Schedule(card_profiles.PROFILES["H200"])
+        started = time.perf_counter()
+        schedule.feed(entries, core._op_trace_names(), [])
+        played.append(time.perf_counter() - started)
+    per = 1e6 / launches
+    print(f"cpu: {os.cpu_count()} cores, {load()}; {launches} operators recorded per round (views included), {rounds} rounds")
+    print(f"recorder off {min(off) * per:.1f} us/op, on {min(on) * per:.1f} us/op (ratio {min(on) / min(off):.2f}); "
+          f"time model {min(played) * per:.1f} us/op (fastest rounds)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--card", default="H200")
     parser.add_argument("--mode", default="shapes", choices=("compute", "shapes"))
     parser.add_argument("--steps", type=int, default=3, help="steps per plan (the first is not in the median)")
     parser.add_argument("--overhead", action="store_true", help="also plan without the time model, for the ratio")
+    parser.add_argument("--per-op", action="store_true", help="the recorder's cost per operator, in this process")
     parser.add_argument("--only", help="plan only the reference line with these arguments")
     args = parser.parse_args()
+    if args.per_op:
+        per_op()
+        return
     reference = [json.loads(line) for line in (FIDELITY / "h200_reference.jsonl").read_text().splitlines() if line]
     if args.only:
         reference = [r for r in reference if r["args"] == args.only]
