@@ -227,6 +227,7 @@ def _launched_flops():
     return [(names[e[1]], op_costs.cost(names[e[1]], e[5], e[6]).flops) for e in core._op_trace_take() if e[0] == 0]
 
 
+@pytest.mark.emulation_only
 def test_the_recorder_sees_each_launch_once_with_its_shapes():
     launched = run_function(_launched_flops, env={"SUPA_EMULATE": "1"}).value
     products = [(n, f) for n, f in launched if f]
@@ -252,6 +253,7 @@ def plans(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.emulation_only
 def test_both_modes_plan_the_same_times(plans):
     compute, shapes = plans["compute"][0], plans["shapes"][0]
     for rank in ("0", "15"):
@@ -264,6 +266,7 @@ def test_both_modes_plan_the_same_times(plans):
 
 
 @pytest.mark.slow
+@pytest.mark.emulation_only
 def test_the_trace_has_a_track_per_stream(plans):
     trace = plans["compute"][1]
     events = trace["traceEvents"]
