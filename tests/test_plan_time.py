@@ -277,3 +277,10 @@ def test_the_trace_has_a_track_per_stream(plans):
     assert streams <= set(named) and len({tid for pid, tid in streams if pid == 0}) == 2  # default + copies
     assert any(e["ph"] == "C" and e["name"] == "card memory" for e in events)
     assert sum(1 for e in events if e["ph"] == "i" and e["pid"] == 15) == 3
+
+
+def test_a_collective_without_a_cost_is_named_not_guessed():
+    schedule = _schedule()
+    schedule.feed([(time_model.MARK, -1, 0, 0, 0, [], []), (time_model.MARK, -1, 0, 0, time_model.STEP_MARK, [], [])],
+                  [], [("teleport", 1 << 20, 8, 1)])
+    assert schedule.report()["untimed_collectives"] == [{"op": "teleport", "count": 1}]

@@ -8,7 +8,7 @@ group_size, dtype, bytes, count}]), value_dependent ([{what, count, site}]), no_
 mode's operators that ran their kernels for want of a shape rule, [{what, count, site}]),
 sections ([{name, peak_allocated, peak_reserved, collectives}], see rank_record.section), failure
 ({error, traceback} or null), time (the card's time, time_model.Schedule.report: card, steps
-[{step, seconds, flops, mfu, split, tokens}], step_seconds, tokens_per_s, mfu, top_ops; null where
+[{step, seconds, flops, mfu, split, tokens}], step_seconds, tokens_per_s, mfu, top_ops, untimed_collectives; null where
 no step was recorded)}.
 """
 
@@ -80,4 +80,7 @@ def time_lines(rank, time) -> list:
         f"{name} {share / total:.0%}" for name, share in last["split"].items() if share > 0))
     lines.append(f"rank {rank}: most expensive operators: " + ", ".join(
         f"{op['op']} {_seconds(op['seconds'])} ({op['count']}x)" for op in time["top_ops"][:5]))
+    for untimed in time.get("untimed_collectives", []):
+        lines.append(f"rank {rank}: no time model for the collective {untimed['op']} ({untimed['count']}x): "
+                     f"counted as taking no time")
     return lines

@@ -58,6 +58,7 @@ class Schedule:
         self._trace: list = []
         self._memory: list = []
         self._cost_cache: dict = {}
+        self.untimed: Dict[str, int] = {}  # collectives without a time model: op -> calls
 
     @classmethod
     def from_settings(cls, settings: dict) -> "Schedule":
@@ -134,7 +135,11 @@ class Schedule:
     def _collective(self, described: tuple, key: tuple) -> None:
         op, nbytes, group_size, hosts = described
         start = max(self._issue(), self.ready.get(key, 0.0))
-        end = start + collective_time.seconds(op, nbytes, group_size, hosts, self.profile, self.nic_gbps)
+        try:
+            end = start + collective_time.seconds(op, nbytes, group_size, hosts, self.profile, self.nic_gbps)
+        except ValueError:  # a collective the model has no cost for: named in the report, not guessed
+            self.untimed[op] = self.untimed.get(op, 0) + 1
+            end = start
         self.ready[key] = end
         self._intervals.append((start, end, "communication"))
         name = f"bccl:{op}"
@@ -186,7 +191,7 @@ class Schedule:
     # ---- reports -----------------------------------------------------------------------------
     def report(self) -> dict:
         """{card, nic_gbps, host_op_us, launches, steps, step_seconds (median after the first),
-        tokens_per_s, mfu, top_ops}."""
+        tokens_per_s, mfu, top_ops, untimed_collectives}."""
         steady = self.steps[1:] or self.steps
         step_seconds = statistics.median(s["seconds"] for s in steady) if steady else None
         tokens = steady[-1]["tokens"] if steady else None
@@ -196,7 +201,8 @@ class Schedule:
                 "launches": self._launches, "steps": self.steps, "step_seconds": step_seconds,
                 "tokens_per_step": tokens,
                 "tokens_per_s": tokens / step_seconds if tokens and step_seconds else None, "mfu": mfu,
-                "top_ops": [{"op": name, "seconds": t, "count": n, "flops": f} for name, (t, n, f) in ranked]}
+                "top_ops": [{"op": name, "seconds": t, "count": n, "flops": f} for name, (t, n, f) in ranked],
+                "untimed_collectives": [{"op": op, "count": n} for op, n in self.untimed.items()]}
 
     def trace_events(self) -> list:
         """Chrome trace events (microseconds): a track per stream, step marks, a memory counter."""
