@@ -13,7 +13,8 @@ of the plan. With --overhead each configuration is also planned with `--no-time`
 stream recorded, no time played) just before, and the ratio of the two wall times is printed:
 what recording and timing add to a plan. --per-op measures the same in this process, per operator:
 a small layer's forward and backward on supa tensors dispatched with the recorder off and on in
-alternating rounds, and the time model playing what was recorded. The load average at start and end is printed with them: the machine may be shared.
+alternating rounds, and the time model playing what was recorded. The load average at start and
+end is printed with them: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def per_op(rounds: int = 5, iterations: int = 300) -> None:
         schedule.feed(entries, core._op_trace_names(), [])
         played.append(time.perf_counter() - started)
     per = 1e6 / launches
-    print(f"cpu: {os.cpu_count()} cores, {load()}; {launches} operators recorded per round (views included), {rounds} rounds")
+    print(f"cpu: {os.cpu_count()} cores, {load()}; {launches} operators recorded per round (views included), "
+          f"{rounds} rounds")
     print(f"recorder off {min(off) * per:.1f} us/op, on {min(on) * per:.1f} us/op (ratio {min(on) / min(off):.2f}); "
           f"time model {min(played) * per:.1f} us/op (fastest rounds)")
 

@@ -9,8 +9,9 @@ and its memory history are the ones a real run uses; rank_record.py reads the pe
 and a timeline from that history, and call_record.py counts the collectives. report.py and
 plot.py put the ranks together. The same recording runs in a real job under SUPA_PLAN_RECORD=DIR,
 to compare. op_stream.py records what the rank launches on its card and time_model.py plays it on
-a card profile (supa_emu/card_profiles.py) for the step time (docs/time_on_the_card.md). With `--mode shapes` operators take their results from PyTorch's shape rules instead of
-running their kernels, with the same figures (supa_emu/shapes.py, docs/shapes_mode.md).
+a card profile (supa_emu/card_profiles.py) for the step time (docs/time_on_the_card.md). With
+`--mode shapes` operators take their results from PyTorch's shape rules instead of running their
+kernels, with the same figures (supa_emu/shapes.py, docs/shapes_mode.md).
 
 supa_emu.distributed never imports this package: the planner plugs into it (`install`).
 """

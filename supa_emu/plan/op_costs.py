@@ -80,7 +80,8 @@ def _launches_nothing(name: str) -> bool:
 
 
 _NO_LAUNCH = {
-    "aten::empty.memory_format", "aten::empty_strided", "aten::empty_like", "aten::resize_", "aten::set_.source_Storage",
+    "aten::empty.memory_format", "aten::empty_strided", "aten::empty_like", "aten::resize_",
+    "aten::set_.source_Storage",
     "aten::set_.source_Storage_storage_offset", "aten::set_.source_Tensor", "aten::set_", "aten::record_stream",
     "aten::lift_fresh", "aten::_has_compatible_shallow_copy_type", "aten::is_pinned", "aten::_pin_memory",
 }
@@ -128,7 +129,8 @@ def _conv_flops(name: str, ins, outs) -> Optional[float]:
     out = next(_tensors(outs), None)
     if out is None:
         return None
-    transposed = any(x is True for x in ins[6:7])  # convolution(input, weight, bias, stride, padding, dilation, transposed, ...)
+    # convolution(input, weight, bias, stride, padding, dilation, transposed, ...)
+    transposed = any(x is True for x in ins[6:7])
     per_output = math.prod(weight[2][1:])
     return 2.0 * (_numel(inp) if transposed else _numel(out)) * per_output
 

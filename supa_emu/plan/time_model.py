@@ -114,7 +114,10 @@ class Schedule:
         start = max(self._issue(), self.ready.get(key, 0.0))
         arithmetic, memory = self.seconds(c)
         busy = max(arithmetic, memory)
-        category = "host_link" if c.kind in ("h2d", "d2h") else "compute" if arithmetic >= memory and c.flops else "memory"
+        if c.kind in ("h2d", "d2h"):
+            category = "host_link"
+        else:
+            category = "compute" if arithmetic >= memory and c.flops else "memory"
         latency = self.profile.launch_latency
         end = start + latency + busy
         self.ready[key] = end
