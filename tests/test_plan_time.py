@@ -246,9 +246,10 @@ def plans(tmp_path_factory):
     for mode in ("compute", "shapes"):
         out = directory / f"{mode}.json"
         run([sys.executable, "-m", "supa_emu.plan", "--world-size", "16", "--cards-per-host", "8", "--mode", mode,
-             "--card", "H200", "--json", str(out), "--trace", str(directory / f"{mode}.trace.json"), "--",
-             str(SCRIPTS / "timed_steps.py")], timeout=600)
-        reports[mode] = (json.loads(out.read_text()), json.loads((directory / f"{mode}.trace.json").read_text()))
+             "--card", "H200", "--json", str(out), "--trace", str(directory / f"{mode}.trace.json"),
+             "--plot", str(directory / f"{mode}.html"), "--", str(SCRIPTS / "timed_steps.py")], timeout=600)
+        reports[mode] = (json.loads(out.read_text()), json.loads((directory / f"{mode}.trace.json").read_text()),
+                         (directory / f"{mode}.html").read_text())
     return reports
 
 
@@ -276,6 +277,9 @@ def test_the_trace_has_a_track_per_stream(plans):
     streams = {(e["pid"], e["tid"]) for e in kernels}
     assert streams <= set(named) and len({tid for pid, tid in streams if pid == 0}) == 2  # default + copies
     assert any(e["ph"] == "C" and e["name"] == "card memory" for e in events)
+    # the HTML page charts the memory over the planned time too, and tabulates the step time
+    page = plans["compute"][2]
+    assert page.count("<svg") == 2 and "planned time on the card" in page and "ms on H200" in page
     assert sum(1 for e in events if e["ph"] == "i" and e["pid"] == 15) == 3
 
 

@@ -36,6 +36,7 @@ HOST_OP_SECONDS = 5e-6
 SPLIT = ("compute", "memory", "host_link", "communication", "launch", "host", "idle")
 _PRIORITY = {name: i for i, name in enumerate(SPLIT)}
 TOP_OPS = 10
+MEMORY_POINTS = 600
 
 
 class Schedule:
@@ -131,9 +132,10 @@ class Schedule:
         totals[2] += c.flops
         self._step_flops[c.family] += c.flops
         self._launches += 1
+        if not self._memory or self._memory[-1][1] != allocated:
+            self._memory.append((end, allocated))
         if self._keep_trace:
             self._trace.append((key, name, start, end, category, c.flops, c.bytes))
-            self._memory.append((end, allocated))
 
     def _collective(self, described: tuple, key: tuple) -> None:
         op, nbytes, group_size, hosts = described
@@ -194,7 +196,8 @@ class Schedule:
     # ---- reports -----------------------------------------------------------------------------
     def report(self) -> dict:
         """{card, nic_gbps, host_op_us, launches, steps, step_seconds (median after the first),
-        tokens_per_s, mfu, top_ops, untimed_collectives}."""
+        tokens_per_s, mfu, top_ops, untimed_collectives, memory: [[planned seconds, allocated bytes]],
+        at most MEMORY_POINTS keeping each stretch's highest}."""
         steady = self.steps[1:] or self.steps
         step_seconds = statistics.median(s["seconds"] for s in steady) if steady else None
         tokens = steady[-1]["tokens"] if steady else None
@@ -205,7 +208,13 @@ class Schedule:
                 "tokens_per_step": tokens,
                 "tokens_per_s": tokens / step_seconds if tokens and step_seconds else None, "mfu": mfu,
                 "top_ops": [{"op": name, "seconds": t, "count": n, "flops": f} for name, (t, n, f) in ranked],
-                "untimed_collectives": [{"op": op, "count": n} for op, n in self.untimed.items()]}
+                "untimed_collectives": [{"op": op, "count": n} for op, n in self.untimed.items()],
+                "memory": self._memory_points()}
+
+    def _memory_points(self) -> list:
+        stretch = -(-len(self._memory) // MEMORY_POINTS) or 1
+        return [list(max(self._memory[i:i + stretch], key=lambda p: p[1]))
+                for i in range(0, len(self._memory), stretch)]
 
     def trace_events(self) -> list:
         """Chrome trace events (microseconds): a track per stream, step marks, a memory counter."""
