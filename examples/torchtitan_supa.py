@@ -1,11 +1,16 @@
 """torchtitan 0.3.0 configs for torch 2.13 on SUPA cards: pass as `--module torchtitan_supa`.
 
 torchtitan 0.3.0 is built against a PyTorch nightly; two of its defaults need what torch 2.13
-does not have. Everything else is torchtitan's own llama3 debug config.
+does not have. Everything else is torchtitan's own llama3 config of the same name.
+
+The `*_sdpa` configs also replace flex attention (block-causal, under torch.compile) with
+torchtitan's ScaledDotProductAttention (causal over the whole sequence, eager): a model change,
+for plans that must not compile (docs/frameworks.md says where).
 """
 
 import torch.distributed as dist
-from torchtitan.models.llama3.config_registry import llama3_debugmodel as _llama3_debugmodel
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import config_registry as _titan
 
 if not hasattr(dist, "set_timeout"):
     # The trainer calls torch.distributed.set_timeout after the first step; torch 2.13 has
@@ -16,9 +21,39 @@ if not hasattr(dist, "set_timeout"):
     dist.set_timeout = _set_timeout
 
 
-def llama3_debugmodel():
-    config = _llama3_debugmodel()
+def _for_torch_2_13(config):
     # The default "spmd_types" backend hands fully_shard plain tensors with dp_mesh_dims, which
     # torch 2.13's FSDP2 refuses ("all parameters must be DTensors on the full SPMD mesh").
     config.parallelism.spmd_backend = "partial_dtensor"
     return config
+
+
+def _with_sdpa(config):
+    # The trainer builds no attention mask for a maskless backend; SDPA then runs with is_causal.
+    for layer in config.model_spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+def llama3_debugmodel():
+    return _for_torch_2_13(_titan.llama3_debugmodel())
+
+
+def llama3_8b():
+    return _for_torch_2_13(_titan.llama3_8b())
+
+
+def llama3_70b():
+    return _for_torch_2_13(_titan.llama3_70b())
+
+
+def llama3_debugmodel_sdpa():
+    return _with_sdpa(llama3_debugmodel())
+
+
+def llama3_8b_sdpa():
+    return _with_sdpa(llama3_8b())
+
+
+def llama3_70b_sdpa():
+    return _with_sdpa(llama3_70b())

@@ -51,11 +51,11 @@ def _sources() -> list[pathlib.Path]:
 # compile as one unit (measured: 27 s of CPU as one unit, about 11 s per file apart); the files
 # that need far heavier headers (ATen.h for the autocast policies, Python.h and pybind11 for the
 # bindings and the GPU trace's Python half) get a unit each so that they compile in parallel with
-# it. bccl's files join the bindings, which parse the c10d headers they need anyway. A new .cpp
-# file joins "runtime".
+# it. The bccl backend's files that parse c10d's headers (the bindings parse them anyway) join the
+# bindings. A new .cpp file joins "runtime".
 _UNIT_FILES = {
-    "bindings": ("module.cpp", "runtime/gpu_trace.cpp", "bccl/all_gather.cpp", "bccl/signature_board.cpp",
-                 "bccl/reducer_timer.cpp", "runtime/op_trace_bindings.cpp"),
+    "bindings": ("module.cpp", "runtime/gpu_trace.cpp", "distributed/all_gather.cpp",
+                 "distributed/signature_board.cpp", "distributed/reducer_timer.cpp", "runtime/op_trace_bindings.cpp"),
     # op_trace.cpp reads RecordFunction's inline accessors, which must see the header as the release
     # libtorch was built (NDEBUG): it defines NDEBUG first, so it leads a unit whose other file uses
     # no RecordFunction internals.

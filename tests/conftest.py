@@ -124,7 +124,8 @@ def _emulated() -> bool:
 LONGEST_FIRST = ("test_plan.py", "test_op_builders.py", "test_deepspeed_training.py", "test_compile.py",
                  "test_fidelity.py", "test_torch_distributed.py", "test_hf_trainer.py", "test_two_hosts.py",
                  "test_native_build.py", "test_shapes.py", "test_activation.py", "test_sanitizer.py",
-                 "test_memcheck.py", "test_bccl.py", "test_transfer.py", "test_core_share.py", "test_c10d_backend.py")
+                 "test_memcheck.py", "test_bccl.py", "test_bccl_failures.py", "test_transfer.py", "test_core_share.py",
+                 "test_c10d_backend.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
-"""Distributed tests: a test function's body runs in every rank, as DeepSpeed's DistributedTest runs a
-test method (`distributed_test`); the ranks are processes started through harness.py and kept for
-the next test of the same file."""
+"""Tests in N ranks, the third way of harness.py: a test function's body runs in every rank, as DeepSpeed's
+DistributedTest runs a test method (`distributed_test`); the ranks are jobs (processes/jobs.py) forked
+from an interpreter that imported torch already, and kept for the next test of the same file."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 
-import harness
+from processes import calls, jobs, launchers
 
 _POOL_REPORT = "RANK-POOL-REPORT "
 _PASSED, _FAILED, _SKIPPED, _EXITED = "passed", "failed", "skipped", "exited"
@@ -25,15 +25,27 @@ _AFTER_A_FAILURE_S = 20  # how long the other ranks may take to finish once one 
 
 def distributed_test(world: int = 2, *, backend: str | None = "bccl", limit_s: float = 240, env: dict | None = None):
     """Makes `test(rank, world, **params)`, a module-level function of a test file, a test whose body
-    runs in every rank, as DeepSpeed's DistributedTest runs a test method (see `run_in_ranks`); the
-    pytest test takes the body's other parameters (fixtures, parametrize arguments)."""
+    runs in every rank, as DeepSpeed's DistributedTest runs a test method; the pytest test takes the
+    body's other parameters (fixtures, parametrize arguments), pickled to the ranks. Each rank asserts
+    for itself; a rank that raises, or does not finish within `limit_s` seconds, fails the test with its
+    traceback and output; a body that calls pytest.skip skips it.
+
+    Options:
+    - `world`: the number of rank processes (SUPA_EMULATE=1, rank r on supa:r).
+    - `backend`: the default group the body finds initialised ("bccl"); with None, none, and the body
+      may initialise its own from `rank_store()` (a group it leaves initialised is destroyed after it).
+    - `env`: variables set for the ranks (a value of None unsets one).
+    The ranks are kept for the next test of the same file, `world` and `env` (interpreter and
+    rendezvous start-up dominate a small body): keep a file's tests of one kind together. A body that
+    fails, or ends a rank with `exit_rank`, gets them replaced.
+    """
 
     def decorate(body):
         signature = inspect.signature(body)
 
         @functools.wraps(body)
         def test(**params):
-            run_in_ranks(body, world, backend=backend, limit_s=limit_s, env=env, params=params)
+            _run_in_ranks(body, world, backend=backend, limit_s=limit_s, env=env, params=params)
 
         test.__signature__ = signature.replace(parameters=list(signature.parameters.values())[2:])
         test.rank_body = body
@@ -42,18 +54,9 @@ def distributed_test(world: int = 2, *, backend: str | None = "bccl", limit_s: f
     return decorate
 
 
-def run_in_ranks(body, world: int = 2, backend: str | None = "bccl", limit_s: float = 240, env: dict | None = None,
-                 params: dict | None = None) -> None:
-    """Runs `body(rank, world, **params)`, a module-level function of a test file, in `world` rank
-    processes (SUPA_EMULATE=1, rank r on supa:r), each rank asserting for itself; a rank that raises,
-    or does not finish within `limit_s`, fails the test with its traceback and output.
-
-    With a `backend`, the body finds a default group of it initialised; with None, none, and the body
-    may initialise its own from `rank_store()` (a group it leaves initialised is destroyed after it).
-    The ranks are kept for the next body of the same test file, `world` and `env` (interpreter and
-    rendezvous start-up dominate a small body); a body that fails, or ends a rank with `exit_rank`,
-    gets them replaced. `params` are pickled to the ranks.
-    """
+def _run_in_ranks(body, world: int = 2, backend: str | None = "bccl", limit_s: float = 240, env: dict | None = None,
+                  params: dict | None = None) -> None:
+    """Runs `body(rank, world, **params)` in the ranks of its file, `world` and `env` (see distributed_test)."""
     key = (inspect.getsourcefile(body), world, tuple(sorted((env or {}).items())))
     pool = _POOLS.get(key)
     if pool is None:
@@ -67,13 +70,13 @@ def run_in_ranks(body, world: int = 2, backend: str | None = "bccl", limit_s: fl
 
 
 def rank_store():
-    """In a body run by run_in_ranks: a store of this body's own, shared by its ranks (e.g. for
+    """In a rank body (distributed_test): a store of this body's own, shared by its ranks (e.g. for
     init_process_group(store=...), or for a rank to tell another that it is done)."""
     return _BODY_STORE
 
 
 def exit_rank(code: int = 0) -> None:
-    """In a body run by run_in_ranks: ends this rank at once with `code`, as a crash would (no
+    """In a rank body (distributed_test): ends this rank at once with `code`, as a crash would (no
     teardown), as the test means to; its peers go on with the body."""
     _pool_report(_SERIAL, _EXITED, str(code))
     os._exit(code)
@@ -97,7 +100,7 @@ class _RankPool:
         self.serial = 0
         self.reusable = True
         self.reports: queue.Queue = queue.Queue()
-        for attempt in range(2):  # a port is only free when it was picked (see `launch`)
+        for attempt in range(2):  # a port is only free when it was picked (see launchers.py)
             self._start()
             failure = self._collect(0, 240, "start-up")
             if failure is None:
@@ -108,12 +111,12 @@ class _RankPool:
                 raise AssertionError(f"the ranks did not start:\n{failure}")
 
     def _start(self) -> None:
-        port = harness.free_port()
+        port = launchers.free_port()
         self.outputs = [[] for _ in range(self.world)]
         self.errors = [tempfile.TemporaryFile("w+") for _ in range(self.world)]
-        self.procs = [harness.start([sys.executable, __file__, rank, self.world, port],
+        self.procs = [jobs.start([sys.executable, __file__, rank, self.world, port],
                                     env={"SUPA_EMULATE": "1", **(self.env or {})}, checkout_first=True,
-                                    stdin=subprocess.PIPE, stderr=self.errors[rank], forked=True)
+                                    stdin=subprocess.PIPE, stderr=self.errors[rank], torch_first=True)
                       for rank in range(self.world)]
         self.readers = [threading.Thread(target=self._read, args=(rank, proc), daemon=True)
                         for rank, proc in enumerate(self.procs)]
@@ -131,7 +134,7 @@ class _RankPool:
     def run(self, body, backend: str | None, params: dict, limit_s: float) -> None:
         self.serial += 1
         request = json.dumps({"source": inspect.getsourcefile(body), "name": body.__name__, "backend": backend,
-                              "params": harness.pickled(params), "serial": self.serial})
+                              "params": calls.pickled(params), "serial": self.serial})
         for rank in range(self.world):
             self.outputs[rank].clear()
             self.errors[rank].seek(0, os.SEEK_END)
@@ -192,7 +195,7 @@ class _RankPool:
 
     def close(self) -> None:
         for proc in self.procs:
-            harness.kill(proc)
+            jobs.kill(proc)
             for stream in (proc.stdin, proc.stdout):
                 try:
                     stream.close()
@@ -232,8 +235,8 @@ def _serve_rank_pool(rank: int, world: int, port: int) -> None:
         _SERIAL = request["serial"]
         _BODY_STORE = dist.PrefixStore(f"body-{_SERIAL}/", store)
         try:
-            module = harness.import_test_file(request["source"])
-            params = harness.unpickled(request["params"])
+            module = calls.import_test_file(request["source"])
+            params = calls.unpickled(request["params"])
             test = getattr(module, request["name"])
             backend = request["backend"]
             if dist.is_initialized() and dist.get_backend() != backend:

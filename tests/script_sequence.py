@@ -23,7 +23,6 @@ print() with PYTHONUNBUFFERED writes its text and its newline apart).
 import gc
 import json
 import os
-import runpy
 import sys
 
 import harness
@@ -46,11 +45,10 @@ def run(scripts, around=None) -> None:
             # destroy_process_group restarts group names at 0, and a rendezvous under a used name would
             # read the previous script's peers from the job's store: each script's groups get new names.
             distributed_c10d._world.group_count = 1000 * index
-            sys.argv = [script, *args]
             if rank_zero:
                 harness.print_line(START + name)
             with around(name) if around is not None else contextlib.nullcontext():
-                runpy.run_path(script, run_name="__main__")
+                harness.run_as_main([script, *args])
             if rank_zero:
                 harness.print_line(END + name)
             if dist.is_initialized():

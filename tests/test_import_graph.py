@@ -159,6 +159,32 @@ def test_the_collective_layer_never_imports_the_planner():
     assert not reached, f"supa_emu.distributed imports the planner: {reached}"
 
 
+GLOO_TRANSPORT = "supa_emu.distributed.gloo"
+ASSEMBLY = "supa_emu.distributed"  # where the default transport is registered
+FACE = "supa_emu.distributed.process_group"
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_only_the_package_assembly_imports_the_gloo_transport():
+    # The face, the record, the seam and the planner know transports only through the seam.
+    graph = import_graph()
+    reached = {module: target for module, edges in graph.items()
+               if module != ASSEMBLY and not _in(module, GLOO_TRANSPORT)
+               for target in edges if _in(target, GLOO_TRANSPORT)}
+    assert not reached, f"modules outside {GLOO_TRANSPORT} import it: {reached}"
+    assert not any(_in(target, GLOO_TRANSPORT) for target in graph[FACE])
+
+
+def test_transports_never_import_the_face():
+    graph = import_graph()
+    transports = [m for m in graph if _in(m, GLOO_TRANSPORT)] + ["supa_emu.plan.uniform_transport"]
+    reached = {module: edges[FACE] for module, edges in graph.items() if module in transports and FACE in edges}
+    assert not reached, f"transports import the face ({FACE}), at lines: {reached}"
+
+
 def test_the_graph_covers_every_supa_emu_module():
     graph = import_graph()
     assert len(graph) == len(list(ROOT.rglob("*.py"))) and "supa_emu.supa.amp.common" in graph

@@ -369,6 +369,9 @@ def test_gloo_groups_follow_the_uniform_rule(tmp_path, world_backend):
         assert out["all_gather"] == [[float(rank)] * 2] * world
         assert out["objects"] == [{"rank": rank}] * world
         assert out["broadcast_object"] == "from rank 0"  # the root's value, from rank 0 played first
+        # Checked and described as any group's call (the c10d face's), with the gloo backend's name.
+        assert out["supa_tensor"].startswith("gloo: tensors must be cpu and dense"), out["supa_tensor"]
+        assert out["profiled"] == ["gloo:all_reduce"]
         entry = report["ranks"][str(rank)]
         assert entry["failure"] is None, entry["failure"]
         # As in a recorded real run, host (gloo) groups add nothing to the card's collectives.

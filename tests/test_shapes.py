@@ -56,7 +56,7 @@ def _training(dev, out, dtype_name):
         def __init__(self, d, heads, kv_heads):
             super().__init__()
             self.heads, self.kv_heads = heads, kv_heads
-            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.RMSNorm(d)
             self.q = torch.nn.Linear(d, d)
             self.kv = torch.nn.Linear(d, 2 * d * kv_heads // heads, bias=False)
             self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
@@ -93,7 +93,7 @@ def _training(dev, out, dtype_name):
 # The fast tier runs float32; the other tests here, two fresh interpreters doing real work each, are slow.
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.slow), "float32"])
 def test_a_training_step_allocates_the_same_blocks_in_both_modes(dtype):
-    # Linear layers (BLAS workspaces), layer norm, fused attention with and without grouped-query heads,
+    # Linear layers (BLAS workspaces), layer norm, RMS norm, fused attention with and without grouped-query heads,
     # dropout, activation checkpointing, a float32 loss over bf16 logits, gradient clipping and AdamW.
     compute, shapes = (recorded(_training, mode, dtype) for mode in MODES)
     assert len(compute["events"]) > 500

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
-from supa_emu.distributed import signature_exchange  # noqa: E402
+from supa_emu.distributed.gloo import signature_exchange  # noqa: E402
 from supa_emu.distributed.process_group import ProcessGroupBCCL  # noqa: E402
-from supa_emu.distributed.signature_exchange import CollectiveMismatchError, GlooExchange  # noqa: E402
+from supa_emu.distributed.gloo.signature_exchange import CollectiveMismatchError, GlooExchange  # noqa: E402
 
 pytestmark = pytest.mark.emulation_only
 

@@ -265,6 +265,24 @@ def test_event_recorded_after_a_sleep_completes_with_it():
     assert isinstance(before.elapsed_time(after), float)
 
 
+def test_a_captured_sleep_is_a_launch_of_the_graph_not_of_the_capture():
+    capturing, replaying = torch.supa.Stream(), torch.supa.Stream()
+    graph = torch.supa.SUPAGraph()
+    x = torch.zeros(4, device="supa")
+    with torch.supa.stream(capturing):
+        graph.capture_begin()
+        torch.supa._sleep(_sleep_cycles(BUSY_S))
+        x.add_(1)
+        graph.capture_end()
+    assert capturing.query() is True  # capture records the sleep; nothing runs
+    with torch.supa.stream(replaying):
+        graph.replay()
+    assert replaying.query() is False and capturing.query() is True
+    replaying.synchronize()
+    assert replaying.query() is True
+    assert x.tolist() == [1.0] * 4
+
+
 def test_wait_event_and_wait_stream_carry_the_busy_time_to_the_waiting_stream():
     busy = torch.supa.Stream()
     by_event, by_stream = torch.supa.Stream(), torch.supa.Stream()

@@ -4,12 +4,12 @@
 #include "runtime/op_trace_bindings.h"
 #include "aten/sdp_choice.h"
 #include "aten/shape_only.h"
-#include "bccl/all_gather.h"
 #include "bccl/card_operands.h"
-#include "bccl/signature_board.h"
+#include "distributed/all_gather.h"
+#include "distributed/collective_operands.h"
+#include "distributed/signature_board.h"
 #include "runtime/blas_workspace.h"
 #include "runtime/caching_allocator.h"
-#include "runtime/collective_operands.h"
 #include "runtime/device_guard.h"
 #include "runtime/device_strings.h"
 #include "runtime/devices.h"
@@ -387,7 +387,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The raw pointer, so the call itself adds no reference to what it counts.
   m.def("_work_use_count", [](c10d::Work* work) { return c10::raw::intrusive_ptr::use_count(work); },
         "How many references a c10d Work has (1: only the caller's Python object)");
-  // bccl's signature board and its native launches (bccl/).
+  // bccl's signature board and its native launches (distributed/).
   namespace bccl = supa::bccl;
   m.def("_shared_word_wait", &bccl::shared_word_wait, py::arg("address"), py::arg("unchanged"), py::arg("timeout_s"),
         py::arg("waiters"), py::call_guard<py::gil_scoped_release>(),
@@ -442,7 +442,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Raise the runtime's invalid-device-ordinal error for an index outside [0, device count)");
   m.def("_queue_stream_work", [](int64_t device, int64_t stream_id, int64_t ns) {
     supa::check_device_index(device);
-    supa::queue_stream_work(static_cast<c10::DeviceIndex>(device), stream_id, ns);
+    const auto index = static_cast<c10::DeviceIndex>(device);
+    if (!supa::record_stream_work_in_capture(index, stream_id, ns)) {
+      supa::queue_stream_work(index, stream_id, ns);
+    }
   }, py::arg("device"), py::arg("stream_id"), py::arg("ns"),
      "Make the stream busy for `ns` more nanoseconds after its queued work (torch.supa._sleep)");
   m.def("_event_elapsed_time", &event_elapsed_ms, "Milliseconds between two recorded timing events");

@@ -9,14 +9,16 @@ calls its methods directly: all_reduce -> `allreduce`, all_gather_into_tensor ->
 `*_coalesced` plus `_start_coalescing`/`_end_coalescing`, and so on. The C++ spellings
 (`_allgather_base`, `alltoall_base`, ...) are aliases, so C++ callers that go through the
 process-group trampoline land in the same code. Each group checks a call, describes it in one
-record and hands that to its transport (process_group.py); between real ranks the transport is a
-private gloo group working on CPU views that alias the device tensors' host memory: no copy on
-the way in or out (gloo_transport.py).
+record and hands that to its transport (process_group.py, collective.py, transport.py); between
+real ranks the transport is a private gloo group working on CPU views that alias the device
+tensors' host memory: no copy on the way in or out (the gloo/ package).
 
-`register()` installs the backend under the name "bccl" for the "supa" device with the extended
-plugin API, and makes 10 minutes (the real backend's default) the timeout a bccl group gets when
-init_process_group/new_group are not given one. `install_transport()` and `watch()` are how the
-planner (supa_emu/plan), which this package never imports, plugs its world and its recorder in.
+This is where the package is assembled. `register()` installs the backend under the name "bccl"
+for the "supa" device with the extended plugin API, makes gloo's the transport of bccl groups
+(unless one was installed already), and makes 10 minutes (the real backend's default) the timeout
+a bccl group gets when init_process_group/new_group are not given one. `install_transport()` and
+`watch()` are how the planner (supa_emu/plan), which this package never imports, plugs its world
+and its recorder in.
 """
 
 import datetime
@@ -25,11 +27,12 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from supa_emu import core_share
+from supa_emu.device_type import DEVICE_TYPE
 
-from . import c10d_backend, compile_boundary, host_memory, process_group
+from . import c10d_backend, compile_boundary, process_group
 from .c10d_backend import DEFAULT_TIMEOUT
-from .process_group import BACKEND_NAME, ProcessGroupBCCL, Watcher, install_transport, watch
-from .signature_exchange import CollectiveMismatchError
+from .gloo import CollectiveMismatchError, GlooTransport, GlooWork
+from .process_group import BACKEND_NAME, GroupKind, ProcessGroupBCCL, Watcher, install_transport, watch
 from .work import BCCLWork
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "BCCLWork",
     "CollectiveMismatchError",
     "DEFAULT_TIMEOUT",
+    "GroupKind",
     "ProcessGroupBCCL",
     "Watcher",
     "install_transport",
@@ -72,10 +76,10 @@ def is_registered() -> bool:
 
 def register() -> None:
     """Make `init_process_group("bccl")` available; calling it again changes nothing."""
-    compile_boundary.run_eagerly(ProcessGroupBCCL, ProcessGroupBCCL.Options, BCCLWork)
+    compile_boundary.run_eagerly(ProcessGroupBCCL, ProcessGroupBCCL.Options, BCCLWork, GlooWork)
+    if process_group.installed_transport() is None:
+        install_transport(GlooTransport)
     if not is_registered():
-        dist.Backend.register_backend(
-            BACKEND_NAME, _create_process_group, extended_api=True, devices=[host_memory.DEVICE_TYPE]
-        )
+        dist.Backend.register_backend(BACKEND_NAME, _create_process_group, extended_api=True, devices=[DEVICE_TYPE])
     if not hasattr(distributed_c10d._get_default_timeout, "_bccl_wrapped"):
         distributed_c10d._get_default_timeout = _default_timeout_for(distributed_c10d._get_default_timeout)

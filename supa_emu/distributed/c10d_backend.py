@@ -10,8 +10,8 @@ surface, kept apart from the collectives.
 The group's transport connects every pair of ranks when the group is constructed (gloo's does):
 eager connection has nothing left to connect, and binding only checks the card. A split is, as
 ncclCommSplit is, collective over the parent group: every parent rank posts, through the
-transport, the ranks of the subgroup it joins (or none), all read all posts, and a split in
-which the posts do not fit together (a rank in two subgroups, a subgroup naming a rank the parent
+transport, the ranks of the subgroup it joins (or none), all read all posts (the transport hands
+them back), and a split in which the posts do not fit together (a rank in two subgroups, a subgroup naming a rank the parent
 does not have) raises the same ValueError on every rank instead of leaving some ranks waiting for
 peers that never come. Failures NCCL reports as `DistBackendError` (use after abort, timeouts, lost peers)
 are raised with that type here too.
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from . import host_memory
+from supa_emu.device_type import DEVICE_TYPE
 
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # the real backend's default
@@ -93,19 +93,19 @@ class _ClosedTransport:
 def check_device(device, what: str) -> torch.device:
     """`device` as a supa card index this process can see, or ValueError saying what is accepted."""
     device = torch.device(device)
-    if device.type != host_memory.DEVICE_TYPE or device.index is None:
+    if device.type != DEVICE_TYPE or device.index is None:
         raise ValueError(
-            f"bccl: {what} must be a {host_memory.DEVICE_TYPE} device with an index "
-            f"(e.g. torch.device('{host_memory.DEVICE_TYPE}', 0)); got {device}")
+            f"bccl: {what} must be a {DEVICE_TYPE} device with an index "
+            f"(e.g. torch.device('{DEVICE_TYPE}', 0)); got {device}")
     count = torch.accelerator.device_count()
     if device.index >= count:
-        raise ValueError(f"bccl: {what} {device} is out of range: {count} {host_memory.DEVICE_TYPE} cards are visible")
+        raise ValueError(f"bccl: {what} {device} is out of range: {count} {DEVICE_TYPE} cards are visible")
     return device
 
 
 class C10dBackend:
-    """Mixin of ProcessGroupBCCL: the backend attributes torch reads. Expects `_transport`, `_label`,
-    `_store` and `options` from the group."""
+    """Mixin of ProcessGroupBCCL: the backend attributes torch reads. Expects `kind`, `_transport`,
+    `_label`, `_store` and `options` from the group."""
 
     Options = Options
 
@@ -167,8 +167,10 @@ class C10dBackend:
         """The subgroup of the parent-group `ranks` this rank belongs to (None if not among them).
         Every rank of this group must call it, in the same order as its other splits."""
         self._require_open()
-        if device_types is not None and all(torch.device(d).type != host_memory.DEVICE_TYPE for d in device_types):
-            raise ValueError(f"bccl: split_group can only keep the {host_memory.DEVICE_TYPE} backend; got {list(device_types)}")
+        device_type = self.kind.device_type
+        if device_types is not None and all(torch.device(d).type != device_type for d in device_types):
+            raise ValueError(f"{self.kind.name}: split_group can only keep the {device_type} backend; "
+                             f"got {list(device_types)}")
         if opts is not None and not isinstance(opts, Options):
             raise TypeError("Expected pg_options argument to be of type ProcessGroupBCCL.Options")
         members = sorted(int(r) for r in ranks)
@@ -176,7 +178,7 @@ class C10dBackend:
         self._splits += 1
         self._split_count += 1
         prefix = f"bccl/split/{self._splits}/"
-        self._transport.agree_on_split(self._store, prefix, mine)
+        check_split(self._transport.exchange_split(self._store, prefix, mine), self.size())
         if mine is None:
             return None
         options = copy.deepcopy(opts if opts is not None else self.options)
@@ -187,7 +189,7 @@ class C10dBackend:
         options.group_name = group_name or f"{self.group_name}:split:{self._splits}"
         options.split_from, options.split_color = self, split_color(mine)
         store = dist.PrefixStore(f"{prefix}group/{'-'.join(map(str, mine))}/", self._store)
-        child = type(self)(store, mine.index(self.rank()), len(mine), options)
+        child = type(self)(store, mine.index(self.rank()), len(mine), options, self.kind)
         if group_desc:
             child._set_group_desc(group_desc)
         return child

@@ -3,10 +3,12 @@
 Each c10d entry point of the group turns its arguments into one `Collective` with the function
 of this module named after the op, which checks them first, in the order the device backends
 do: TypeError for wrong types and dtypes, ValueError for wrong devices, layouts and sizes, each
-naming the collective, the offending argument and what is accepted. Nothing has reached a peer
-when a check raises. The record then names the call for everyone who reports it (the planner's
-recorder, the profiler, the stream and memory checkers) and for the signature that ranks agree
-on, so no one needs to know which method issued it.
+naming the collective, the offending argument and what is accepted. The checks are those of the
+group's kind (`group_kind`, a process_group.GroupKind): its tensors live on its `device_type`,
+and its `name` starts each error ("bccl: ..."; "gloo: ..." in a planned rank's gloo groups).
+Nothing has reached a peer when a check raises. The record then names the call for everyone who
+reports it (the planner's recorder, the profiler, the stream and memory checkers) and for the
+signature that ranks agree on, so no one needs to know which method issued it.
 """
 
 from typing import List, NamedTuple, Optional, Sequence
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import host_memory
+from supa_emu import process_state
 
 _RedOp = dist.ReduceOp.RedOpType
 
@@ -50,12 +52,13 @@ POINT_TO_POINT = frozenset({"send", "recv"})  # not agreed on, not numbered: pee
 
 
 class Collective:
-    """One call: `op` (a key of OPERATIONS), the device tensors it reads (`inputs`) and writes
+    """One call: `op` (a key of OPERATIONS), the group's tensors it reads (`inputs`) and writes
     (`outputs`; a tensor in both is updated in place), and what the op needs besides:
 
-    - `reduce_op`: the ReduceOp as given (a PREMUL_SUM carries its factor), `kind` its checked RedOpType;
+    - `reduce_op`: the ReduceOp as given (a PREMUL_SUM carries its factor, which the transport
+      applies: host_memory.contribution), `kind` its checked RedOpType;
     - `root`: the root rank of broadcast, reduce, gather and scatter (-1 for the others);
-    - `options`: c10d's options object of the call (its timeout; passed on to gloo);
+    - `options`: c10d's options object of the call (its timeout; the transport passes it on);
     - `results`: what the work's result() returns (the outputs unless said otherwise);
     - `peer`, `tag`: of send and recv (peer None: a receive from any source);
     - `counts`: elements sent to and received from each rank by an all-to-all, `splits`: the
@@ -80,148 +83,142 @@ class Collective:
     def operation(self) -> Operation:
         return OPERATIONS[self.op]
 
-    def contribution(self, view: torch.Tensor, in_place: bool) -> torch.Tensor:
-        """What this rank contributes to the reduction from host `view` (see premultiplied)."""
-        return view if self.kind != _RedOp.PREMUL_SUM else premultiplied(view, self.reduce_op, in_place)
-
     def accesses(self) -> List[tuple]:
-        """(tensor, read, write) of every device tensor of the call, outputs first."""
+        """(tensor, read, write) of every tensor of the call, outputs first."""
         inputs, outputs = self.inputs, self.outputs
         written = [(t, any(t is i for i in inputs), True) for t in outputs]
         return written + [(t, True, False) for t in inputs if not any(t is o for o in outputs)]
 
-    def tensors(self) -> list:
-        """The device tensors of the call, which must outlive the transport's use of their memory."""
-        return [*self.inputs, *self.outputs]
-
 
 # ---- the records of the c10d entry points ------------------------------------------------------
-def all_reduce(tensors, opts) -> Collective:
+def all_reduce(group_kind, tensors, opts) -> Collective:
     """`opts` may be AllreduceOptions or a bare ReduceOp (or None)."""
     if not isinstance(opts, dist.AllreduceOptions):
         op, opts = opts, dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM if op is None else op
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
-    tensor = single(tensors, "input")
-    kind = check_reduction(opts.reduceOp, tensor.dtype)
+    tensor = single(group_kind, tensors, "input")
+    kind = check_reduction(group_kind, opts.reduceOp, tensor.dtype)
     return Collective("all_reduce", [tensor], [tensor], opts, opts.reduceOp, kind)
 
 
-def all_reduce_coalesced(tensors, opts) -> Collective:
+def all_reduce_coalesced(group_kind, tensors, opts) -> Collective:
     opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-    require_device(tensors, "input")
+    require_device(group_kind, tensors, "input")
     for tensor in tensors:
-        check_reduction(opts.reduceOp, tensor.dtype)
+        check_reduction(group_kind, opts.reduceOp, tensor.dtype)
     return Collective("all_reduce_coalesced", tensors, tensors, opts, opts.reduceOp, reduce_kind(opts.reduceOp))
 
 
-def reduce(tensors, opts, rank: int) -> Collective:
+def reduce(group_kind, tensors, opts, rank: int) -> Collective:
     opts = opts if opts is not None else dist.ReduceOptions()
-    tensor = single(tensors, "input")
-    kind = check_reduction(opts.reduceOp, tensor.dtype)
+    tensor = single(group_kind, tensors, "input")
+    kind = check_reduction(group_kind, opts.reduceOp, tensor.dtype)
     # Only the root's tensor receives the result; elsewhere it is read and left intact.
     written = [tensor] if rank == opts.rootRank else []
     return Collective("reduce", [tensor], written, opts, opts.reduceOp, kind, opts.rootRank, results=[tensor])
 
 
-def broadcast(tensors, opts, rank: int) -> Collective:
+def broadcast(group_kind, tensors, opts, rank: int) -> Collective:
     """`opts` may be BroadcastOptions or a bare root rank (or None)."""
     if not isinstance(opts, dist.BroadcastOptions):
         root, opts = opts, dist.BroadcastOptions()
         opts.rootRank = 0 if root is None else root
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
-    tensor = single(tensors, "tensor")
+    tensor = single(group_kind, tensors, "tensor")
     return Collective("broadcast", [tensor] if rank == opts.rootRank else [], [tensor], opts, root=opts.rootRank)
 
 
-def all_gather(output_lists, inputs, opts, size: int, rank: int) -> Collective:
+def all_gather(group_kind, output_lists, inputs, opts, size: int, rank: int) -> Collective:
     """The list form: one input, one output per rank."""
     opts = opts if opts is not None else AllgatherOptions()
-    input = single(inputs, "input")
-    outputs = per_rank_list(output_lists, size, "all_gather", "output")
-    check_chunk(input, outputs[rank], "all_gather", "input", "output list entry")
+    input = single(group_kind, inputs, "input")
+    outputs = per_rank_list(group_kind, output_lists, size, "all_gather", "output")
+    check_chunk(group_kind, input, outputs[rank], "all_gather", "input", "output list entry")
     for output in outputs:
-        check_dtypes(output, input, "all_gather")
+        check_dtypes(group_kind, output, input, "all_gather")
     return Collective("all_gather", [input], outputs, opts)
 
 
-def all_gather_into_tensor(outputs, inputs, opts, size: int, op: str = "all_gather_into_tensor") -> Collective:
+def all_gather_into_tensor(group_kind, outputs, inputs, opts, size: int,
+                           op: str = "all_gather_into_tensor") -> Collective:
     """Pairs of an output and an input `size` times smaller (the coalesced form: several)."""
     opts = opts if opts is not None else AllgatherOptions()
-    for output, input in pairs(outputs, inputs, op):
-        check_pair(output, input, size, op, gather=True)
+    for output, input in pairs(group_kind, outputs, inputs, op):
+        check_pair(group_kind, output, input, size, op, gather=True)
     return Collective(op, inputs, outputs, opts)
 
 
-def gather(output_lists, inputs, opts, size: int, rank: int) -> Collective:
+def gather(group_kind, output_lists, inputs, opts, size: int, rank: int) -> Collective:
     opts = opts if opts is not None else dist.GatherOptions()
-    input = single(inputs, "input")
-    outputs = root_list(output_lists, rank == opts.rootRank, input, size, "gather", "output")
+    input = single(group_kind, inputs, "input")
+    outputs = root_list(group_kind, output_lists, rank == opts.rootRank, input, size, "gather", "output")
     return Collective("gather", [input], outputs, opts, root=opts.rootRank)
 
 
-def scatter(outputs, input_lists, opts, size: int, rank: int) -> Collective:
+def scatter(group_kind, outputs, input_lists, opts, size: int, rank: int) -> Collective:
     opts = opts if opts is not None else dist.ScatterOptions()
-    output = single(outputs, "output")
-    inputs = root_list(input_lists, rank == opts.rootRank, output, size, "scatter", "input")
+    output = single(group_kind, outputs, "output")
+    inputs = root_list(group_kind, input_lists, rank == opts.rootRank, output, size, "scatter", "input")
     return Collective("scatter", inputs, [output], opts, root=opts.rootRank)
 
 
-def reduce_scatter(outputs, input_lists, opts, size: int, rank: int) -> Collective:
+def reduce_scatter(group_kind, outputs, input_lists, opts, size: int, rank: int) -> Collective:
     """The list form: one output, one input per rank."""
     opts = opts if opts is not None else dist.ReduceScatterOptions()
-    output = single(outputs, "output")
-    inputs = per_rank_list(input_lists, size, "reduce_scatter", "input")
-    check_chunk(output, inputs[rank], "reduce_scatter", "output", "input list entry")
-    kind = check_reduction(opts.reduceOp, output.dtype)
+    output = single(group_kind, outputs, "output")
+    inputs = per_rank_list(group_kind, input_lists, size, "reduce_scatter", "input")
+    check_chunk(group_kind, output, inputs[rank], "reduce_scatter", "output", "input list entry")
+    kind = check_reduction(group_kind, opts.reduceOp, output.dtype)
     return Collective("reduce_scatter", inputs, [output], opts, opts.reduceOp, kind)
 
 
-def reduce_scatter_tensor(outputs, inputs, opts, size: int, op: str = "reduce_scatter_tensor") -> Collective:
+def reduce_scatter_tensor(group_kind, outputs, inputs, opts, size: int,
+                          op: str = "reduce_scatter_tensor") -> Collective:
     """Pairs of an output and an input `size` times larger (the coalesced form: several)."""
     opts = opts if opts is not None else dist.ReduceScatterOptions()
-    for output, input in pairs(outputs, inputs, op):
-        check_pair(output, input, size, op, gather=False)
-    kind = check_reduction(opts.reduceOp, outputs[0].dtype) if outputs else reduce_kind(opts.reduceOp)
+    for output, input in pairs(group_kind, outputs, inputs, op):
+        check_pair(group_kind, output, input, size, op, gather=False)
+    kind = check_reduction(group_kind, opts.reduceOp, outputs[0].dtype) if outputs else reduce_kind(opts.reduceOp)
     return Collective(op, inputs, outputs, opts, opts.reduceOp, kind)
 
 
-def all_to_all(outputs, inputs, opts, size: int) -> Collective:
+def all_to_all(group_kind, outputs, inputs, opts, size: int) -> Collective:
     """The list form: one input and one output per rank, pairwise of one dtype."""
     opts = opts if opts is not None else dist.AllToAllOptions()
     if len(outputs) != size or len(inputs) != size:
-        raise ValueError(f"bccl: all_to_all needs {size} input and output tensors")
-    require_device(outputs, "output")
-    require_device(inputs, "input")
+        raise ValueError(f"{group_kind.name}: all_to_all needs {size} input and output tensors")
+    require_device(group_kind, outputs, "output")
+    require_device(group_kind, inputs, "input")
     for output, input in zip(outputs, inputs):
-        check_dtypes(output, input, "all_to_all")
+        check_dtypes(group_kind, output, input, "all_to_all")
     return Collective("all_to_all", inputs, outputs, opts, counts=(numel(inputs), numel(outputs)))
 
 
-def all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts, size: int) -> Collective:
+def all_to_all_single(group_kind, output, input, output_split_sizes, input_split_sizes, opts, size: int) -> Collective:
     opts = opts if opts is not None else dist.AllToAllOptions()
-    require_device([output], "output")
-    require_device([input], "input")
-    check_dtypes(output, input, "all_to_all_single")
-    send = split_counts(input, input_split_sizes, size, "input")
-    receive = split_counts(output, output_split_sizes, size, "output")
+    require_device(group_kind, [output], "output")
+    require_device(group_kind, [input], "input")
+    check_dtypes(group_kind, output, input, "all_to_all_single")
+    send = split_counts(group_kind, input, input_split_sizes, size, "input")
+    receive = split_counts(group_kind, output, output_split_sizes, size, "output")
     return Collective("all_to_all_single", [input], [output], opts, counts=(send, receive),
                       splits=(list(output_split_sizes), list(input_split_sizes)))
 
 
-def barrier(opts) -> Collective:
+def barrier(group_kind, opts) -> Collective:
     return Collective("barrier", [], [], opts if opts is not None else dist.BarrierOptions())
 
 
-def send(tensors, peer: int, tag: int) -> Collective:
-    return Collective("send", [single(tensors, "tensor")], [], peer=peer, tag=tag)
+def send(group_kind, tensors, peer: int, tag: int) -> Collective:
+    return Collective("send", [single(group_kind, tensors, "tensor")], [], peer=peer, tag=tag)
 
 
-def recv(tensors, peer: Optional[int], tag: int) -> Collective:
+def recv(group_kind, tensors, peer: Optional[int], tag: int) -> Collective:
     """`peer` None: from any source."""
-    return Collective("recv", [], [single(tensors, "tensor")], peer=peer, tag=tag)
+    return Collective("recv", [], [single(group_kind, tensors, "tensor")], peer=peer, tag=tag)
 
 
 # ---- the checks ------------------------------------------------------------------------------
@@ -229,21 +226,21 @@ def numel(tensors: Sequence[torch.Tensor]) -> List[int]:
     return [t.numel() for t in tensors]
 
 
-def require_device(tensors: Sequence[torch.Tensor], role: str) -> None:
+def require_device(group_kind, tensors: Sequence[torch.Tensor], role: str) -> None:
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"bccl: {role} must be tensors, got {type(tensor).__name__}")
-        if not host_memory.is_device_tensor(tensor) or tensor.layout != torch.strided:
+            raise TypeError(f"{group_kind.name}: {role} must be tensors, got {type(tensor).__name__}")
+        if tensor.device.type != group_kind.device_type or tensor.layout != torch.strided:
             raise ValueError(
-                f"bccl: tensors must be {host_memory.DEVICE_TYPE} and dense; the {role} is a "
+                f"{group_kind.name}: tensors must be {group_kind.device_type} and dense; the {role} is a "
                 f"{tensor.layout} tensor on device '{tensor.device}'"
             )
 
 
-def single(tensors: Sequence[torch.Tensor], role: str) -> torch.Tensor:
+def single(group_kind, tensors: Sequence[torch.Tensor], role: str) -> torch.Tensor:
     if len(tensors) != 1:
-        raise ValueError(f"bccl: expects exactly one {role} tensor per call, got {len(tensors)}")
-    require_device(tensors, role)
+        raise ValueError(f"{group_kind.name}: expects exactly one {role} tensor per call, got {len(tensors)}")
+    require_device(group_kind, tensors, role)
     return tensors[0]
 
 
@@ -264,29 +261,30 @@ PREMUL_FACTOR_DTYPES = {
 }
 
 
-def check_reduction(op, dtype: torch.dtype) -> _RedOp:
+def check_reduction(group_kind, op, dtype: torch.dtype) -> _RedOp:
     """The kind of reduction `op` (a ReduceOp or RedOpType) names, checked for inputs of `dtype`;
     a PREMUL_SUM's factor is checked too (premul_factor)."""
     kind = reduce_kind(op)
     if kind == _RedOp.PREMUL_SUM:
         if dtype not in PREMUL_FACTOR_DTYPES:
-            raise TypeError(f"bccl: PreMulSum Data type must be half, float, bfloat16 or double, got {dtype}")
-        premul_factor(op, dtype)
+            raise TypeError(
+                f"{group_kind.name}: PreMulSum Data type must be half, float, bfloat16 or double, got {dtype}")
+        premul_factor(group_kind, op, dtype)
     elif kind == _RedOp.AVG and dtype == torch.bool:
-        raise ValueError("bccl: ReduceOp.AVG is not defined for torch.bool")
+        raise ValueError(f"{group_kind.name}: ReduceOp.AVG is not defined for torch.bool")
     return kind
 
 
-def premul_factor(op, dtype: torch.dtype):
+def premul_factor(group_kind, op, dtype: torch.dtype):
     """The factor of PREMUL_SUM reduction `op` for inputs of `dtype`: a Python number, or a
     one-element device tensor of the dtype NCCL reads it as (PREMUL_FACTOR_DTYPES)."""
     factor = getattr(op, "factor", None)
     if factor is None:
-        raise ValueError("bccl: ReduceOp.PREMUL_SUM needs a factor: pass ReduceOp.PREMUL_SUM(factor) "
+        raise ValueError(f"{group_kind.name}: ReduceOp.PREMUL_SUM needs a factor: pass ReduceOp.PREMUL_SUM(factor) "
                          "(a number or a one-element device tensor)")
     if isinstance(factor, torch.Tensor):
-        if not host_memory.is_device_tensor(factor):
-            raise ValueError(f"bccl: a PREMUL_SUM tensor factor must live on {host_memory.DEVICE_TYPE} "
+        if factor.device.type != group_kind.device_type:
+            raise ValueError(f"{group_kind.name}: a PREMUL_SUM tensor factor must live on {group_kind.device_type} "
                              f"(the card reads it), got a tensor on '{factor.device}'")
         expected = PREMUL_FACTOR_DTYPES[dtype]
         if factor.dtype != expected:
@@ -296,101 +294,87 @@ def premul_factor(op, dtype: torch.dtype):
     return factor
 
 
-def premultiplied(contribution: torch.Tensor, op, in_place: bool) -> torch.Tensor:
-    """What a rank contributes to a reduction by `op`, on host memory: a PREMUL_SUM's contribution
-    times its factor (in place for a buffer the result overwrites; the ranks then SUM), any other
-    as it is."""
-    if reduce_kind(op) != _RedOp.PREMUL_SUM:
-        return contribution
-    factor = premul_factor(op, contribution.dtype)
-    if isinstance(factor, torch.Tensor):
-        factor = host_memory.host_view(factor).item()
-    if contribution.dtype == torch.float16:
-        factor = float(torch.tensor(factor, dtype=torch.float16))  # NCCL takes a half factor for half inputs
-    # A Python number multiplies in the dtype's compute type (float for half and bfloat16), as
-    # NCCL's premultiplication does, with one rounding to the dtype.
-    return torch.mul(contribution, factor, out=contribution if in_place else None)
-
-
 def _scalar_type_name(dtype: torch.dtype) -> str:
     return {torch.float16: "Half", torch.float32: "Float", torch.bfloat16: "BFloat16",
             torch.float64: "Double"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def check_dtypes(a: torch.Tensor, b: torch.Tensor, operation: str) -> None:
+def check_dtypes(group_kind, a: torch.Tensor, b: torch.Tensor, operation: str) -> None:
     if a.dtype != b.dtype:
-        raise TypeError(f"bccl: {operation} tensors must share a dtype, got {a.dtype} and {b.dtype}")
+        raise TypeError(f"{group_kind.name}: {operation} tensors must share a dtype, got {a.dtype} and {b.dtype}")
 
 
-def check_pair(output: torch.Tensor, input: torch.Tensor, size: int, op: str, gather: bool) -> None:
+def check_pair(group_kind, output: torch.Tensor, input: torch.Tensor, size: int, op: str, gather: bool) -> None:
     """One output/input pair of an all_gather (gather=True) or a reduce_scatter: device tensors of
     one dtype, the output (of a gather; else the input) holding `size` times the other's elements."""
-    if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor) and host_memory.plain_pair(
+    if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor) and process_state.core()._plain_pair(
             output, input, size, gather):
         return  # the common case (contiguous), in one native call
-    require_device([output], "output")
-    require_device([input], "input")
+    require_device(group_kind, [output], "output")
+    require_device(group_kind, [input], "input")
     larger, smaller = (output, input) if gather else (input, output)
     if larger.numel() != smaller.numel() * size:
         raise ValueError(
-            f"bccl: {op} needs output numel == input numel x group size ({size}) "
+            f"{group_kind.name}: {op} needs output numel == input numel x group size ({size}) "
             f"(or the reverse for reductions); got input {tuple(input.shape)} and output {tuple(output.shape)}"
         )
-    check_dtypes(output, input, op)
+    check_dtypes(group_kind, output, input, op)
 
 
-def check_chunk(mine: torch.Tensor, entry: torch.Tensor, operation: str, mine_role: str, entry_role: str) -> None:
+def check_chunk(group_kind, mine: torch.Tensor, entry: torch.Tensor, operation: str, mine_role: str,
+                entry_role: str) -> None:
     if mine.numel() != entry.numel():
         raise ValueError(
-            f"bccl: {operation} {mine_role} {tuple(mine.shape)} does not match this rank's "
+            f"{group_kind.name}: {operation} {mine_role} {tuple(mine.shape)} does not match this rank's "
             f"{entry_role} {tuple(entry.shape)}"
         )
-    check_dtypes(mine, entry, operation)
+    check_dtypes(group_kind, mine, entry, operation)
 
 
-def pairs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], operation: str):
+def pairs(group_kind, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], operation: str):
     """The (output, input) pairs of a tensor-list collective, which takes as many of each."""
     if len(outputs) != len(inputs):
         raise ValueError(
-            f"bccl: {operation} needs as many output as input tensors, got {len(outputs)} and {len(inputs)}")
+            f"{group_kind.name}: {operation} needs as many output as input tensors, got {len(outputs)} and {len(inputs)}")
     return zip(outputs, inputs)
 
 
-def per_rank_list(lists, size: int, operation: str, role: str) -> List[torch.Tensor]:
+def per_rank_list(group_kind, lists, size: int, operation: str, role: str) -> List[torch.Tensor]:
     """The one list of `size` device tensors that all_gather / reduce_scatter take."""
     if len(lists) != 1 or len(lists[0]) != size:
-        raise ValueError(f"bccl: {operation} needs one {role} list of {size} tensors")
-    require_device(lists[0], role)
+        raise ValueError(f"{group_kind.name}: {operation} needs one {role} list of {size} tensors")
+    require_device(group_kind, lists[0], role)
     return lists[0]
 
 
-def root_list(lists, is_root: bool, mine: torch.Tensor, size: int, operation: str, role: str) -> List[torch.Tensor]:
+def root_list(group_kind, lists, is_root: bool, mine: torch.Tensor, size: int, operation: str,
+              role: str) -> List[torch.Tensor]:
     """The root's per-rank tensors of gather/scatter, each checked against this rank's tensor
     (none elsewhere)."""
     if not is_root:
         return []
     if len(lists) != 1 or len(lists[0]) != size:
-        raise ValueError(f"bccl: {operation} needs one {role} list of {size} tensors on the root")
+        raise ValueError(f"{group_kind.name}: {operation} needs one {role} list of {size} tensors on the root")
     entries = lists[0]
-    require_device(entries, role)
+    require_device(group_kind, entries, role)
     for entry in entries:
-        check_chunk(mine, entry, operation, "tensor", f"{role} list entry")
+        check_chunk(group_kind, mine, entry, operation, "tensor", f"{role} list entry")
     return entries
 
 
-def split_counts(tensor: torch.Tensor, split_sizes, size: int, role: str) -> List[int]:
+def split_counts(group_kind, tensor: torch.Tensor, split_sizes, size: int, role: str) -> List[int]:
     """Elements all_to_all_single exchanges with each rank, from split sizes along dim 0 (equal split if none)."""
     rows = tensor.shape[0] if tensor.dim() else 1
     row = tensor.numel() // rows if rows else 0
     if not split_sizes:
         if rows % size:
             raise ValueError(
-                f"bccl: all_to_all_single {role} dim 0 ({rows}) is not divisible by the group size ({size})"
+                f"{group_kind.name}: all_to_all_single {role} dim 0 ({rows}) is not divisible by the group size ({size})"
             )
         return [rows // size * row] * size
     if len(split_sizes) != size or sum(split_sizes) != rows:
         raise ValueError(
-            f"bccl: all_to_all_single {role} split sizes {list(split_sizes)} do not cover dim 0 "
+            f"{group_kind.name}: all_to_all_single {role} split sizes {list(split_sizes)} do not cover dim 0 "
             f"({rows}) in {size} parts"
         )
     return [s * row for s in split_sizes]

@@ -1,18 +1,21 @@
-"""Host-memory access to emulated device tensors: the one seam between bccl and the native core.
+"""Host-memory access to a group's tensors, for the transports: the one seam between them and the native core.
 
-An emulated card keeps its memory in host RAM, so gloo can read and write a device tensor's bytes
-through a CPU tensor that aliases them. Everything in this package reaches device memory through
-`host_view()` and asks `is_device_tensor()` which tensors it may accept; nothing else here knows
-how the alias is made. `HostCall` gathers one call's views and stages the layouts a transport
-cannot address in place (non-contiguous tensors) through contiguous host buffers.
+An emulated card keeps its memory in host RAM, so a transport can read and write a device
+tensor's bytes through a CPU tensor that aliases them (a host tensor is its own). The transports
+reach tensor memory through `host_view()` only; nothing else knows how the alias is made.
+`HostCall` gathers one call's views and stages the layouts a transport cannot address in place
+(non-contiguous tensors) through contiguous host buffers; `contribution` is what a rank adds to
+a reduction, computed on those views.
 """
 
 from typing import Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from supa_emu import process_state
-from supa_emu.device_type import DEVICE_TYPE
+
+_RedOp = dist.ReduceOp.RedOpType
 
 
 def host_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -21,13 +24,9 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     Writes through the view are visible on `tensor`; the caller keeps `tensor` alive while the
     view is in use, since the view does not own the memory.
     """
+    if tensor.device.type == "cpu":
+        return tensor.detach()  # collectives write their outputs outside autograd, as c10d's do
     return process_state.core()._host_view(tensor)
-
-
-def plain_pair(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool) -> bool:
-    """Whether `output` and `input` are the plain case of plain_pair_operands, checked natively
-    (a fraction of the Python checks' cost)."""
-    return process_state.core()._plain_pair(output, input, group_size, gather)
 
 
 def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: int, gather: bool):
@@ -40,34 +39,21 @@ def plain_pair_operands(output: torch.Tensor, input: torch.Tensor, group_size: i
     return process_state.core()._pair_operands(output, input, group_size, gather)
 
 
-def start_all_gather(gloo, output: torch.Tensor, input: torch.Tensor, options):
-    """gloo's work gathering flat CPU `input` from every rank into flat CPU `output`, by one
-    all-to-all the native core sets up (csrc/bccl/all_gather.h)."""
-    return process_state.core()._start_all_gather(gloo, output, input, options)
-
-
-def launch_all_gather(board, k: int, signature: List[int], head: int, gloo, output, input, options):
-    """The launcher of an all_gather_into_tensor for signatures.Agreement.launch: checks that
-    `output` and `input` are plain (as plain_pair_operands), posts `signature` as collective k on
-    the native `board` and, if it may start, starts it as start_all_gather, all in one native call.
-    None if the operands are not plain (nothing posted), else (board status, gloo's work or None)."""
-    return process_state.core()._launch_all_gather(board, k, signature, head, gloo, output, input, options)
-
-
-def replicated(source: torch.Tensor, copies: int) -> torch.Tensor:
-    """A flat CPU buffer holding `copies` copies of contiguous CPU `source` (plain memcpy: PyTorch's
-    copy may go parallel, which costs milliseconds when ranks share few cores)."""
-    rows = torch.empty(copies * source.numel(), dtype=source.dtype)
-    process_state.core()._copy_rows(rows, source)
-    return rows
-
-
-def is_device_tensor(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == DEVICE_TYPE
-
-
-def device() -> torch.device:
-    return torch.device(DEVICE_TYPE)
+def contribution(view: torch.Tensor, reduce_op, kind: _RedOp, in_place: bool) -> torch.Tensor:
+    """What a rank contributes to a reduction from host `view`: for PREMUL_SUM (`kind`), the view
+    times the factor of `reduce_op` (checked by the record), in the view's dtype as NCCL
+    premultiplies (in place for a buffer the result overwrites; the ranks then SUM); any other
+    reduction's contribution is the view itself."""
+    if kind != _RedOp.PREMUL_SUM:
+        return view
+    factor = reduce_op.factor
+    if isinstance(factor, torch.Tensor):
+        factor = host_view(factor).item()
+    if view.dtype == torch.float16:
+        factor = float(torch.tensor(factor, dtype=torch.float16))  # NCCL takes a half factor for half inputs
+    # A Python number multiplies in the dtype's compute type (float for half and bfloat16), as
+    # NCCL's premultiplication does, with one rounding to the dtype.
+    return torch.mul(view, factor, out=view if in_place else None)
 
 
 class HostCall:

@@ -1,5 +1,8 @@
 """bccl's collectives in profiler traces, named as c10d names NCCL's (`bccl:all_reduce`, ...; collective.OPERATIONS).
 
+A group of another kind names its ranges after its backend (`gloo:all_reduce` in a planned
+rank's gloo groups, as c10d's gloo backend names them).
+
 c10d's own backends open a profiler range when a collective is issued and close it when the
 collective completes, on the thread that completes it, so the trace shows the collective as an
 asynchronous event (DDP's profiling, torch's tests and trace tools look for these names). bccl
@@ -17,12 +20,13 @@ import torch
 import torch.distributed as dist
 
 
-def record(call, parts: Sequence[dist.Work]) -> None:
+def record(backend: str, call, parts: Sequence[dist.Work]) -> None:
     """While a profiler records: the range of collective `call` (collective.Collective) just
-    issued, closed once every gloo part of it has completed (parts without futures, or none: at once)."""
+    issued on a group of `backend`, closed once every part of it has completed (parts without
+    futures, or none: at once)."""
     if not torch.autograd.profiler._is_profiler_enabled:
         return
-    opened = torch.ops.profiler._record_function_enter_new(f"bccl:{call.operation.profiled_as}", None)
+    opened = torch.ops.profiler._record_function_enter_new(f"{backend}:{call.operation.profiled_as}", None)
     try:
         futures = [part.get_future() for part in parts]
     except RuntimeError:

@@ -1,10 +1,12 @@
 """The seam between ProcessGroupBCCL and what carries its calls: the part a different world replaces.
 
 The group checks each call and describes it in one record (collective.py); its transport carries
-it. Between real ranks that is gloo (gloo_transport.py). The planner, whose world has one real
-rank, installs its own (supa_emu.distributed.install_transport). A transport method takes the
-checked record and returns the call's work, started; it never checks operands again, and it
-reports nothing: the group names the call to the profiler, the checkers and the watchers.
+it. Between real ranks that is gloo (the gloo/ package, registered as bccl's transport by
+supa_emu.distributed.register). The planner, whose world has one real rank, installs its own
+(supa_emu.distributed.install_transport). A transport method takes the checked record and
+returns the call's work, started; it never checks operands again, and it reports nothing: the
+group names the call to the profiler, the checkers and the watchers. Transports reach the
+tensors' memory through host_memory.py.
 """
 
 import abc
@@ -85,9 +87,9 @@ class Transport(abc.ABC):
 
     # ---- the group's life ------------------------------------------------------------------------
     @abc.abstractmethod
-    def agree_on_split(self, store: dist.Store, prefix: str, members: Optional[List[int]]) -> None:
-        """This rank joins subgroup `members` (None: none) of a split: raise ValueError on every
-        rank unless the subgroups all ranks join fit together (c10d_backend.check_split)."""
+    def exchange_split(self, store: dist.Store, prefix: str, members: Optional[List[int]]) -> List[Optional[List[int]]]:
+        """This rank joins subgroup `members` (None: none) of a split: post it, and return what every
+        rank of the group posted, by rank (the group checks that they fit together)."""
 
     @abc.abstractmethod
     def close(self, how: str, error: dist.DistBackendError) -> None:

@@ -1,9 +1,10 @@
-"""Completion handle of a bccl operation: waits for its gloo parts, then runs its epilogue once.
+"""Completion handle of a bccl operation: waits for its transport's parts, then runs its epilogue once.
 
-A bccl operation is one or more gloo operations on host views plus, when gloo could not do the
-whole job, an epilogue (copy a staged result back, divide a sum into an average, unpack a packed
-exchange). `wait()` waits for the parts in the caller's thread and runs the epilogue there, which
-keeps a collective's latency at gloo's own; a future (`get_future()`, used by DDP-style hooks and
+A bccl operation is the operations its transport started (gloo's, between real ranks; none in a
+planned rank) plus, when they could not do the whole job, an epilogue (copy a staged result back,
+divide a sum into an average, unpack a packed exchange). `wait()` waits for the parts in the
+caller's thread and runs the epilogue there, which keeps a collective's latency at the
+transport's own; a future (`get_future()`, used by DDP-style hooks and
 by C++ callers through the process-group trampoline) is built only when asked for, chained on the
 parts' futures so it completes, epilogue included, without anyone calling wait().
 
@@ -14,6 +15,9 @@ methods only while the Python object lives; without it the call lands in c10d's 
 or asked for its future keeps itself alive (`__del__`) until one of those happens, among the most
 recent `_Orphans.LIMIT` such works (a program that never waits for its async collectives must not
 keep their tensors forever).
+
+A transport whose parts need more (the gloo transport checks its peers' signatures and hands its
+parts back to gloo's keeper: gloo/work.py) subclasses this handle through its three hooks.
 """
 
 import collections
@@ -25,8 +29,6 @@ import torch
 import torch.distributed as dist
 
 from supa_emu.supa import _sanitizer_switch as _sanitizer
-
-from . import gloo_handoff
 
 
 class _Orphans:
@@ -59,18 +61,12 @@ class BCCLWork(dist.Work):
         epilogue: Optional[Callable[[], None]] = None,
         outputs: Sequence[torch.Tensor] = (),
         keep_alive: Sequence[object] = (),
-        agreement=None,
-        ticket=None,
     ):
         super().__init__()
-        # A collective that started before every peer had posted its signature (see
-        # signatures.Agreement) is checked against them here, before and after waiting for gloo.
-        self._agreement, self._ticket = agreement, ticket
         self._parts = list(parts)
-        self._keeps_parts = False  # True: a recv from any source, whose gloo part knows the sender
         self._epilogue = epilogue
         self._outputs = list(outputs)
-        # The host views do not own device memory: the device tensors must outlive gloo's use.
+        # The host views do not own device memory: the device tensors must outlive the parts' use.
         self._keep_alive = keep_alive
         # Re-entrant: a future whose parts already finished runs its callback inline, under the lock.
         self._lock = threading.RLock()
@@ -104,48 +100,40 @@ class BCCLWork(dist.Work):
             raise self._error
         return self._outputs
 
-    def abandon(self, error: BaseException) -> None:
-        """The group closed (abort, shutdown) before this work completed: it fails with `error` now,
-        as NCCL's pending works do, instead of waiting for gloo, which may never finish it. gloo's
-        parts keep the device tensors they may still write into (gloo_handoff)."""
-        with self._lock:
-            if self._done or all(part.is_completed() for part in self._parts):
-                return  # finished before the group closed: its outcome stands
-            gloo_handoff.keep_with(self._parts, self._keep_alive)
-            self._parts = []
-            self._ticket = None
-            self._fail(error)
+    # ---- what a transport's works add (gloo/work.py) ----------------------------------------------
+    def _check_peers(self, limit: Optional[datetime.timedelta]) -> Optional[BaseException]:
+        """Before the parts are waited for (at most `limit` when given): an error the peers' side
+        makes this work's outcome, or None."""
+        return None
 
+    def _peers_known(self) -> bool:
+        """Whether `_check_peers` would not wait (never waits; records an error it found)."""
+        return True
+
+    def _wait_parts(self, limit: Optional[datetime.timedelta]) -> None:
+        for part in self._parts:
+            if limit is not None:
+                part.wait(limit)
+            else:
+                part.wait()
+
+    def _parts_waited(self) -> None:
+        """The parts completed and were waited for: let go of them."""
+        self._parts = []
+
+    # ---- c10d's Work -----------------------------------------------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self._waited = True  # an orphan stays adopted: a C++ holder may ask for the future next
         if self._done and self._error is not None:
             raise self._error
-        # The peers' signatures first: a dead or stalled peer is reported as such, not as gloo's hang.
         # A positive timeout bounds this call's waits, as NCCL's wait(timeout) does; zero means the group's.
         limit = timeout if timeout and timeout > datetime.timedelta(0) else None
-        mismatch = self._agreement.settle(self._ticket, limit) if self._ticket is not None else None
-        try:
-            for part in self._parts:
-                if limit is not None:
-                    part.wait(limit)
-                else:
-                    part.wait()
-        except RuntimeError as error:
-            if isinstance(error, dist.DistError):
-                raise
-            # gloo reports a timed-out or broken connection as a plain RuntimeError; NCCL (and so
-            # code written for it) raises DistBackendError.
-            raise dist.DistBackendError(f"bccl: {error}") from error
-        if mismatch is not None:
-            self._fail(mismatch)  # the outputs hold what a stand-in sent: not a result
+        failure = self._check_peers(limit)
+        self._wait_parts(limit)
+        if failure is not None:
+            self._fail(failure)  # the outputs hold what a stand-in sent: not a result
         self._complete()
-        if self._keeps_parts:
-            gloo_handoff.release_finished()
-        else:
-            # The parts are done: the device memory their views keep goes back now, at this point
-            # of the program, rather than when gloo, a later collective or this handle lets go.
-            parts, self._parts = self._parts, []
-            gloo_handoff.release_now(parts)
+        self._parts_waited()
         sanitizer = _sanitizer.active()
         if sanitizer is not None:
             sanitizer.work_waited(self)
@@ -156,19 +144,10 @@ class BCCLWork(dist.Work):
             if not self._done:
                 self._error, self._done, self._epilogue, self._keep_alive = error, True, None, ()
 
-    def _mismatch_known(self) -> bool:
-        """Whether the agreement check is settled (never waits); records a mismatch it found."""
-        if self._ticket is None:
-            return True
-        known, mismatch = self._agreement.settled_error(self._ticket)
-        if mismatch is not None:
-            self._fail(mismatch)
-        return known
-
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if all(part.is_completed() for part in self._parts) and self._mismatch_known():
+        if all(part.is_completed() for part in self._parts) and self._peers_known():
             if self.exception() is None:
                 try:
                     self._complete()
@@ -200,7 +179,7 @@ class BCCLWork(dist.Work):
                 return self._future
             part_futures = _futures_of(self._parts)
             if part_futures is None:
-                # gloo's send/recv offer no future: complete this one by waiting now.
+                # Parts without futures (point-to-point ones may have none): complete this one by waiting now.
                 self._future = torch.futures.Future()
                 waited = self._future
             else:
@@ -215,10 +194,8 @@ class BCCLWork(dist.Work):
 
     def _after_parts(self, gathered) -> List[torch.Tensor]:
         for part_future in gathered.value():
-            part_future.value()  # re-raises the gloo error of a failed part
-        # Runs on a gloo thread, which must not wait for the board. Once gloo finished, every peer
-        # has posted (it posts before it sends), except under a broadcast root: then wait() checks.
-        self._mismatch_known()
+            part_future.value()  # re-raises the error of a failed part
+        self._peers_known()  # runs on the transport's thread, which must not wait
         return self._complete()
 
     def result(self) -> List[torch.Tensor]:
@@ -226,13 +203,6 @@ class BCCLWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
-
-    def _source_rank(self) -> int:
-        # Only meaningful for recv from any source, which is a single gloo part.
-        return self._parts[0]._source_rank()
-
-    def source_rank(self) -> int:
-        return self._source_rank()
 
 
 def _futures_of(parts: Sequence[dist.Work]) -> Optional[List[torch.futures.Future]]:

@@ -5,8 +5,8 @@ Started by the planner with the environment a launcher gives (RANK, WORLD_SIZE, 
 ...) plus SUPA_PLAN_SIMULATE=1, under which activation installed the uniform transport for its
 bccl groups (supa_emu.plan.install). It hosts the rendezvous store itself (as torchrun's agent
 does, TORCHELASTIC_USE_AGENT_STORE), so init_process_group by env:// finds a store and no peer is
-waited for; plays its rank (world.py), gloo groups under the uniform rule too and object
-collectives flagged for the report; records memory and collectives from the first line of the
+waited for; plays its rank (world.py), gloo groups under the uniform rule too (gloo_groups.py) and
+object collectives flagged for the report; records memory and collectives from the first line of the
 script on; runs the script unchanged as __main__ (a module as `python -m` runs it); and writes
 this rank's record (with the failure, if the script failed) to RECORD as JSON. VALUES holds the
 small values roots broadcast, written by the first rank played and read by the others
@@ -88,7 +88,7 @@ def main(argv) -> int:
     import torch.distributed as dist
 
     from supa_emu import process_state
-    from supa_emu.plan import call_record, op_stream, rank_record, uniform_host_group, world
+    from supa_emu.plan import call_record, gloo_groups, op_stream, rank_record, world
 
     host_memory = process_state.config().plan_host_memory
     process_state.core()._limit_host_tensors(host_memory or _available_host_memory())
@@ -99,7 +99,7 @@ def main(argv) -> int:
     os.environ["MASTER_PORT"] = str(store.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     world.play(rank, world_size, values_path)
-    uniform_host_group.install()
+    gloo_groups.install()
     call_record.flag_object_collectives()
 
     failure = None

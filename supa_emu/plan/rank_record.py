@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from supa_emu import distributed, shapes
+from supa_emu.device_type import DEVICE_TYPE
 from supa_emu.plan import call_record
 
 TIMELINE_POINTS = 600
@@ -36,7 +37,9 @@ _sections: list = []
 
 
 class _Recording(distributed.Watcher):
-    """Starts the record at the first bccl group (unless it started before) and counts every collective."""
+    """Starts the record at the first bccl group (unless it started before) and counts every
+    collective on the card (a planned rank's gloo groups issue theirs on host tensors: as a real
+    gloo group's, they are not the card's)."""
 
     def __init__(self, directory: Optional[pathlib.Path]):
         self._directory = directory
@@ -45,7 +48,8 @@ class _Recording(distributed.Watcher):
         _begin(self._directory, rank)
 
     def collective_issued(self, group, call) -> None:
-        call_record.note_call(group.size(), call)
+        if group.kind.device_type == DEVICE_TYPE:
+            call_record.note_call(group.size(), call)
 
 
 def start(directory: Optional[pathlib.Path], rank: Optional[int] = None) -> None:

@@ -1,4 +1,4 @@
-"""The transport of a planned rank's bccl groups: only this rank exists; collectives follow the uniform-rank rule.
+"""The transport of a planned rank's groups: only this rank exists; collectives follow the uniform-rank rule.
 
 The planner's rank process plays rank r of an N-rank world (world.py). Every collective answers
 as if each rank held this rank's data, so shapes, buffers and control flow are those of the real
@@ -8,14 +8,17 @@ the input; a reduce_scatter gives this rank's chunk reduced N times; barrier ret
 broadcast gives a non-root the root's value when it is small and the root was played first
 (world.root_value), else the local one.
 
-The group is bccl's own ProcessGroupBCCL with this transport installed (`install`), so a planned
-call is checked, counted and recorded by the code that checks, counts and records a real one.
-Like the gloo transport, this one moves data through host views of device memory and allocates
-nothing on the card. Where the answer depends on values only other ranks hold (uneven all_to_all
-splits, a scatter's or recv's data), the call is flagged for the report.
+The group is bccl's own ProcessGroupBCCL with this transport: every bccl group of a planned rank
+(`install`), and its gloo groups too, as ("cpu", "gloo", this transport) (gloo_groups.py), so a
+planned call is checked, counted and recorded by the code that checks, counts and records a real
+one, and the rule is written once, here. Like the gloo transport, this one moves data through
+host views of the group's tensors and allocates nothing on the card. Where the answer depends on
+values only other ranks hold (uneven all_to_all splits, a scatter's or recv's data), the call is
+flagged for the report.
 
-In shapes mode a call whose payload is larger than what the card moves there (csrc/aten/shape_only.h,
-card_bytes_move: 64 KiB) moves no data; its outputs keep their contents. That is exact for memory,
+In shapes mode a call whose payload on the card is larger than what the card moves there
+(csrc/aten/shape_only.h, card_bytes_move: 64 KiB) moves no data; its outputs keep their contents
+(host tensors, which shapes mode computes, always move theirs). That is exact for memory,
 since the call allocates nothing on the card whatever it moves, and for control flow: values that
 large were never computed in shapes mode (operators with more than 64 KiB of operands take their
 results from shape rules, which read no values), while the small calls a program branches on
@@ -28,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from supa_emu import distributed, process_state
-from supa_emu.distributed.c10d_backend import check_split
+from supa_emu.device_type import DEVICE_TYPE
 from supa_emu.distributed.collective import Collective
-from supa_emu.distributed.host_memory import HostCall, host_view
+from supa_emu.distributed.host_memory import HostCall, contribution, host_view
 from supa_emu.distributed.transport import Transport
 from supa_emu.distributed.work import BCCLWork
 from supa_emu.plan import call_record, world
@@ -58,8 +61,8 @@ def reduce_uniform(view: torch.Tensor, kind, size: int) -> None:
         raise ValueError(f"bccl: reduction {kind} is not supported")
 
 
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _card_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == DEVICE_TYPE)
 
 
 def flag_uneven(received: List[int], sent: int, operation: str) -> None:
@@ -87,14 +90,15 @@ class UniformTransport(Transport):
 
     def _moves(self, call: Collective) -> bool:
         """Whether the call's data is moved (not in shapes mode above its size limit; see above)."""
-        payload = max(_bytes(call.inputs), _bytes(call.outputs))
+        payload = max(_card_bytes(call.inputs), _card_bytes(call.outputs))
         return self._bytes_move(payload)
 
     def _done(self, call: Collective, host: Optional[HostCall] = None) -> BCCLWork:
-        return BCCLWork([], host.epilogue() if host is not None else None, call.results, call.tensors())
+        epilogue = host.epilogue() if host is not None else None
+        return BCCLWork([], epilogue, call.results, (*call.inputs, *call.outputs))
 
     def _reduced(self, view: torch.Tensor, call: Collective) -> None:
-        reduce_uniform(call.contribution(view, in_place=True), call.kind, self._size)
+        reduce_uniform(contribution(view, call.reduce_op, call.kind, in_place=True), call.kind, self._size)
 
     # ---- reductions ------------------------------------------------------------------------------
     def all_reduce(self, call: Collective) -> BCCLWork:
@@ -220,10 +224,9 @@ class UniformTransport(Transport):
         return self._done(call)
 
     # ---- the group's life ------------------------------------------------------------------------
-    def agree_on_split(self, store: dist.Store, prefix: str, members: Optional[List[int]]) -> None:
-        # Every rank of a uniform world splits as this one does: its own post is all there is to check.
-        if members is not None:
-            check_split([members if r in members else None for r in range(self._size)], self._size)
+    def exchange_split(self, store: dist.Store, prefix: str, members: Optional[List[int]]) -> List[Optional[List[int]]]:
+        # Every rank of a uniform world splits as this one does: each member posts these members.
+        return [members if members is not None and r in members else None for r in range(self._size)]
 
     def close(self, how: str, error: dist.DistBackendError) -> None:
         pass  # no peers to release

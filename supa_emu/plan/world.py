@@ -1,9 +1,9 @@
 """The planned world of this process: which rank of how many it plays, what the ranks played before broadcast.
 
 The planner's rank process (rank_process.py) plays rank r of an N-rank world in which only this
-process exists; the uniform transport and the uniform host group (uniform_transport.py,
-uniform_host_group.py) answer every collective from here. A process that was not started as a
-planned rank (one the script spawns) is refused a group (`admit`).
+process exists; the uniform transport (uniform_transport.py), which carries its bccl and gloo
+groups, answers every collective from here. A process that was not started as a planned rank
+(one the script spawns) is refused a group (`admit`).
 """
 
 import os

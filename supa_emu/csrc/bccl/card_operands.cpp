@@ -5,8 +5,8 @@
 // 64 KiB all_reduce. The reductions themselves stay on PyTorch's CPU kernels (in Python).
 #include "card_operands.h"
 
-#include "../runtime/collective_operands.h"
 #include "../runtime/devices.h"
+#include "../runtime/host_alias.h"
 
 #include <cstring>
 #include <set>

@@ -20,6 +20,7 @@
 #include "generator.h"
 #include "host_alias.h"
 #include "mem_pool.h"
+#include "stream_timeline.h"
 
 #include <ATen/core/GraphImplInterface.h>
 #include <c10/util/Exception.h>
@@ -33,11 +34,13 @@
 namespace supa {
 namespace {
 
+// One launch of the graph: an operator call, or (op empty) time queued on the stream by `_sleep`.
 struct RecordedCall {
-  c10::OperatorHandle op;
+  std::optional<c10::OperatorHandle> op;
   std::vector<c10::IValue> inputs;
   std::vector<c10::IValue> outputs;
   std::vector<CapturedDraw> draws;  // the counters a random call took, in order
+  int64_t stream_work_ns = 0;
 };
 
 class SupaGraph;
@@ -212,12 +215,17 @@ class SupaGraph final : public at::GraphImplInterface {
     // One replay at a time: the recorded stacks are shared, and a card runs a graph's launches in order.
     std::lock_guard<std::mutex> lock(replay_mutex_);
     for (const auto& call : calls_) {
+      if (!call.op) {
+        // A replay launches on the current stream (the stream replay() is called on), as on a card.
+        queue_stream_work(device_, current_stream_id(device_), call.stream_work_ns);
+        continue;
+      }
       std::vector<c10::IValue> stack = with_own_lists(call.inputs);
       std::optional<ReplayedDraws> draws;
       if (!call.draws.empty()) {
         draws.emplace(call.draws);
       }
-      call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), &stack);
+      call.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), &stack);
       for (size_t i = 0; i < call.outputs.size() && i < stack.size(); ++i) {
         write_into(call.outputs[i], stack[i]);
       }
@@ -247,6 +255,10 @@ class SupaGraph final : public at::GraphImplInterface {
     std::vector<c10::IValue> held_outputs = held.hold(outputs);
     std::lock_guard<std::mutex> lock(g_record_mutex);
     calls_.push_back({op, std::move(held_inputs), std::move(held_outputs), std::move(draws)});
+  }
+  void record_stream_work(int64_t ns) {
+    std::lock_guard<std::mutex> lock(g_record_mutex);
+    calls_.push_back({std::nullopt, {}, {}, {}, ns});
   }
 
   bool captures_current_stream() const {
@@ -352,6 +364,15 @@ void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& 
   if (SupaGraph* graph = g_capturing.load()) {
     graph->record(op, inputs, outputs);
   }
+}
+
+bool record_stream_work_in_capture(c10::DeviceIndex device, c10::StreamId stream, int64_t ns) {
+  SupaGraph* graph = g_capturing.load();
+  if (graph == nullptr || !graph->captures(device, stream)) {
+    return false;
+  }
+  graph->record_stream_work(ns);
+  return true;
 }
 
 void refuse_during_capture(const std::string& what) {

@@ -22,6 +22,9 @@ bool is_replaying();
 // Called by kernels while capturing: remembers the call so that replay can run it again.
 void record_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
                  const std::vector<c10::IValue>& outputs);
+// Under capture of `stream`, `_sleep`'s time is a launch of the graph: recorded, queued on the
+// replaying stream at each replay, not on the capturing one. False (nothing recorded) otherwise.
+bool record_stream_work_in_capture(c10::DeviceIndex device, c10::StreamId stream, int64_t ns);
 // What a card refuses while a stream captures (the host waiting on the stream, pageable copies):
 // raises its error and invalidates the capture, whose capture_end() then raises too.
 [[noreturn]] void refuse_during_capture(const std::string& what);

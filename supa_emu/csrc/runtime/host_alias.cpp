@@ -59,6 +59,14 @@ at::Tensor host_view(const at::Tensor& device_tensor) {
   return tensor_over(host_alias_storage(device_tensor.storage()), kCpuKeys, device_tensor);
 }
 
+at::Tensor flat_host_slice(const at::Tensor& t, int64_t offset, int64_t numel) {
+  TORCH_CHECK(t.is_contiguous() && offset >= 0 && numel >= 0 && offset + numel <= t.numel(),
+              "flat_host_slice expects a contiguous tensor and a range within it");
+  const c10::Storage storage = t.device().type() == kSupa ? host_alias_storage(t.storage()) : t.storage();
+  const int64_t size[1] = {numel}, stride[1] = {1};
+  return tensor_over(storage, kCpuKeys, t, size, stride, t.storage_offset() + offset);
+}
+
 at::Tensor device_tensor_on(const c10::Storage& device_storage, const at::Tensor& like) {
   return tensor_over(device_storage, kSupaKeys, like);
 }

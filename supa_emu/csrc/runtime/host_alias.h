@@ -15,6 +15,11 @@ namespace supa {
 
 // A CPU tensor over a supa tensor's memory: same sizes, strides and offset, no copy.
 at::Tensor host_view(const at::Tensor& device_tensor);
+// A flat CPU tensor over `numel` elements of contiguous `t`, from element `offset` (t's memory if
+// t is a CPU tensor, its host alias if a supa tensor). Built directly: narrow() and view() go
+// through the dispatcher and autograd's view tracking, which cost more than the rest of a
+// collective's launch.
+at::Tensor flat_host_slice(const at::Tensor& t, int64_t offset, int64_t numel);
 // A supa tensor over `device_storage` with the geometry of `like`.
 at::Tensor device_tensor_on(const c10::Storage& device_storage, const at::Tensor& like);
 // Turns a CPU result into a supa tensor: takes over its memory when it came from the

@@ -29,6 +29,13 @@ chosen = [f"from rank {rank}"]
 dist.broadcast_object_list(chosen, src=0, group=cpu)
 out["broadcast_object"] = chosen[0]
 dist.barrier(group=cpu)
+try:  # checked as a gloo group's call: its tensors live on the host
+    dist.all_reduce(torch.ones(2, device="supa"), group=cpu)
+except ValueError as error:
+    out["supa_tensor"] = str(error)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    dist.all_reduce(torch.ones(2), group=cpu)
+out["profiled"] = sorted(e.name for e in prof.events() if e.name.startswith("gloo:"))
 with open(sys.argv[1] + f".{rank}", "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from supa_emu import process_state
 
-from . import gloo_handoff
+from . import handoff
 
 WORDS = 64  # signature payload per rank per collective, in int64 words
 RING = 256  # collectives a rank may run ahead of its slowest peer before it waits
@@ -242,7 +242,7 @@ class GlooExchange:
         mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
         everyone = torch.empty(self._size * WORDS, dtype=torch.int64)
         work = self._pg._allgather_base(everyone, mine)
-        gloo_handoff.hold([work])
+        handoff.hold([work])
         try:
             work.wait()
         except RuntimeError as error:

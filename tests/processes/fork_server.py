@@ -1,13 +1,13 @@
-"""Test interpreters forked from one that has imported torch already (harness.start(..., forked=True)).
+"""Test interpreters forked from one that has imported torch already (`torch_first`, harness.fresh_process).
 
 Most of a test interpreter's start-up is `import torch` (1.2-1.5 s of CPU here, the emulator's
 activation included), and the suite starts several hundred: ranks of `ranks.distributed_test`,
-functions run by `harness.run_function`. A fork server imports torch once for an environment and
+functions run by `harness.fresh_process`. A fork server imports torch once for an environment and
 forks a child for each such command; the child is what a fresh interpreter of that environment is
 once it has imported torch, and it runs the command's script as `__main__`.
 
 What makes a child the same as a fresh interpreter:
-- the server's environment is the command's (harness starts one server per environment), so the
+- the server's environment is the command's (forking.py starts one server per environment), so the
   activation it ran is the one the command's own `import torch` would have run;
 - what that import printed (activation's warnings) is captured by the server and written again
   to each child's stdout and stderr before its script starts, as a fresh interpreter prints it;
@@ -19,7 +19,7 @@ What makes a child the same as a fresh interpreter:
   callers whose command begins with `import torch` ask for it (ranks and test functions, not code
   that a test writes out to check the order of imports), and a function that sets the environment
   before it imports torch, or a check that compares what two interpreters' own starts make, asks
-  for fresh ones (`run_function(..., fresh=True)`): pickle names some torch objects after the
+  for fresh ones (`fresh_process(..., torch_first=False)`): pickle names some torch objects after the
   first module in sys.modules that holds them, so the order of sys.modules shows in Inductor's
   cache keys.
 
@@ -186,7 +186,7 @@ def _become(request: dict, fds: list, import_output: tuple) -> None:
     import random
     import runpy
 
-    os.setsid()  # a session of its own, as harness.start gives a fresh interpreter
+    os.setsid()  # a session of its own, as jobs.start gives a fresh interpreter
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for target, fd in zip((0, 1, 2), fds):

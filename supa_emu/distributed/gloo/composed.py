@@ -11,9 +11,9 @@
   scalar loops: about twice as slow for float32 and up to five times for bfloat16 there.
 - all_gather: one all-to-all that sends every peer a copy of the input (with 2 ranks, an exchange
   of the inputs themselves, with no send buffer), started by the native core
-  (csrc/bccl/all_gather.h; host_memory.start_all_gather). Bit-exact: only placement.
+  (csrc/distributed/all_gather.h; start_all_gather). Bit-exact: only placement.
 - PREMUL_SUM: each rank's contribution was multiplied by its own factor before (in the tensor's
-  dtype, as NCCL does; collective.premultiplied), so the reductions treat it as SUM.
+  dtype, as NCCL does; host_memory.contribution), so the reductions treat it as SUM.
 
 Every rank folds the contributions in the same (rank) order, so all ranks hold bit-identical
 results. With 2 ranks they are also gloo's bits (each reduction is one commutative step), except
@@ -28,8 +28,9 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from . import host_memory
-from .host_memory import HostCall
+from supa_emu import process_state
+
+from ..host_memory import HostCall
 
 _RedOp = dist.ReduceOp.RedOpType
 
@@ -97,7 +98,7 @@ def all_reduce(gloo, buffer: torch.Tensor, kind: _RedOp, call: HostCall, timeout
     rank, size, numel = gloo.rank(), gloo.size(), buffer.numel()
     received = torch.empty((size - 1) * numel, dtype=buffer.dtype)
     # With 2 ranks the buffer itself is what the peer receives: no copy.
-    send = buffer if size == 2 else host_memory.replicated(buffer, size - 1)
+    send = buffer if size == 2 else replicated(buffer, size - 1)
 
     def reduce():
         peers = list(received.view(size - 1, numel))
@@ -116,3 +117,26 @@ def reduce_scatter(gloo, output: torch.Tensor, input: torch.Tensor, kind: _RedOp
     received = torch.empty_like(input)
     call.after(lambda: _fold_in_rank_order(output, list(received.view(gloo.size(), -1)), kind))
     return gloo.alltoall_base(received, input, [], [], _all_to_all_options(timeout))
+
+
+def start_all_gather(gloo, output: torch.Tensor, input: torch.Tensor, options):
+    """gloo's work gathering flat CPU `input` from every rank into flat CPU `output`, by one
+    all-to-all the native core sets up (csrc/distributed/all_gather.h)."""
+    return process_state.core()._start_all_gather(gloo, output, input, options)
+
+
+def launch_all_gather(board, k: int, signature: List[int], head: int, gloo, output, input, options):
+    """The launcher of an all_gather_into_tensor for signatures.Agreement.launch: checks that
+    `output` and `input` are plain (as host_memory.plain_pair_operands), posts `signature` as
+    collective k on the native `board` and, if it may start, starts it as start_all_gather, all in
+    one native call.
+    None if the operands are not plain (nothing posted), else (board status, gloo's work or None)."""
+    return process_state.core()._launch_all_gather(board, k, signature, head, gloo, output, input, options)
+
+
+def replicated(source: torch.Tensor, copies: int) -> torch.Tensor:
+    """A flat CPU buffer holding `copies` copies of contiguous CPU `source` (plain memcpy: PyTorch's
+    copy may go parallel, which costs milliseconds when ranks share few cores)."""
+    rows = torch.empty(copies * source.numel(), dtype=source.dtype)
+    process_state.core()._copy_rows(rows, source)
+    return rows

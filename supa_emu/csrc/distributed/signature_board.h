@@ -1,4 +1,4 @@
-// bccl's signature board (supa_emu/distributed/signature_exchange.py): the steps that run on every
+// bccl's signature board (supa_emu/distributed/gloo/signature_exchange.py): the steps that run on every
 // collective, one call each. Python keeps the waiting, the liveness checks and the error messages.
 #pragma once
 

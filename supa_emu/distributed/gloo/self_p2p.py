@@ -14,7 +14,7 @@ from typing import Deque, Dict
 
 import torch
 
-from .work import BCCLWork
+from ..work import BCCLWork
 
 
 class SelfMailbox:

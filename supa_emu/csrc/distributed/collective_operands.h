@@ -1,4 +1,4 @@
-// Host-side operands of bccl's hot collectives, checked and built in one call.
+// Host-side operands of the bccl backend's hot collectives, checked and built in one call.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,11 +17,6 @@ bool plain_pair(const at::Tensor& output, const at::Tensor& input, int64_t group
 std::optional<at::Tensor> all_reduce_operand(const at::Tensor& tensor);
 std::optional<std::pair<at::Tensor, at::Tensor>> pair_operands(const at::Tensor& output, const at::Tensor& input,
                                                                int64_t group_size, bool gather);
-// A flat CPU tensor over `numel` elements of contiguous `t`, from element `offset` (t's memory if
-// t is a CPU tensor, its host alias if a supa tensor). Built directly: narrow() and view() go
-// through the dispatcher and autograd's view tracking, which cost more than the rest of a
-// collective's launch.
-at::Tensor flat_host_slice(const at::Tensor& t, int64_t offset, int64_t numel);
 // Fills contiguous CPU `into` with copies of contiguous CPU `source`, one after another (memcpy).
 void copy_rows(at::Tensor& into, const at::Tensor& source);
 

@@ -17,7 +17,7 @@ from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 
-from . import collective
+from .. import collective
 from .signature_exchange import RING, WORDS, CollectiveMismatchError
 
 OPERATIONS = tuple(collective.OPERATIONS)  # an op's code is its position

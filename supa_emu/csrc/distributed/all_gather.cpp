@@ -1,6 +1,7 @@
 #include "all_gather.h"
 
-#include "../runtime/collective_operands.h"
+#include "../runtime/host_alias.h"
+#include "collective_operands.h"
 
 #include <ATen/ops/empty.h>
 

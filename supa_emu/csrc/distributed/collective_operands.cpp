@@ -1,14 +1,14 @@
-// Host-side operands of bccl's hot collectives, checked and built in one call.
+// Host-side operands of the bccl backend's hot collectives, checked and built in one call.
 //
-// bccl hands gloo CPU views of supa tensors. For the common case (dense, contiguous supa
-// tensors of one dtype on one device, with the element counts the collective needs) the checks
-// and views cost a few microseconds here against tens in Python, where every collective call
-// paid them. Anything else returns nothing, and Python takes its slow path, which raises the
+// bccl's gloo transport hands gloo CPU views of supa tensors. For the common case (dense,
+// contiguous supa tensors of one dtype on one device, with the element counts the collective
+// needs) the checks and views cost a few microseconds here against tens in Python, where every
+// collective call paid them. Anything else returns nothing, and Python takes its slow path, which raises the
 // precise error or stages layouts gloo cannot address.
 #include "collective_operands.h"
 
-#include "devices.h"
-#include "host_alias.h"
+#include "../runtime/devices.h"
+#include "../runtime/host_alias.h"
 
 #include <cstring>
 
@@ -18,18 +18,6 @@ namespace {
 bool plain_device_tensor(const at::Tensor& t) {
   return t.defined() && t.device().type() == kSupa && t.layout() == c10::kStrided && t.is_contiguous();
 }
-
-}  // namespace
-
-at::Tensor flat_host_slice(const at::Tensor& t, int64_t offset, int64_t numel) {
-  TORCH_CHECK(t.is_contiguous() && offset >= 0 && numel >= 0 && offset + numel <= t.numel(),
-              "flat_host_slice expects a contiguous tensor and a range within it");
-  const c10::Storage storage = t.device().type() == kSupa ? host_alias_storage(t.storage()) : t.storage();
-  const int64_t size[1] = {numel}, stride[1] = {1};
-  return tensor_over(storage, kCpuKeys, t, size, stride, t.storage_offset() + offset);
-}
-
-namespace {
 
 at::Tensor flat_host_view(const at::Tensor& t) {
   return flat_host_slice(t, 0, t.numel());

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import composed, gloo_handoff, host_memory, self_p2p, signature_exchange, signatures
-from .c10d_backend import check_split
-from .collective import Collective, numel, reduce_kind
-from .host_memory import HostCall
-from .transport import Transport
-from .work import BCCLWork
+from .. import host_memory
+from ..collective import Collective
+from ..host_memory import HostCall
+from ..transport import Transport
+from . import composed, handoff, self_p2p, signature_exchange, signatures
+from .work import GlooWork
 
 _RedOp = dist.ReduceOp.RedOpType
 _PER_OPERATION_OPTIONS = {
@@ -41,22 +41,32 @@ _PER_OPERATION_OPTIONS = {
 }
 
 
-def _options(kind: str, opts, reduce_op) -> object:
-    """`opts` for gloo's `kind` operation, with `reduce_op` (a copy if it names another reduction)."""
-    if reduce_kind(opts.reduceOp) == reduce_kind(reduce_op):
+def _options(operation: str, call: Collective, gloo_kind: _RedOp) -> object:
+    """The call's options for gloo's `operation`, reducing by `gloo_kind` (a copy if the call's
+    reduction is another)."""
+    opts = call.options
+    if call.kind == gloo_kind:
         return opts
-    fresh = _PER_OPERATION_OPTIONS[kind]()
+    fresh = _PER_OPERATION_OPTIONS[operation]()
     for field in ("rootRank", "rootTensor", "timeout"):
         if hasattr(opts, field):
             setattr(fresh, field, getattr(opts, field))
-    fresh.reduceOp = reduce_op
+    fresh.reduceOp = dist.ReduceOp(gloo_kind)
     return fresh
 
 
+def _numel(tensors) -> List[int]:
+    return [t.numel() for t in tensors]
+
+
 def _gather_signature(call: Collective) -> List[int]:
-    sizes_in = numel(call.inputs)
+    sizes_in = _numel(call.inputs)
     return signatures.make(call.op, call.inputs[0].dtype if call.inputs else None, numel_in=sum(sizes_in),
-                           numel_out=sum(numel(call.outputs)), shape_digest=signatures.digest(sizes_in))
+                           numel_out=sum(_numel(call.outputs)), shape_digest=signatures.digest(sizes_in))
+
+
+def _contribution(call: Collective, view: torch.Tensor, in_place: bool) -> torch.Tensor:
+    return host_memory.contribution(view, call.reduce_op, call.kind, in_place)
 
 
 class GlooTransport(Transport):
@@ -69,105 +79,105 @@ class GlooTransport(Transport):
         self._agreement = signatures.Agreement(
             signature_exchange.create(store, rank, size, timeout, label), rank, size, label, self._stand_in)
         self._to_self = self_p2p.SelfMailbox(label)
-        self._started_works: "weakref.WeakSet[BCCLWork]" = weakref.WeakSet()  # what close() fails
+        self._started_works: "weakref.WeakSet[GlooWork]" = weakref.WeakSet()  # what close() fails
 
-    def _started(self, call: Collective, parts, host: Optional[HostCall] = None, ticket=None) -> BCCLWork:
-        gloo_handoff.hold(parts)
+    def _started(self, call: Collective, parts, host: Optional[HostCall] = None, ticket=None) -> GlooWork:
+        handoff.hold(parts)
         epilogue = host.epilogue() if host is not None else None
-        work = BCCLWork(parts, epilogue, call.results, call.tensors(), self._agreement, ticket)
+        work = GlooWork(parts, epilogue, call.results, (*call.inputs, *call.outputs), self._agreement, ticket)
         self._started_works.add(work)
         return work
 
     def _reduce_op(self, kind: _RedOp, dtype: torch.dtype, host: Optional[HostCall] = None,
-                   result: Callable = None):
-        """The op gloo runs for `kind`, registering with `host` the fix-up that completes a
+                   result: Callable = None) -> _RedOp:
+        """The reduction gloo runs for `kind`, registering with `host` the fix-up that completes a
         composed AVG of the tensors `result()` returns (none without `host`: scratch buffers)."""
         if kind == _RedOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
             if host is not None:
                 size = self._size
                 # Integer average as the device libraries define it: the sum, truncated toward zero.
                 host.after(lambda: [t.div_(size, rounding_mode="trunc") for t in result()])
-            return dist.ReduceOp.SUM
+            return _RedOp.SUM
         if kind == _RedOp.PREMUL_SUM:
-            return dist.ReduceOp.SUM  # the contributions were premultiplied
-        return dist.ReduceOp(kind)
+            return _RedOp.SUM  # the contributions were premultiplied
+        return kind
 
     # ---- reductions ------------------------------------------------------------------------------
-    def all_reduce(self, call: Collective) -> BCCLWork:
+    def all_reduce(self, call: Collective) -> GlooWork:
         tensor, kind = call.inputs[0], call.kind
         ticket = self._agreement.agree(
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         host = HostCall()
-        view = call.contribution(host.elementwise_view(tensor), in_place=True)
+        view = _contribution(call, host.elementwise_view(tensor), in_place=True)
         if composed.all_reduce_exchanges(kind, tensor.dtype, tensor.numel(), self._size):
             part = composed.all_reduce(self._gloo, host_memory.flat(view), kind, host, call.options.timeout)
         else:
             gloo_op = self._reduce_op(kind, tensor.dtype, host, lambda: [view])
-            part = self._gloo.allreduce([view], _options("allreduce", call.options, gloo_op))
+            part = self._gloo.allreduce([view], _options("allreduce", call, gloo_op))
         return self._started(call, [part], host, ticket)
 
-    def all_reduce_coalesced(self, call: Collective) -> BCCLWork:
+    def all_reduce_coalesced(self, call: Collective) -> GlooWork:
         tensors, kind = call.inputs, call.kind
         layout = [n for t in tensors for n in (signatures.dtype_code(t.dtype), t.numel())]
-        self._agreement.agree(signatures.make("all_reduce_coalesced", None, int(kind), numel_in=sum(numel(tensors)),
+        self._agreement.agree(signatures.make("all_reduce_coalesced", None, int(kind), numel_in=sum(_numel(tensors)),
                                               shape_digest=signatures.digest(layout)))
         host, parts = HostCall(), []
         for tensor in tensors:
-            view = call.contribution(host.view(tensor), in_place=True)
+            view = _contribution(call, host.view(tensor), in_place=True)
             options = dist.AllreduceOptions()
             options.reduceOp = self._reduce_op(kind, tensor.dtype, host, lambda view=view: [view])
             options.timeout = call.options.timeout
             parts.append(self._gloo.allreduce([view], options))
         return self._started(call, parts, host)
 
-    def reduce(self, call: Collective) -> BCCLWork:
+    def reduce(self, call: Collective) -> GlooWork:
         tensor, kind, root = call.inputs[0], call.kind, call.root
         self._agreement.agree(signatures.make("reduce", tensor.dtype, int(kind), root, tensor.numel()))
         host = HostCall()
         if self._rank == root:
-            view = call.contribution(host.view(tensor), in_place=True)
+            view = _contribution(call, host.view(tensor), in_place=True)
             gloo_op = self._reduce_op(kind, tensor.dtype, host, lambda: [view])
         else:
             # gloo may use a non-root buffer as scratch; the device backends leave it intact.
             view = host.view(tensor, write=False).clone(memory_format=torch.contiguous_format)
-            view = call.contribution(view, in_place=True)
+            view = _contribution(call, view, in_place=True)
             gloo_op = self._reduce_op(kind, tensor.dtype)
-        part = self._gloo.reduce([view], _options("reduce", call.options, gloo_op))
+        part = self._gloo.reduce([view], _options("reduce", call, gloo_op))
         return self._started(call, [part], host)
 
-    def reduce_scatter(self, call: Collective) -> BCCLWork:
+    def reduce_scatter(self, call: Collective) -> GlooWork:
         output, inputs, kind = call.outputs[0], call.inputs, call.kind
         self._agreement.agree(signatures.make(
-            "reduce_scatter", output.dtype, int(kind), shape_digest=signatures.digest(numel(inputs))))
+            "reduce_scatter", output.dtype, int(kind), shape_digest=signatures.digest(_numel(inputs))))
         host = HostCall()
         out_view = host.view(output, read=False)
-        in_views = [call.contribution(host.view(t, write=False), in_place=False) for t in inputs]
+        in_views = [_contribution(call, host.view(t, write=False), in_place=False) for t in inputs]
         gloo_op = self._reduce_op(kind, output.dtype, host, lambda: [out_view])
-        part = self._gloo.reduce_scatter([out_view], [in_views], _options("reduce_scatter", call.options, gloo_op))
+        part = self._gloo.reduce_scatter([out_view], [in_views], _options("reduce_scatter", call, gloo_op))
         return self._started(call, [part], host)
 
-    def reduce_scatter_tensor(self, call: Collective) -> BCCLWork:
+    def reduce_scatter_tensor(self, call: Collective) -> GlooWork:
         outputs, inputs, kind = call.outputs, call.inputs, call.kind
         host = HostCall()
         views = [host.pair_views(output, input, self._size, gather=False) for output, input in zip(outputs, inputs)]
         ticket = self._agreement.agree(
             signatures.make(
-                call.op, outputs[0].dtype if outputs else None, int(kind), numel_in=sum(numel(inputs)),
-                numel_out=sum(numel(outputs)), shape_digest=signatures.digest(numel(outputs))),
+                call.op, outputs[0].dtype if outputs else None, int(kind), numel_in=sum(_numel(inputs)),
+                numel_out=sum(_numel(outputs)), shape_digest=signatures.digest(_numel(outputs))),
             early=call.op == "reduce_scatter_tensor")
         parts = []
         for output, (out_view, in_view) in zip(outputs, views):
-            in_view = call.contribution(in_view, in_place=False)
+            in_view = _contribution(call, in_view, in_place=False)
             if composed.reduces_locally(kind, output.dtype):
                 parts.append(composed.reduce_scatter(self._gloo, out_view, in_view, kind, host, call.options.timeout))
                 continue
             gloo_op = self._reduce_op(kind, output.dtype, host, lambda v=out_view: [v])
             parts.append(self._gloo._reduce_scatter_base(
-                out_view, in_view, _options("reduce_scatter", call.options, gloo_op)))
+                out_view, in_view, _options("reduce_scatter", call, gloo_op)))
         return self._started(call, parts, host, ticket)
 
     # ---- data movement ---------------------------------------------------------------------------
-    def broadcast(self, call: Collective) -> BCCLWork:
+    def broadcast(self, call: Collective) -> GlooWork:
         tensor, root = call.outputs[0], call.root
         ticket = self._agreement.agree(
             signatures.make("broadcast", tensor.dtype, root=root, numel_in=tensor.numel()), early=True)
@@ -175,9 +185,9 @@ class GlooTransport(Transport):
         view = host.view(tensor, read=self._rank == root)
         return self._started(call, [self._gloo.broadcast([view], call.options)], host, ticket)
 
-    def all_gather(self, call: Collective) -> BCCLWork:
+    def all_gather(self, call: Collective) -> GlooWork:
         input, outputs = call.inputs[0], call.outputs
-        sizes = numel(outputs)
+        sizes = _numel(outputs)
         self._agreement.agree(signatures.make("all_gather", input.dtype, shape_digest=signatures.digest(sizes)))
         host = HostCall()
         out_views = [host.view(t, read=False) for t in outputs]
@@ -194,11 +204,11 @@ class GlooTransport(Transport):
                 parts.append(self._gloo.broadcast([view], options))
         return self._started(call, parts, host)
 
-    def all_gather_into_tensor(self, call: Collective) -> BCCLWork:
+    def all_gather_into_tensor(self, call: Collective) -> GlooWork:
         if call.op == "all_gather_into_tensor":
             # The hot call (ZeRO-3 and FSDP gather every parameter with it): the agreement and
             # gloo's start in one native call where the group's board allows.
-            launched = self._agreement.launch(_gather_signature(call), host_memory.launch_all_gather, self._gloo,
+            launched = self._agreement.launch(_gather_signature(call), composed.launch_all_gather, self._gloo,
                                               call.outputs[0], call.inputs[0], call.options)
             if launched is not None:
                 ticket, part = launched
@@ -207,10 +217,10 @@ class GlooTransport(Transport):
         views = [host.pair_views(output, input, self._size, gather=True)
                  for output, input in zip(call.outputs, call.inputs)]
         ticket = self._agreement.agree(_gather_signature(call), early=call.op == "all_gather_into_tensor")
-        parts = [host_memory.start_all_gather(self._gloo, output, input, call.options) for output, input in views]
+        parts = [composed.start_all_gather(self._gloo, output, input, call.options) for output, input in views]
         return self._started(call, parts, host, ticket)
 
-    def gather(self, call: Collective) -> BCCLWork:
+    def gather(self, call: Collective) -> GlooWork:
         input, outputs = call.inputs[0], call.outputs
         self._agreement.agree(signatures.make("gather", input.dtype, root=call.root, numel_in=input.numel()))
         host = HostCall()
@@ -218,7 +228,7 @@ class GlooTransport(Transport):
         part = self._gloo.gather(out_views, [host.view(input, write=False)], call.options)
         return self._started(call, [part], host)
 
-    def scatter(self, call: Collective) -> BCCLWork:
+    def scatter(self, call: Collective) -> GlooWork:
         output, inputs = call.outputs[0], call.inputs
         self._agreement.agree(signatures.make("scatter", output.dtype, root=call.root, numel_out=output.numel()))
         host = HostCall()
@@ -226,7 +236,7 @@ class GlooTransport(Transport):
         part = self._gloo.scatter([host.view(output, read=False)], in_views, call.options)
         return self._started(call, [part], host)
 
-    def all_to_all(self, call: Collective) -> BCCLWork:
+    def all_to_all(self, call: Collective) -> GlooWork:
         outputs, inputs = call.outputs, call.inputs
         sent, received_counts = call.counts
         self._agreement.agree_all_to_all("all_to_all", inputs[0].dtype, sent, received_counts)
@@ -247,7 +257,7 @@ class GlooTransport(Transport):
         part = self._gloo.alltoall_base(received, send, received_counts, sent, call.options)
         return self._started(call, [part], host)
 
-    def all_to_all_single(self, call: Collective) -> BCCLWork:
+    def all_to_all_single(self, call: Collective) -> GlooWork:
         output, input = call.outputs[0], call.inputs[0]
         send, receive = call.counts
         self._agreement.agree_all_to_all("all_to_all_single", input.dtype, send, receive)
@@ -258,20 +268,20 @@ class GlooTransport(Transport):
         return self._started(call, [part], host)
 
     # ---- synchronisation and point-to-point ------------------------------------------------------
-    def barrier(self, call: Collective) -> BCCLWork:
+    def barrier(self, call: Collective) -> GlooWork:
         ticket = self._agreement.agree(signatures.make("barrier"), early=True)
         options = dist.BarrierOptions()
         options.timeout = call.options.timeout
         return self._started(call, [self._gloo.barrier(options)], None, ticket)
 
-    def send(self, call: Collective) -> BCCLWork:
+    def send(self, call: Collective) -> GlooWork:
         tensor = call.inputs[0]
         if call.peer == self._rank:
             return self._to_self.send(tensor, call.tag)
         host = HostCall()
         return self._started(call, [self._gloo.send([host.view(tensor, write=False)], call.peer, call.tag)], host)
 
-    def recv(self, call: Collective) -> BCCLWork:
+    def recv(self, call: Collective) -> GlooWork:
         tensor = call.outputs[0]
         if call.peer == self._rank:
             return self._to_self.recv(tensor, call.tag)
@@ -280,13 +290,13 @@ class GlooTransport(Transport):
         if call.peer is not None:
             return self._started(call, [self._gloo.recv([view], call.peer, call.tag)], host)
         work = self._started(call, [self._gloo.recv_anysource([view], call.tag)], host)
-        work._keeps_parts = True  # source_rank() asks the gloo part, after the wait
+        work.keeps_parts = True  # source_rank() asks the gloo part, after the wait
         return work
 
     # ---- the group's life ------------------------------------------------------------------------
-    def agree_on_split(self, store: dist.Store, prefix: str, members: Optional[List[int]]) -> None:
+    def exchange_split(self, store: dist.Store, prefix: str, members: Optional[List[int]]) -> List[Optional[List[int]]]:
         store.set(f"{prefix}member/{self._rank}", json.dumps(members))
-        check_split([json.loads(store.get(f"{prefix}member/{r}")) for r in range(self._size)], self._size)
+        return [json.loads(store.get(f"{prefix}member/{r}")) for r in range(self._size)]
 
     def close(self, how: str, error: dist.DistBackendError) -> None:
         for work in list(self._started_works):
@@ -313,7 +323,7 @@ class GlooTransport(Transport):
             splits = composed.exchange_splits(self._rank, size, numel_in)
             work = gloo.alltoall_base(torch.empty_like(scratch), scratch, splits, splits, dist.AllToAllOptions())
         elif operation == "all_gather_into_tensor":
-            work = host_memory.start_all_gather(gloo, torch.empty(numel_out, dtype=dtype), scratch, AllgatherOptions())
+            work = composed.start_all_gather(gloo, torch.empty(numel_out, dtype=dtype), scratch, AllgatherOptions())
         elif operation == "all_reduce":
             options = dist.AllreduceOptions()
             options.reduceOp = self._reduce_op(_RedOp(kind), dtype)
@@ -332,5 +342,5 @@ class GlooTransport(Transport):
             work = gloo.barrier()
         else:
             raise AssertionError(f"bccl: {operation} never starts before all ranks agree")
-        gloo_handoff.hold([work])
+        handoff.hold([work])
         work.wait()
