@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from supa_emu import distributed, process_state
+from supa_emu.device_type import DEVICE_TYPE
 from supa_emu.plan import time_model
 
 STEP_MARK = -1
@@ -30,6 +31,8 @@ _optimizer_depth = 0
 
 class _CollectiveMarks(distributed.Watcher):
     def collective_issued(self, group, call) -> None:
+        if group.kind.device_type != DEVICE_TYPE:
+            return  # a host (gloo) group's call: the card takes no part in it
         read = written = 0
         for tensor, reads, writes in call.accesses():
             size = tensor.numel() * tensor.element_size()
