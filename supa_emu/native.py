@@ -55,7 +55,8 @@ def _sources() -> list[pathlib.Path]:
 # bindings. A new .cpp file joins "runtime".
 _UNIT_FILES = {
     "bindings": ("module.cpp", "runtime/gpu_trace.cpp", "distributed/all_gather.cpp",
-                 "distributed/signature_board.cpp", "distributed/reducer_timer.cpp", "runtime/op_trace_bindings.cpp"),
+                 "distributed/signature_board.cpp", "distributed/reducer_timer.cpp", "runtime/op_trace_bindings.cpp",
+                 "aten/sdp_choice_bindings.cpp"),
     # op_trace.cpp reads RecordFunction's inline accessors, which must see the header as the release
     # libtorch was built (NDEBUG): it defines NDEBUG first, so it leads a unit whose other file uses
     # no RecordFunction internals.
