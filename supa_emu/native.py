@@ -55,8 +55,12 @@ def _sources() -> list[pathlib.Path]:
 # bindings. A new .cpp file joins "runtime".
 _UNIT_FILES = {
     "bindings": ("module.cpp", "aten/shapes_bindings.cpp", "runtime/gpu_trace.cpp", "distributed/all_gather.cpp",
-                 "distributed/signature_board.cpp", "distributed/reducer_timer.cpp"),
-    "autocast": ("aten/autocast.cpp",),
+                 "distributed/signature_board.cpp", "distributed/reducer_timer.cpp", "runtime/op_trace_bindings.cpp",
+                 "aten/sdp_choice_bindings.cpp"),
+    # op_trace.cpp reads RecordFunction's inline accessors, which must see the header as the release
+    # libtorch was built (NDEBUG): it defines NDEBUG first, so it leads a unit whose other file uses
+    # no RecordFunction internals.
+    "autocast": ("runtime/op_trace.cpp", "aten/autocast.cpp"),
 }
 
 

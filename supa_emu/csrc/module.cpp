@@ -1,7 +1,8 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native`).
 #include "aten/blas_ops.h"
 #include "aten/fallback.h"
-#include "aten/sdp_choice.h"
+#include "runtime/op_trace_bindings.h"
+#include "aten/sdp_choice_bindings.h"
 #include "aten/shape_only.h"
 #include "aten/shapes_bindings.h"
 #include "bccl/card_operands.h"
@@ -260,30 +261,6 @@ void set_memory_history(bool recording, int context, bool cpp_stacks, size_t max
   supa::set_memory_history(settings);
 }
 
-// torch.backends.cuda.SDPAParams (torch._C._SDPAParams) as the card's choice reads it.
-sdp::sdp_params sdpa_params(py::handle params) {
-  py::object mask = params.attr("attn_mask");
-  return sdp::sdp_params{params.attr("query").cast<at::Tensor>(),
-                         params.attr("key").cast<at::Tensor>(),
-                         params.attr("value").cast<at::Tensor>(),
-                         mask.is_none() ? std::nullopt : std::optional<at::Tensor>(mask.cast<at::Tensor>()),
-                         params.attr("dropout").cast<double>(),
-                         params.attr("is_causal").cast<bool>(),
-                         params.attr("enable_gqa").cast<bool>()};
-}
-
-// torch._C._can_use_*_attention(params, debug) for supa inputs; `debug` warnings reach Python.
-template <bool (*can_use)(const sdp::sdp_params&, bool)>
-bool can_use_attention(py::handle params, bool debug) {
-  const sdp::sdp_params parsed = sdpa_params(params);
-  bool result = false;
-  {
-    torch::PyWarningHandler warnings;
-    result = can_use(parsed, debug);
-  }
-  return result;
-}
-
 // PyTorch's own settings entry (torch._C._accelerator_setAllocatorSettings) hands the string to
 // the accelerator's config hook, as it does CUDA's: `apply` (supa_emu/supa/_allocator_config.py)
 // applies it to supa's allocator; a bad entry reaches Python as ValueError, CUDA's error type.
@@ -330,18 +307,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_init", &init, "Create the emulated devices (once per process); shapes: the planner's shapes mode",
         py::arg("count"), py::arg("capacities"), py::arg("dtype_demotion"), py::arg("shapes") = false);
   m.def("_shapes_mode", &supa::shapes_mode);
+  supa::bind_op_trace(m);
   m.def("_shapes_notes", &shapes_notes);
   supa::bind_shapes_mode(m);
   m.def("_card_bytes_move", &supa::card_bytes_move, py::arg("nbytes"),
         "whether the host moves this many bytes of card data (in shapes mode, only small amounts)");
   m.def("_limit_host_tensors", &supa::limit_host_tensors, py::arg("bytes"));
-  m.def("_is_flash_attention_available", [] { return true; });
-  m.def("_can_use_flash_attention", &can_use_attention<&supa::can_use_flash_attention>, py::arg("params"),
-        py::arg("debug") = false);
-  m.def("_can_use_mem_efficient_attention", &can_use_attention<&supa::can_use_mem_efficient_attention>,
-        py::arg("params"), py::arg("debug") = false);
-  m.def("_can_use_cudnn_attention", &can_use_attention<&supa::can_use_cudnn_attention>, py::arg("params"),
-        py::arg("debug") = false);
+  supa::bind_sdp_choice(m);
   m.def("_device_count", [] { return supa::device_count(); });
   m.def("_get_device", [] { return static_cast<int>(supa::current_device()); });
   m.def("_set_device", [](int64_t index) { supa::set_device(device_arg(index)); });

@@ -10,8 +10,10 @@ plays beside it where the two need each other's messages (play_order.py). The ca
 allocator and its memory history are the ones a real run uses; rank_record.py reads the peak, its
 phase and a timeline from that history, and call_record.py counts the collectives. report.py and
 plot.py put the ranks together. The same recording runs in a real job under SUPA_PLAN_RECORD=DIR,
-to compare. With `--mode shapes` operators take their results from PyTorch's shape rules instead of
-running their kernels, with the same figures (supa_emu/shapes.py, docs/shapes_mode.md).
+to compare. op_stream.py records what the rank launches on its card and time_model.py plays it on
+a card profile (supa_emu/card_profiles.py) for the step time (docs/time_on_the_card.md). With
+`--mode shapes` operators take their results from PyTorch's shape rules instead of running their
+kernels, with the same figures (supa_emu/shapes.py, docs/shapes_mode.md).
 
 supa_emu.distributed never imports this package: the planner plugs into it (`install`).
 """
@@ -37,3 +39,19 @@ def section(name: str):
     from supa_emu.plan import rank_record  # torch only where a script marks a section
 
     return rank_record.section(name)
+
+
+def tokens(n: int) -> None:
+    """`supa_emu.plan.tokens(n)`: each training step trains `n` tokens on this rank; the planner then
+    reports tokens/s per card (op_stream.py). Like `section`, it marks nothing in an unplanned run."""
+    from supa_emu.plan import op_stream
+
+    op_stream.tokens(n)
+
+
+def step_done() -> None:
+    """Ends a training step for the planner's time model where no torch.optim optimizer's `step`
+    ends it (a loop without one); it marks nothing in an unplanned run."""
+    from supa_emu.plan import op_stream
+
+    op_stream.step_done()

@@ -1,10 +1,12 @@
-"""`python -m supa_emu.plan --world-size N [--rank R[,R...]|all-stages]... [--cards-per-host K] [--mode compute|shapes] [--json OUT] [--plot OUT] -- SCRIPT [ARGS...]`
+"""`python -m supa_emu.plan --world-size N [--rank R[,R...]|all-stages]... [--cards-per-host K] [--mode compute|shapes]
+[--card NAME|FILE.toml] [--nic-gbps G] [--host-op-us US] [--json OUT] [--plot OUT] [--trace OUT.json] -- SCRIPT [ARGS...]`
 (or `-- -m MODULE [ARGS...]`, run as `python -m MODULE` would run it)
 
 Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each in its own process
 that plays that rank of an N-card world (see supa_emu/plan/__init__.py), one after the other
 (side by side where one waits for another's message: play_order.py), then prints each rank's
-peak memory and collectives and writes the JSON report and the plot.
+peak memory, collectives and planned step time on the card (--card; see docs/time_on_the_card.md)
+and writes the JSON report, the plot and the trace.
 With --mode shapes, operators take their results from PyTorch's shape rules instead of running
 their kernels (docs/shapes_mode.md): the same figures, at the cost of the Python program alone.
 Exit status: 0 when every planned rank ran to the end, 1 when one failed (out of memory
@@ -19,8 +21,9 @@ import subprocess
 import sys
 import tempfile
 
+from supa_emu import card_profiles
 from supa_emu.config import PLAN_MODES
-from supa_emu.plan import play_order, plot, report
+from supa_emu.plan import play_order, plot, report, time_model, trace
 
 MAX_CARDS_PER_HOST = 64  # SUPA_EMU_DEVICE_COUNT's limit
 ALL_STAGES = "all-stages"
@@ -41,8 +44,19 @@ def parse(argv):
     parser.add_argument("--mode", default="compute",
                         help="compute (default): run every operator's kernel; shapes: take results from PyTorch's "
                              "shape rules without running kernels (same memory figures, no FLOPs)")
+    parser.add_argument("--card", help=f"the card whose time (and, given, memory) is planned: "
+                                       f"{', '.join(card_profiles.PROFILES)}, or a profile file (.toml); "
+                                       f"default the emulated card (SUPA_EMU_PROFILE)")
+    parser.add_argument("--nic-gbps", type=float, default=400.0,
+                        help="inter-host network per card, Gb/s (default 400)")
+    parser.add_argument("--host-op-us", type=float, default=time_model.HOST_OP_SECONDS * 1e6,
+                        help="the host's time per launched operator, microseconds "
+                             f"(default {time_model.HOST_OP_SECONDS * 1e6:g})")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write the memory chart here (.svg, or .html with a table)")
+    parser.add_argument("--no-time", action="store_true",
+                        help="plan memory and collectives only: record no operator stream, plan no step time")
+    parser.add_argument("--trace", help="write the planned steps as a Chrome/Perfetto trace here (.json)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] or -- -m MODULE [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -63,6 +77,18 @@ def parse(argv):
     if args.plot and not args.plot.endswith(plot.SUFFIXES):
         raise UsageError(f"--plot {args.plot}: the chart is SVG, written as .svg or .html (a .png needs "
                          f"matplotlib, which the project does not depend on)")
+    try:
+        args.profile = card_profiles.choose(args.card or os.environ.get("SUPA_EMU_PROFILE", "").strip().upper() or None)
+    except card_profiles.ProfileError as error:
+        raise UsageError(str(error)) from None
+    if not args.nic_gbps > 0:
+        raise UsageError(f"--nic-gbps {args.nic_gbps:g}: accepted a positive number of Gb/s per card")
+    if not args.host_op_us >= 0:
+        raise UsageError(f"--host-op-us {args.host_op_us:g}: accepted 0 or more microseconds")
+    if args.trace and args.no_time:
+        raise UsageError("--trace needs the step time that --no-time turns off")
+    if args.trace and not args.trace.endswith(".json"):
+        raise UsageError(f"--trace {args.trace}: the trace is Chrome's JSON format, written as .json")
     if not command:
         raise UsageError("no script: give it after --, e.g. -- examples/train_gpt.py --config CONFIG")
     if command[0] == "-m":
@@ -105,8 +131,10 @@ def _check_module(name: str) -> None:
         raise UsageError(f"-m {name}: no module named {name!r}")
 
 
-def rank_environment(rank: int, world_size: int, cards_per_host: int, mode: str = "compute") -> dict:
-    """What a launcher (torchrun) gives rank `rank`, plus the planner's switches."""
+def rank_environment(rank: int, world_size: int, cards_per_host: int, mode: str = "compute",
+                     card_memory: int = None) -> dict:
+    """What a launcher (torchrun) gives rank `rank`, plus the planner's switches; `card_memory`:
+    the capacity of the chosen card, unless SUPA_EMU_MEMORY says otherwise."""
     host, local_rank = divmod(rank, cards_per_host)
     local_world = min(cards_per_host, world_size - host * cards_per_host)
     env = dict(os.environ)
@@ -118,15 +146,28 @@ def rank_environment(rank: int, world_size: int, cards_per_host: int, mode: str 
         "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "0",  # the rank process hosts the store and sets the port it got
     })
+    if card_memory is not None and "SUPA_EMU_MEMORY" not in env:
+        env["SUPA_EMU_MEMORY"] = str(card_memory)
     return env
+
+
+def timing_settings(rank: int, args) -> str:
+    """The time model's settings for a rank process (op_stream.start), as JSON (null: --no-time)."""
+    if args.no_time:
+        return "null"
+    return json.dumps({"card": card_profiles.as_fields(args.profile), "nic_gbps": args.nic_gbps,
+                       "host_op_s": args.host_op_us * 1e-6, "rank": rank, "cards_per_host": args.cards_per_host,
+                       "trace": bool(args.trace)})
 
 
 def start_rank(rank: int, args, shared: str) -> subprocess.Popen:
     print(f"plan: rank {rank} of {args.world_size} ({args.mode} mode): {args.script} "
           f"{' '.join(args.script_args)}", flush=True)
     command = [sys.executable, "-m", "supa_emu.plan.rank_process", _record_path(shared, rank), shared,
-               *args.target, *args.script_args]
-    return subprocess.Popen(command, env=rank_environment(rank, args.world_size, args.cards_per_host, args.mode))
+               timing_settings(rank, args), *args.target, *args.script_args]
+    memory = args.profile.memory_bytes if args.card else None
+    return subprocess.Popen(command, env=rank_environment(rank, args.world_size, args.cards_per_host, args.mode,
+                                                          memory))
 
 
 def collect_rank(rank: int, returncode: int, shared: str) -> dict:
@@ -150,6 +191,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="supa_emu-plan-") as shared:
         records = play_order.play(args.ranks, args.all_stages, shared, lambda rank: start_rank(rank, args, shared),
                                   lambda rank, code: collect_rank(rank, code, shared))
+    traces = [records[rank].pop("trace", None) or [] for rank in sorted(records)]
     full = report.build(args.world_size, args.cards_per_host, args.script, args.script_args, records, args.mode)
     print(report.text(full), flush=True)
     if args.json:
@@ -157,6 +199,8 @@ def main(argv=None) -> int:
             json.dump(full, out, indent=1)
     if args.plot:
         plot.write(full, args.plot)
+    if args.trace:
+        trace.write(args.trace, traces)
     return 1 if any(r["failure"] for r in records.values()) else 0
 
 

@@ -1,7 +1,8 @@
 """The planner's picture: each planned rank's memory over time against the card's capacity, as SVG.
 
 Written by hand (no plotting library is a dependency of the project): an .svg file, or an .html
-page holding the SVG and the per-rank table. The y axis spans the ranks' memory; a capacity far
+page holding the SVG, the same memory over the planned time on the card (when the plan timed its
+steps: docs/time_on_the_card.md) and the per-rank table. The y axis spans the ranks' memory; a capacity far
 above it is named at the top of the chart instead of flattening the curves.
 """
 
@@ -31,8 +32,21 @@ def _nice_step(span: float) -> float:
     return magnitude
 
 
-def svg(report: Dict) -> str:
-    """The chart of `report` (the planner's JSON report) as an SVG document."""
+def _planned_time_axis(report: Dict) -> Dict:
+    """The report with each rank's timeline on the card's planned seconds (time_model's memory
+    points: allocated bytes at each launch's end), for the chart's time axis."""
+    ranks = {}
+    for rank, entry in report["ranks"].items():
+        points = (entry.get("time") or {}).get("memory") or []
+        ranks[rank] = {**entry, "timeline": [(t, t, a, a) for t, a in points]}
+    return {**report, "ranks": ranks}
+
+
+def svg(report: Dict, planned_time: bool = False) -> str:
+    """The chart of `report` (the planner's JSON report) as an SVG document: memory over the
+    card's allocation events, or (planned_time) over the planned seconds on the card."""
+    if planned_time:
+        report = _planned_time_axis(report)
     ranks = report["ranks"]
     capacity = report["capacity"]
     top_value = max([r["peak_reserved"] for r in ranks.values()] + [1])
@@ -43,7 +57,7 @@ def svg(report: Dict) -> str:
     y_max = max((capacity if capacity_on_chart else top_value) * 1.08, top_value / (1 - legend_h / plot_h))
     # x: the card's allocation events, not seconds: a step's pattern stays visible next to a slow
     # start-up, and a plan draws the same picture as the real run.
-    t_max = max([p[0] for r in ranks.values() for p in r["timeline"]] + [1])
+    t_max = max([p[0] for r in ranks.values() for p in r["timeline"]] + [1e-9 if planned_time else 1])
 
     def x(t):
         return LEFT + plot_w * t / t_max
@@ -64,8 +78,9 @@ def svg(report: Dict) -> str:
         value += step
     parts.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{TOP + plot_h}" stroke="black"/>'
                  f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + plot_h}" y2="{TOP + plot_h}" stroke="black"/>'
-                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 12}" text-anchor="middle">allocations and frees on the '
-                 f'card, 0 to {t_max:,}</text>')
+                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 12}" text-anchor="middle">'
+                 + (f'planned time on the card, 0 to {t_max * 1e3:,.1f} ms (allocated bytes only)' if planned_time
+                    else f'allocations and frees on the card, 0 to {t_max:,}') + '</text>')
     if capacity_on_chart:
         parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y(capacity):.1f}" y2="{y(capacity):.1f}" '
                      f'stroke="black" stroke-dasharray="6,4"/><text x="{WIDTH - RIGHT}" y="{y(capacity) - 4:.1f}" '
@@ -90,6 +105,13 @@ def svg(report: Dict) -> str:
     return "\n".join(parts)
 
 
+def _step_time(time) -> str:
+    """A rank's planned step time on its card and MFU (docs/time_on_the_card.md), or a dash."""
+    if not time or time.get("step_seconds") is None:
+        return "-"
+    return f"{time['step_seconds'] * 1e3:.1f} ms on {html.escape(time['card'])} ({time['mfu']:.0%})"
+
+
 def write(report: Dict, path: str) -> None:
     """Writes the chart to `path` (.svg, or .html with the chart and a table)."""
     chart = svg(report)
@@ -99,12 +121,14 @@ def write(report: Dict, path: str) -> None:
         rows = "".join(
             f"<tr><td>{rank}</td><td>{_size(r['peak_allocated'])}</td><td>{_size(r['peak_reserved'])}</td>"
             f"<td>{html.escape(r['peak_phase'])}</td><td>{'yes' if r['oom'] else 'no'}</td>"
-            f"<td>{sum(c['count'] for c in r['collectives'])}</td>"
+            f"<td>{sum(c['count'] for c in r['collectives'])}</td><td>{_step_time(r.get('time'))}</td>"
             f"<td>{FAILED if r.get('failure') else 'to the end'}</td></tr>"
             for rank, r in sorted(report["ranks"].items(), key=lambda item: int(item[0])))
+        timed = any((r.get("time") or {}).get("memory") for r in report["ranks"].values())
+        chart += svg(report, planned_time=True) if timed else ""
         content = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>supa_emu plan</title></head><body>"
                    f"{chart}<table border='1' cellpadding='4'><tr><th>rank</th><th>peak allocated</th>"
                    f"<th>peak reserved</th><th>phase of the peak</th><th>out of memory</th>"
-                   f"<th>collective calls</th><th>ran</th></tr>{rows}</table></body></html>")
+                   f"<th>collective calls</th><th>planned step (MFU)</th><th>ran</th></tr>{rows}</table></body></html>")
     with open(path, "w") as out:
         out.write(content)

@@ -8,7 +8,9 @@ group_size, dtype, bytes, count}]), value_dependent ([{what, count, site}]), no_
 mode's operators that ran their kernels for want of a shape rule, [{what, count, site}]),
 sections ([{name, peak_allocated, peak_reserved, collectives}], see rank_record.section), failure
 ({error, traceback} or null), failed (true when the rank did not run to the end: its figures are
-those up to its failure)}, largest -> peak_allocated / peak_reserved -> {rank, bytes, failed}: the
+those up to its failure), time (the card's time, time_model.Schedule.report: card, steps
+[{step, seconds, flops, mfu, split, tokens}], step_seconds, tokens_per_s, mfu, top_ops, untimed_collectives; null where
+no step was recorded)}, largest -> peak_allocated / peak_reserved -> {rank, bytes, failed}: the
 largest figure over the played ranks and the rank that holds it.
 """
 
@@ -21,7 +23,7 @@ def lost_rank(rank: int, returncode: int) -> dict:
     """The record of a rank process that ended before writing its own (killed, crashed)."""
     return {"rank": rank, "device": None, "capacity": 0, "peak_allocated": 0, "peak_reserved": 0,
             "peak_phase": "unknown", "peak_location": None, "oom": False, "oom_events": [], "timeline": [],
-            "collectives": [], "value_dependent": [], "no_shape_rule": [], "sections": [],
+            "collectives": [], "value_dependent": [], "no_shape_rule": [], "sections": [], "time": None,
             "failure": {"error": f"the rank process ended with status {returncode} before writing its record",
                         "traceback": None}}
 
@@ -57,6 +59,8 @@ def text(report: dict) -> str:
                      f"{' (FAILED)' if allocated['failed'] else ''}, {_size(reserved['bytes'])} reserved on rank "
                      f"{reserved['rank']}{' (FAILED)' if reserved['failed'] else ''}")
     for rank, r in report["ranks"].items():
+        lines.extend(time_lines(rank, r.get("time")))
+    for rank, r in report["ranks"].items():
         for oom in r["oom_events"]:
             where = f" at {oom['location']}" if oom.get("location") else ""
             lines.append(f"rank {rank}: out of memory asking for {_size(oom['requested_bytes'])} in "
@@ -70,3 +74,28 @@ def text(report: dict) -> str:
         for note in r.get("no_shape_rule", []):
             lines.append(f"rank {rank}: ran a kernel ({note['count']}x): {note['what']} at {note['site']}")
     return "\n".join(lines)
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def time_lines(rank, time) -> list:
+    """A rank's planned step time, its split and its most expensive operators, for people."""
+    if not time or not time["steps"]:
+        return [] if time is None else [f"rank {rank}: no training step seen on {time['card']} (an optimizer's "
+                                        f"step, or supa_emu.plan.step_done(), ends one)"]
+    steps = ", ".join(_seconds(s["seconds"]) for s in time["steps"])
+    lines = [f"rank {rank} on {time['card']}: step {_seconds(time['step_seconds'])} (median after the first; "
+             f"steps: {steps}), MFU {time['mfu']:.1%}"
+             + (f", {time['tokens_per_s']:,.0f} tokens/s" if time.get("tokens_per_s") else "")]
+    last = time["steps"][-1]
+    total = sum(last["split"].values()) or 1.0
+    lines.append(f"rank {rank}: last step's time: " + ", ".join(
+        f"{name} {share / total:.0%}" for name, share in last["split"].items() if share > 0))
+    lines.append(f"rank {rank}: most expensive operators: " + ", ".join(
+        f"{op['op']} {_seconds(op['seconds'])} ({op['count']}x)" for op in time["top_ops"][:5]))
+    for untimed in time.get("untimed_collectives", []):
+        lines.append(f"rank {rank}: no time model for the collective {untimed['op']} ({untimed['count']}x): "
+                     f"counted as taking no time")
+    return lines

@@ -12,6 +12,7 @@
 #include "devices.h"
 #include "gpu_trace.h"
 #include "graph.h"
+#include "op_trace.h"
 #include "stream_timeline.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -107,6 +108,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
     e->recorded = true;
     e->time_ns = stream_ready_ns(stream.device_index(), stream.id());
+    op_trace_event(TraceKind::kEventRecord, reinterpret_cast<uintptr_t>(e), stream.device_index(), stream.id());
     e->capture_points = capture_points_at_record(stream.device_index(), stream.id());
     report_to_gpu_trace([&](const auto& trace) {
       trace->trace_gpu_event_record(kSupa, reinterpret_cast<uintptr_t>(e), static_cast<uintptr_t>(stream.id()));
@@ -115,6 +117,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void block(void* event, const c10::Stream& stream) const override {
     if (event != nullptr) {
       stream_wait_until(stream.device_index(), stream.id(), static_cast<HostEvent*>(event)->time_ns);
+      op_trace_event(TraceKind::kEventWait, reinterpret_cast<uintptr_t>(event), stream.device_index(), stream.id());
       capture_order_wait(stream.device_index(), stream.id(), static_cast<HostEvent*>(event)->capture_points);
       report_to_gpu_trace([&](const auto& trace) {
         trace->trace_gpu_event_wait(kSupa, reinterpret_cast<uintptr_t>(event), static_cast<uintptr_t>(stream.id()));
@@ -137,6 +140,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   void synchronizeStream(const c10::Stream& stream) const override {
     wait_until_ns(stream_ready_ns(stream.device_index(), stream.id()));
+    op_trace_event(TraceKind::kStreamSync, 0, stream.device_index(), stream.id());
     report_to_gpu_trace([&](const auto& trace) {
       trace->trace_gpu_stream_synchronization(kSupa, static_cast<uintptr_t>(stream.id()));
     });
@@ -144,6 +148,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeEvent(void* event) const override {
     if (event != nullptr) {
       wait_until_ns(static_cast<HostEvent*>(event)->time_ns);
+      op_trace_event(TraceKind::kEventSync, reinterpret_cast<uintptr_t>(event), static_cast<HostEvent*>(event)->device, 0);
       report_to_gpu_trace([&](const auto& trace) {
         trace->trace_gpu_event_synchronization(kSupa, reinterpret_cast<uintptr_t>(event));
       });
@@ -152,6 +157,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     check_device_index(device_index);
     wait_until_ns(device_ready_ns(device_index));
+    op_trace_event(TraceKind::kDeviceSync, 0, device_index, 0);
     report_to_gpu_trace([](const auto& trace) { trace->trace_gpu_device_synchronization(kSupa); });
   }
   bool isStreamCapturing(const c10::Stream& stream) const override {

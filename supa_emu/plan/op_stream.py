@@ -1,0 +1,122 @@
+"""What a planned rank launches on its card, in order, handed to the time model as it goes.
+
+The native core records every operator launched on the card (csrc/runtime/op_trace.h: the
+dispatcher's observer hook, in both planner modes), the event records and waits of the program's
+streams and its synchronisations. This module adds, in the same order, a mark for each bccl
+collective (with its bytes, group size and the hosts its ranks span) and one at the end of each
+training step: the end of an optimizer's `step` (torch.optim's global hooks, the outermost one
+where optimizers nest), so DeepSpeed's, FSDP's and torchtitan's loops need no change. At each
+step's end the stream recorded so far goes to the time model (time_model.py), so the record
+stays small however long the script runs.
+
+`supa_emu.plan.tokens(n)` says how many tokens a step trains (per rank), for tokens/s.
+"""
+
+from typing import Optional
+
+import torch
+
+from supa_emu import distributed, process_state
+from supa_emu.device_type import DEVICE_TYPE
+from supa_emu.plan import time_model
+
+STEP_MARK = -1
+
+_schedule: Optional[time_model.Schedule] = None
+_collectives: list = []
+_hosts_of_group: dict = {}
+_cards_per_host = 8
+_optimizer_depth = 0
+
+
+class _CollectiveMarks(distributed.Watcher):
+    def collective_issued(self, group, call) -> None:
+        if group.kind.device_type != DEVICE_TYPE:
+            return  # a host (gloo) group's call: the card takes no part in it
+        read = written = 0
+        for tensor, reads, writes in call.accesses():
+            size = tensor.numel() * tensor.element_size()
+            read += size if reads else 0
+            written += size if writes else 0
+        _collectives.append((call.op, max(read, written), group.size(), _hosts(group)))
+        cards = [tensor.device for tensor, _, _ in call.accesses() if tensor.device.type == "supa"]
+        # on the current stream of the card the collective's tensors are on
+        with torch.supa.device(cards[0] if cards else torch.supa.current_device()):
+            process_state.core()._op_trace_mark(len(_collectives) - 1)
+
+
+def _hosts(group) -> int:
+    """How many hosts the group's ranks span (the world's layout: cards_per_host ranks per host)."""
+    key = id(group)
+    if key not in _hosts_of_group:
+        from torch.distributed import distributed_c10d
+
+        try:
+            ranks = distributed_c10d.get_process_group_ranks(group)
+        except (RuntimeError, ValueError, KeyError):  # a group c10d does not know: its ranks are consecutive
+            ranks = range(group.size())
+        _hosts_of_group[key] = len({r // _cards_per_host for r in ranks})
+    return _hosts_of_group[key]
+
+
+def _optimizer_entered(optimizer, args, kwargs) -> None:
+    global _optimizer_depth
+    _optimizer_depth += 1
+
+
+def _optimizer_done(optimizer, args, kwargs) -> None:
+    global _optimizer_depth
+    _optimizer_depth = max(0, _optimizer_depth - 1)
+    if _optimizer_depth == 0:
+        step_done()
+
+
+def start(settings: dict) -> None:
+    """Records this rank's launches and times them with `settings` (time_model.Schedule's)."""
+    global _schedule, _cards_per_host
+    _cards_per_host = settings["cards_per_host"]
+    _schedule = time_model.Schedule.from_settings(settings)
+    distributed.watch(_CollectiveMarks())
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_optimizer_entered)
+    register_optimizer_step_post_hook(_optimizer_done)
+    process_state.core()._op_trace_enable(True)
+
+
+def recording() -> bool:
+    return _schedule is not None
+
+
+def _drain() -> None:
+    core = process_state.core()
+    _schedule.feed(core._op_trace_take(), core._op_trace_names(), _collectives)
+
+
+def step_done() -> None:
+    """Ends a training step: what was launched so far belongs to it."""
+    if _schedule is None:
+        return
+    process_state.core()._op_trace_mark(STEP_MARK)
+    _drain()
+
+
+def tokens(n: int) -> None:
+    """The tokens each step trains on this rank, from the next step's end on."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeError(f"tokens(n): n must be a non-negative int (tokens per step on this rank), got {n!r}")
+    if _schedule is not None:
+        _schedule.tokens_per_step = n
+
+
+def finish() -> Optional[dict]:
+    """This rank's time report (time_model.Schedule.report), or None when nothing was recorded."""
+    if _schedule is None:
+        return None
+    process_state.core()._op_trace_enable(False)
+    _drain()
+    return _schedule.report()
+
+
+def trace_events() -> list:
+    return _schedule.trace_events() if _schedule is not None else []

@@ -1,0 +1,223 @@
+"""The card's time for a planned rank: the operator stream played on the profile's card, stream by stream.
+
+The host issues launches one after the other, each costing it `host_op_s` (eager PyTorch's
+dispatch on a server CPU). A launch runs on its stream after the stream's previous work and after
+the events the stream was told to wait for, no earlier than the host issued it; it takes the
+card's launch latency plus the longer of its arithmetic time (FLOPs over the dtype's peak times
+the family's efficiency at that size, efficiency.py) and its memory time (bytes over the memory
+bandwidth times the memory curve). Copies between host and card take the host link; a copy to the
+host (and `.item()`) makes the host wait for it, as do stream, event and device synchronisations.
+An event completes when the work its stream had when it was recorded does. A collective runs on
+the stream it was issued on, for the time collective_time.py gives. So overlap is what the
+program's own streams and events allow.
+
+A step ends at each step mark (op_stream.py); its time is from the previous step's end (the
+moment all work issued before it completes) to its own. The split tells, for each moment of the
+step, the highest of: a compute-bound kernel running, a memory-bound one, a host-link copy, a
+collective (exposed communication), a launch's latency, the host issuing while the card waits
+(host-bound), and nothing (idle).
+"""
+
+import collections
+import statistics
+from typing import Dict, List
+
+from supa_emu import card_profiles
+from supa_emu.plan import collective_time, efficiency, op_costs
+
+OP, EVENT_RECORD, EVENT_WAIT, STREAM_SYNC, EVENT_SYNC, DEVICE_SYNC, MARK = range(7)
+STEP_MARK = -1
+
+# Eager PyTorch's own time per launched operator on a server CPU (Python, dispatcher, autograd's
+# bookkeeping): a few microseconds in PyTorch's own overhead measurements; an assumption until a
+# card measures it (docs/time_on_the_card.md).
+HOST_OP_SECONDS = 5e-6
+
+SPLIT = ("compute", "memory", "host_link", "communication", "launch", "host", "idle")
+_PRIORITY = {name: i for i, name in enumerate(SPLIT)}
+TOP_OPS = 10
+MEMORY_POINTS = 600
+
+
+class Schedule:
+    """Plays launches on the card's streams and keeps each step's figures."""
+
+    def __init__(self, profile: card_profiles.CardProfile, nic_gbps: float = 400.0,
+                 host_op_s: float = HOST_OP_SECONDS, rank: int = 0, keep_trace: bool = False):
+        self.profile, self.nic_gbps, self.host_op_s, self.rank = profile, nic_gbps, host_op_s, rank
+        self.tokens_per_step = None
+        self.host = 0.0
+        self.ready: Dict[tuple, float] = {}  # (device, stream) -> when its queued work completes
+        self.events: Dict[int, float] = {}
+        self.step_start = 0.0
+        self.steps: List[dict] = []
+        self._intervals: list = []  # (start, end, split category) of the current step
+        self._ops = collections.defaultdict(lambda: [0.0, 0, 0.0])  # name -> [seconds, launches, FLOPs]
+        self._step_flops = collections.defaultdict(float)  # dtype family -> FLOPs this step
+        self._launches = 0
+        self._keep_trace = keep_trace
+        self._trace: list = []
+        self._memory: list = []
+        self._cost_cache: dict = {}
+        self.untimed: Dict[str, int] = {}  # collectives without a time model: op -> calls
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "Schedule":
+        return cls(card_profiles.from_fields(settings["card"], "card profile"), settings["nic_gbps"],
+                   settings["host_op_s"], settings["rank"], settings.get("trace", False))
+
+    # ---- playing the stream ------------------------------------------------------------------
+    def feed(self, entries, names: List[str], collectives: list) -> None:
+        for kind, name, device, stream, aux, ins, outs in entries:
+            key = (device, stream)
+            if kind == OP:
+                self._launch(names[name], key, ins, outs, aux)
+            elif kind == EVENT_RECORD:
+                self.events[aux] = self.ready.get(key, 0.0)
+            elif kind == EVENT_WAIT:
+                self.ready[key] = max(self.ready.get(key, 0.0), self.events.get(aux, 0.0))
+            elif kind == STREAM_SYNC:
+                self.host = max(self.host, self.ready.get(key, 0.0))
+            elif kind == EVENT_SYNC:
+                self.host = max(self.host, self.events.get(aux, 0.0))
+            elif kind == DEVICE_SYNC:
+                self.host = max([self.host] + [t for (d, _), t in self.ready.items() if d == device])
+            elif kind == MARK and aux == STEP_MARK:
+                self._end_step()
+            elif kind == MARK:
+                self._collective(collectives[aux], key)
+
+    def _cost(self, name: str, ins, outs) -> op_costs.OpCost:
+        signature = (name, repr(ins), repr(outs))
+        found = self._cost_cache.get(signature)
+        if found is None:
+            found = self._cost_cache[signature] = op_costs.cost(name, ins, outs)
+        return found
+
+    def seconds(self, c: op_costs.OpCost) -> tuple:
+        """(arithmetic seconds, memory seconds) of a launch of cost `c` (launch latency apart)."""
+        p = self.profile
+        if c.kind in ("h2d", "d2h"):
+            return 0.0, c.bytes / (p.host_link_bandwidth * efficiency.HOST_LINK_EFFICIENCY)
+        arithmetic = c.flops / (p.peak_flops[c.family] * efficiency.fraction(c.kind, c.flops)) if c.flops else 0.0
+        memory = c.bytes / (p.memory_bandwidth * efficiency.fraction("memory", c.bytes)) if c.bytes else 0.0
+        return arithmetic, memory
+
+    def _issue(self) -> float:
+        self.host += self.host_op_s
+        self._intervals.append((self.host - self.host_op_s, self.host, "host"))
+        return self.host
+
+    def _launch(self, name: str, key: tuple, ins, outs, allocated: int) -> None:
+        c = self._cost(name, ins, outs)
+        if c.kind == "none":
+            return
+        start = max(self._issue(), self.ready.get(key, 0.0))
+        arithmetic, memory = self.seconds(c)
+        busy = max(arithmetic, memory)
+        if c.kind in ("h2d", "d2h"):
+            category = "host_link"
+        else:
+            category = "compute" if arithmetic >= memory and c.flops else "memory"
+        latency = self.profile.launch_latency
+        end = start + latency + busy
+        self.ready[key] = end
+        self._intervals.append((start, start + latency, "launch"))
+        self._intervals.append((start + latency, end, category))
+        if c.host_waits:
+            self.host = max(self.host, end)
+        totals = self._ops[name]
+        totals[0] += latency + busy
+        totals[1] += 1
+        totals[2] += c.flops
+        self._step_flops[c.family] += c.flops
+        self._launches += 1
+        if not self._memory or self._memory[-1][1] != allocated:
+            self._memory.append((end, allocated))
+        if self._keep_trace:
+            self._trace.append((key, name, start, end, category, c.flops, c.bytes))
+
+    def _collective(self, described: tuple, key: tuple) -> None:
+        op, nbytes, group_size, hosts = described
+        start = max(self._issue(), self.ready.get(key, 0.0))
+        try:
+            end = start + collective_time.seconds(op, nbytes, group_size, hosts, self.profile, self.nic_gbps)
+        except ValueError:  # a collective the model has no cost for: named in the report, not guessed
+            self.untimed[op] = self.untimed.get(op, 0) + 1
+            end = start
+        self.ready[key] = end
+        self._intervals.append((start, end, "communication"))
+        name = f"bccl:{op}"
+        totals = self._ops[name]
+        totals[0] += end - start
+        totals[1] += 1
+        if self._keep_trace:
+            self._trace.append((key, name, start, end, "communication", 0.0, nbytes))
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _end_step(self) -> None:
+        end = max([self.host] + list(self.ready.values()))
+        begin = self.step_start
+        split = self._split(begin, end)
+        flops = sum(self._step_flops.values())
+        family = max(self._step_flops, key=self._step_flops.get) if flops else "bf16"
+        seconds = end - begin
+        step = {"step": len(self.steps) + 1, "start_s": begin, "seconds": seconds, "flops": flops,
+                "mfu": flops / (seconds * self.profile.peak_flops[family]) if seconds > 0 else 0.0,
+                "peak_family": family, "split": split, "tokens": self.tokens_per_step}
+        self.steps.append(step)
+        if self._keep_trace:
+            self._trace.append((None, f"step {step['step']}", end, end, "step", 0.0, 0.0))
+        self.step_start = end
+        self._intervals = [i for i in self._intervals if i[1] > end]
+        self._step_flops.clear()
+
+    def _split(self, begin: float, end: float) -> dict:
+        """Seconds of [begin, end] by the highest category active at each moment (SPLIT's order)."""
+        points = []
+        for start, stop, category in self._intervals:
+            start, stop = max(start, begin), min(stop, end)
+            if stop > start:
+                points.append((start, 1, _PRIORITY[category]))
+                points.append((stop, -1, _PRIORITY[category]))
+        points.sort()
+        active = [0] * len(SPLIT)
+        split = dict.fromkeys(SPLIT, 0.0)
+        at = begin
+        for when, change, priority in points:
+            if when > at:
+                top = next((i for i, n in enumerate(active) if n), _PRIORITY["idle"])
+                split[SPLIT[top]] += when - at
+                at = when
+            active[priority] += change
+        split["idle"] += max(0.0, end - at)
+        return split
+
+    # ---- reports -----------------------------------------------------------------------------
+    def report(self) -> dict:
+        """{card, nic_gbps, host_op_us, launches, steps, step_seconds (median after the first),
+        tokens_per_s, mfu, top_ops, untimed_collectives, memory: [[planned seconds, allocated bytes]],
+        at most MEMORY_POINTS keeping each stretch's highest}."""
+        steady = self.steps[1:] or self.steps
+        step_seconds = statistics.median(s["seconds"] for s in steady) if steady else None
+        tokens = steady[-1]["tokens"] if steady else None
+        mfu = statistics.median(s["mfu"] for s in steady) if steady else None
+        ranked = sorted(self._ops.items(), key=lambda item: -item[1][0])[:TOP_OPS]
+        return {"card": self.profile.name, "nic_gbps": self.nic_gbps, "host_op_us": self.host_op_s * 1e6,
+                "launches": self._launches, "steps": self.steps, "step_seconds": step_seconds,
+                "tokens_per_step": tokens,
+                "tokens_per_s": tokens / step_seconds if tokens and step_seconds else None, "mfu": mfu,
+                "top_ops": [{"op": name, "seconds": t, "count": n, "flops": f} for name, (t, n, f) in ranked],
+                "untimed_collectives": [{"op": op, "count": n} for op, n in self.untimed.items()],
+                "memory": self._memory_points()}
+
+    def _memory_points(self) -> list:
+        stretch = -(-len(self._memory) // MEMORY_POINTS) or 1
+        return [list(max(self._memory[i:i + stretch], key=lambda p: p[1]))
+                for i in range(0, len(self._memory), stretch)]
+
+    def trace_events(self) -> list:
+        """Chrome trace events (microseconds): a track per stream, step marks, a memory counter."""
+        from supa_emu.plan import trace
+
+        return trace.events(self.rank, self._trace, self._memory)
