@@ -1,6 +1,7 @@
 // Python bindings of the emulated SUPA runtime (`supa_emu.native`).
 #include "aten/blas_ops.h"
 #include "aten/fallback.h"
+#include "aten/half_precision_products.h"
 #include "aten/sdp_choice.h"
 #include "aten/shape_only.h"
 #include "bccl/all_gather.h"
@@ -359,6 +360,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return supa::current_blas_handle(device_arg(device));
   });
   m.def("_clear_blas_workspaces", &supa::clear_blas_workspaces);
+  m.def("_choose_half_precision_kernels", &supa::choose_half_precision_kernels, py::arg("flags") = supa::host_cpu_flags());
   m.def("_capacity", [](int64_t device) { return supa::capacity(device_arg(device)); });
   m.def("_memory_snapshot", &memory_snapshot, py::arg("device") = -1);
   m.def("_raw_alloc", [](size_t nbytes, int64_t device) {
