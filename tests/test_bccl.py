@@ -1,6 +1,6 @@
 """The bccl backend: every collective DeepSpeed uses, on supa tensors, across real processes.
 
-Each test body runs in every rank (harness.distributed_test: rank r on supa:r, a bccl default group)
+Each test body runs in every rank (ranks.distributed_test: rank r on supa:r, a bccl default group)
 and asserts there; expected values are computed independently on the CPU, from inputs every rank
 can rebuild. Two ranks unless a test says otherwise.
 

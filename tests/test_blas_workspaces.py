@@ -223,7 +223,7 @@ def test_graph_capture_uses_the_capture_stream_s_workspace_and_replay_takes_none
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_matrix_product_s_peak_is_its_result_as_on_a_card(dev, dtype):
     # The CPU kernel's conversion and packing buffers (4 MiB here in bf16) are not the card's: a card's
-    # BLAS needs nothing beyond its workspace (docs/card_memory.md, "Kernel scratch by operator family").
+    # BLAS needs nothing beyond its workspace (docs/operator_memory.md, "Kernel scratch by operator family").
     g = torch.randn(512, 4096, device=f"supa:{dev}", dtype=dtype)
     w = torch.randn(4096, 1024, device=f"supa:{dev}", dtype=dtype)
     g @ w  # the workspace
