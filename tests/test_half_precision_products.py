@@ -10,7 +10,7 @@ Two host paths keep that arithmetic, chosen per type at activation from the CPU'
   has the type's matrix instructions (AVX512_BF16 or AMX_BF16; AVX512_FP16 or AMX_FP16): float32
   accumulation in another order. The result is a float32 sum of the same products rounded once: it
   lies between the roundings of the exact product minus and plus the error bound of float32
-  summation (`_assert_a_float32_sum_rounded_once`).
+  summation (`assert_a_float32_sum_rounded_once`).
 
 The long reductions here make the two orders, and any rounding on the way, visible."""
 
@@ -61,7 +61,7 @@ def _in_float32(fn, *operands):
     return fn(*[t.float() for t in operands]).to(operands[0].dtype)
 
 
-def _assert_a_float32_sum_rounded_once(got, fn, operands, terms):
+def assert_a_float32_sum_rounded_once(got, fn, operands, terms):
     """`got` is fn's float32 result on `operands`, summed in any order, rounded once to their type.
 
     A product of two half or bfloat16 numbers is exact in float32 (11 + 11 significant bits <= 24),
@@ -128,7 +128,7 @@ def test_with_matrix_instructions_a_product_is_a_float32_sum_rounded_once(name, 
     assert got.dtype == dtype
     if name in ON_CPU_KERNELS:
         assert torch.equal(got, fn(*operands))  # the CPU's own kernel, bit for bit
-        _assert_a_float32_sum_rounded_once(got, fn, operands, terms)
+        assert_a_float32_sum_rounded_once(got, fn, operands, terms)
     else:
         torch.testing.assert_close(got, _in_float32(fn, *operands), rtol=0, atol=0)
 
@@ -139,9 +139,9 @@ def test_the_bound_rejects_a_sum_rounded_on_the_way():
     partial = torch.zeros(48, 40, dtype=torch.bfloat16)
     for k in range(0, K, 256):
         partial = (partial.float() + a[:, k:k + 256].float() @ b[k:k + 256].float()).to(torch.bfloat16)
-    _assert_a_float32_sum_rounded_once(_in_float32(torch.mm, a, b), torch.mm, [a, b], K)
+    assert_a_float32_sum_rounded_once(_in_float32(torch.mm, a, b), torch.mm, [a, b], K)
     with pytest.raises(AssertionError, match="no float32 sum rounded once"):
-        _assert_a_float32_sum_rounded_once(partial, torch.mm, [a, b], K)
+        assert_a_float32_sum_rounded_once(partial, torch.mm, [a, b], K)
 
 
 # flags (at::cpu::get_cpu_capabilities()'s names) -> the types whose products take the CPU's kernels
@@ -265,13 +265,13 @@ def test_with_matrix_instructions_a_convolution_and_its_gradients_are_float32_su
     forward = lambda x, w, b: torch.ops.aten.convolution(x, w, b, **CONV)  # noqa: E731
     got = _on_card(forward, x, w, b)
     assert torch.equal(got, forward(x, w, b))
-    _assert_a_float32_sum_rounded_once(got, forward, [x, w, b], 256 * 9 + 1)
+    assert_a_float32_sum_rounded_once(got, forward, [x, w, b], 256 * 9 + 1)
 
     on_card = _convolution_backward(grad.to(DEV), x.to(DEV), w.to(DEV), **CONV)
     # Terms per element: grad_input 16 channels x 3x3, grad_weight and grad_bias 2 x 8x8 positions.
     for i, terms in enumerate([16 * 9, 2 * 8 * 8, 2 * 8 * 8]):
         assert torch.equal(on_card[i].cpu(), _convolution_backward(grad, x, w, **CONV)[i])
-        _assert_a_float32_sum_rounded_once(on_card[i].cpu(), lambda *t: _convolution_backward(*t, **CONV)[i],
+        assert_a_float32_sum_rounded_once(on_card[i].cpu(), lambda *t: _convolution_backward(*t, **CONV)[i],
                                            [grad, x, w], terms)
 
 

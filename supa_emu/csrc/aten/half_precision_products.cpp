@@ -77,8 +77,13 @@ bool onednn_runs(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
   if (!args[*schema.argumentIndexWithName("transposed")].toBool()) {
     return true;
   }
-  const auto stride = args[*schema.argumentIndexWithName("stride")].toDimVector();
-  const auto padding = args[*schema.argumentIndexWithName("output_padding")].toDimVector();
+  const c10::IValue& strides = args[*schema.argumentIndexWithName("stride")];
+  const c10::IValue& paddings = args[*schema.argumentIndexWithName("output_padding")];
+  if (!strides.isIntList() || !paddings.isIntList()) {
+    return false;  // symbolic sizes: not a call to judge, take float32 copies
+  }
+  const auto stride = strides.toDimVector();
+  const auto padding = paddings.toDimVector();
   for (size_t i = 0; i < padding.size() && i < stride.size(); ++i) {
     if (padding[i] >= stride[i]) {
       return false;
