@@ -4,12 +4,12 @@
 // - the CPU's own kernel, where oneDNN runs it on matrix instructions for the type: oneDNN's
 //   default ("strict") accumulation mode keeps float32 accumulators and rounds only the result,
 //   and the instructions make it fast: bfloat16 dot products into float32 (AVX512_BF16's
-//   VDPBF16PS, AMX_BF16), float16 ones (AMX_FP16; on AVX512_FP16 oneDNN widens to float32 FMAs).
+//   VDPBF16PS, AMX_BF16), float16 ones (AVX512_FP16, AMX_FP16).
 //   Chosen per type once at activation from the CPU's flags, for matrix-matrix products and
 //   convolutions only, and only while oneDNN is on (torch.backends.mkldnn.enabled): PyTorch's
 //   kernels without it round partial sums (measured: a bfloat16 convolution's input gradient).
 // - float32 copies through the host's float32 kernels, rounded once: everywhere else. On an AVX2
-//   host the CPU's bfloat16 kernels were 40-110x slower than this; on an AVX512_BF16 host its
+//   host the CPU's bfloat16 kernels were 20-110x slower than this; on an AVX512_BF16 host its
 //   bfloat16 dot product was 9x slower, so vector products (addmv, dot, vdot) stay here too, as do
 //   _addmm_activation (the CPU kernel applies the GELU after rounding, a card's epilogue before)
 //   and transposed convolutions whose output padding reaches the stride (PyTorch then skips oneDNN).
@@ -29,7 +29,7 @@
 namespace supa {
 namespace {
 
-// Whose kernels keep the card's arithmetic and are fast for each type (choose_half_precision_kernels).
+// Whether each type's matrix products and convolutions take the CPU's kernel (choose_half_precision_kernels).
 std::atomic<bool> g_bfloat16_on_host{false};
 std::atomic<bool> g_float16_on_host{false};
 
