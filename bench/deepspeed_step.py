@@ -12,7 +12,7 @@ Machines are noisy: read the ratios; the load average at start and end is printe
 Single steps vary 2-3x on a 2-core machine (gloo's all_reduce time does, on both sides), hence
 40 measured steps per stage and job by default: with 10, the same code gave stage ratios 0.1 apart.
 
-    python bench/deepspeed_step.py --against /tmp/base      # e.g. git worktree add /tmp/base 13904d9
+    python bench/deepspeed_step.py --against ../base        # e.g. git worktree add ../base 13904d9
 
 adds a third side: the emulated supa job run from another checkout of this project (its supa_emu,
 accelerator and op builders, and the native core built from its sources), in the same rotation,

@@ -7,7 +7,7 @@ Shapes are those of tests/data/fidelity/memory_probe.py's GPT (T tokens, width 1
 50257, bf16 unless named). Each figure is `max_memory_allocated()` minus what stays allocated, in
 MiB, around one call made after a warm-up call (so the BLAS workspaces and library caches exist).
 Figures that include tensors the call creates and frees itself (a forward output before its
-backward, the incoming gradient) say so in their names. docs/card_memory.md compares the two cards.
+backward, the incoming gradient) say so in their names. docs/operator_memory.md compares the two cards.
 """
 
 import json

@@ -72,6 +72,7 @@ def _register() -> None:
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
     core._init(len(cfg.visible_devices), [cfg.memory_bytes] * len(cfg.visible_devices), cfg.dtype_demotion, shapes)
     core._set_blas_workspace_sizes(cfg.blas_workspace_bytes, cfg.profile.blaslt_workspace_size)
+    core._choose_half_precision_kernels()  # from this CPU's flags (csrc/aten/half_precision_products.cpp)
     process_state.record_core(core)
 
     from supa_emu import supa as supa_module

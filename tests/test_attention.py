@@ -3,7 +3,7 @@
 A SUPA card has flash and memory-efficient attention, chosen under PyTorch's CUDA rules and the
 torch.backends / sdpa_kernel switches, and run as the operators a card's SDPA calls; values are
 held to PyTorch's math on CPU tensors, memory to the same calls on an NVIDIA H200
-(docs/card_memory.md).
+(docs/operator_memory.md).
 """
 
 import functools

@@ -5,13 +5,14 @@ README, docs/ and the other READMEs must name a file of the repository, and an a
 that file, slugged as GitHub renders it. Code and documents cite a docs page as
 `docs/<page>.md, "<heading>"`; that page and heading must exist too, so a heading renamed in a page
 shows up here instead of leaving a comment that points nowhere. Links to other sites are not
-followed.
+followed. No committed file names a path of one developer's machine: examples show a placeholder.
 """
 
 from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -27,6 +28,11 @@ HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
 # `docs/<page>.md` and, when a quoted heading follows the comma, that heading (comment leaders removed).
 CITATION = re.compile(r"docs/([\w.-]+\.md)(?:,\s*\"([^\"]+)\")?")
 COMMENT_LEADER = re.compile(r"\s*\n\s*(?:#+|//+|\*)?[ \t]*")
+# An absolute path inside a home, a worktree or a temporary directory: it names one developer's
+# machine. Examples write a placeholder instead (`CHECKOUT_OF_<commit>`, `"$(mktemp -d)"`,
+# `~/.cache`, `/home/<you>/...`, `$TMPDIR/...`); the bare system directories (`/tmp`) are no one's.
+MACHINE_PATH = re.compile(r"(?<![\w.$/~-])/(?:home|Users|root|work|tmp|var/tmp|var/folders|private/tmp)"
+                          r"/(?![<$])[^\s`'\"(),;|]+")
 
 
 def _prose(text: str) -> str:
@@ -83,6 +89,15 @@ def broken_citations(path: pathlib.Path) -> list[str]:
     return broken
 
 
+def machine_paths(text: str) -> list[str]:
+    return MACHINE_PATH.findall(text)
+
+
+def committed_files() -> list[pathlib.Path]:
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [ROOT / name for name in listed.stdout.split("\0") if name]
+
+
 def test_the_documents_are_found():
     names = {_relative(path) for path in DOCUMENTS}
     assert {"README.md", "docs/configuration.md", "docs/real_stack.md", "tests/README.md"} <= names
@@ -112,3 +127,25 @@ def test_a_broken_link_and_a_missing_heading_are_reported(tmp_path):
                     "```\n[in code](not-checked.md)\n```\n")
     assert broken_links(page) == [f"#no-section: no heading with that anchor in {page}",
                                   "missing.md: no such file"]
+
+
+def test_no_committed_file_names_a_path_of_a_developer_s_machine():
+    found = {}
+    for path in committed_files():
+        if path == pathlib.Path(__file__).resolve() or not path.is_file():  # this file's examples below
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # binary data
+            continue
+        if paths := machine_paths(text):
+            found[_relative(path)] = paths
+    assert found == {}
+
+
+def test_machine_paths_are_found_and_placeholders_are_not():
+    assert machine_paths("bench/x.py --against /work/wt-13904 --rounds 3") == ["/work/wt-13904"]
+    assert machine_paths("HOME=/tmp/coldhome bash; (/home/alice/src/x.py) `/root/.cache/supa_emu`") == [
+        "/tmp/coldhome", "/home/alice/src/x.py", "/root/.cache/supa_emu"]
+    assert machine_paths("--against CHECKOUT_OF_13904d9, HOME=\"$(mktemp -d)\", ~/.cache/supa_emu, a sticky /tmp, "
+                         "/home/<you>/src, $TMPDIR/x, https://example.org/tmp/x, src/work/x.py") == []

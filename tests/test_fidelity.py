@@ -63,7 +63,7 @@ def within_bar(name: str, ratio: float) -> bool:
 
 
 def row(card: dict, emulated: dict) -> str:
-    """The configuration's line of docs/card_memory.md's table (MiB; highest step peak, last step's end)."""
+    """The configuration's line of docs/operator_memory.md's table (MiB; highest step peak, last step's end)."""
     mib = 2 ** 20
     card_peak, emulated_peak = max(s["peak"] for s in card["steps"]), max(s["peak"] for s in emulated["steps"])
     card_end, emulated_end = card["steps"][-1]["end"], emulated["steps"][-1]["end"]

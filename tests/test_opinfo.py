@@ -38,7 +38,7 @@ UNDETERMINED_VALUES = {
 # float32 on supa where the CPU gives bfloat16 or float16. Compared with the CPU's values at the CPU dtype's
 # tolerance.
 CARD_FLOAT_RESULTS = {
-    "native_layer_norm": {1, 2},  # mean and rstd, saved in float32 as by CUDA's kernel (docs/card_memory.md)
+    "native_layer_norm": {1, 2},  # mean and rstd, saved in float32 as by CUDA's kernel (docs/operator_memory.md)
 }
 
 # Ops whose half-precision results on the card are their float32 computation rounded once, where the CPU's

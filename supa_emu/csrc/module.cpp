@@ -3,6 +3,7 @@
 #include "aten/fallback.h"
 #include "runtime/op_trace_bindings.h"
 #include "aten/sdp_choice_bindings.h"
+#include "aten/half_precision_products.h"
 #include "aten/shape_only.h"
 #include "aten/shapes_bindings.h"
 #include "bccl/card_operands.h"
@@ -333,6 +334,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return supa::current_blas_handle(device_arg(device));
   });
   m.def("_clear_blas_workspaces", &supa::clear_blas_workspaces);
+  m.def("_choose_half_precision_kernels", &supa::choose_half_precision_kernels, py::arg("flags") = supa::host_cpu_flags());
   m.def("_capacity", [](int64_t device) { return supa::capacity(device_arg(device)); });
   m.def("_memory_snapshot", &memory_snapshot, py::arg("device") = -1);
   m.def("_raw_alloc", [](size_t nbytes, int64_t device) {

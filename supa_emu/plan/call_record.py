@@ -44,7 +44,7 @@ def flag(reason: str) -> None:
 
 def flag_object_collectives() -> None:
     """Each call of torch.distributed's object collectives is flagged from now on, in this process
-    (a planned rank's; monkeypatch, listed in the README)."""
+    (a planned rank's; a monkeypatch, listed in docs/pytorch_patches.md, "Patches in Python")."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 

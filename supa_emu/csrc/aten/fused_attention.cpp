@@ -5,7 +5,7 @@
 // Values come from PyTorch's CPU flash attention kernel (blockwise host math where it does not
 // apply: host_attention.h). Memory is the card kernel's, not the CPU kernel's: the CPU kernel
 // runs with its scratch in host memory (not card memory), and the card holds what a GPU's fused
-// kernel holds, as measured on an H200 (tests/data/fidelity, docs/card_memory.md):
+// kernel holds, as measured on an H200 (tests/data/fidelity, docs/operator_memory.md):
 // - forward: the output and the log-sum-exp (float32 per query row) it keeps for backward, plus
 //   the dropout state, int64/uint64 tensors on the card (flash: rng_state and `unused`, returned
 //   with or without dropout; memory-efficient: seed and offset); nothing of size L x S;
