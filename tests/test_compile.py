@@ -361,11 +361,15 @@ def test_flex_attention_training_matches_eager_on_cpu(flex_attention, dtype):
     reference.square().sum().backward()
 
     q, k, v, key_bias, score_mod, block_mask = flex_inputs(device, dtype, requires_grad=True)
+    compiled = torch.compile(flex_attention)
+    # A first call compiles; what compiling allocates on the card (cold or from the cache) is not
+    # the kernel's, so the second call is the one measured.
+    compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
     gc.collect()  # what earlier tests left is not freed while this one measures
     torch.supa.synchronize(device)
     base = torch.supa.memory_allocated(device)
     torch.supa.reset_peak_memory_stats(device)
-    out = torch.compile(flex_attention)(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    out = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
     # The card holds what a fused flex kernel writes: the output, the log-sum-exp and the row maxima.
     assert torch.supa.max_memory_allocated(device) - base == fused_forward_bytes(FLEX_SHAPE, dtype)
     assert torch.supa.memory_allocated(device) - base >= out.nbytes
