@@ -5,7 +5,7 @@ import re
 import warnings
 
 import pytest
-from harness import run_function
+from harness import fresh_process, run_function
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -143,12 +143,9 @@ def test_max_split_size_counts_oversize_blocks_and_lets_them_serve_smaller_reque
 
 
 @pytest.mark.emulation_only
-def test_garbage_collection_threshold_releases_the_oldest_cached_blocks(allocator_settings_restored):
-    with torch.supa.device(last_device()):  # a card no other test file left blocks on
-        try:
-            _garbage_collection_threshold_case()
-        finally:
-            torch.supa.set_per_process_memory_fraction(1.0)
+def test_garbage_collection_threshold_releases_the_oldest_cached_blocks():
+    # Exact reserved figures need a card no other test left blocks on: a fresh process.
+    fresh_process(_garbage_collection_threshold_case)
 
 
 def _garbage_collection_threshold_case():
