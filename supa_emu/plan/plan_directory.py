@@ -16,6 +16,14 @@ import os
 from typing import Callable, Optional, Set
 
 
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """`write(temporary)` then a rename to `path`: readers see the whole file or none."""
+    directory, name = os.path.split(path)
+    temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # a name no reader lists
+    write(temporary)
+    os.replace(temporary, path)
+
+
 class PlanDirectory:
     def __init__(self, path: str):
         self.path = path
@@ -24,10 +32,7 @@ class PlanDirectory:
         return os.path.join(self.path, *parts)
 
     def write_atomically(self, path: str, write: Callable[[str], None]) -> None:
-        directory, name = os.path.split(path)
-        temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # a name no reader lists
-        write(temporary)
-        os.replace(temporary, path)
+        write_atomically(path, write)
 
     def _write_text(self, name: str, text: str = "") -> None:
         def write(temporary: str) -> None:

@@ -12,6 +12,7 @@ from typing import Dict, Optional
 import torch
 
 from supa_emu.plan import call_record
+from supa_emu.plan.plan_directory import write_atomically
 
 # Set by the planner's rank process (`play`): (rank, world size, pid).
 _played: Optional[tuple] = None
@@ -100,6 +101,4 @@ def save_root_values() -> None:
     """Keeps this rank's small broadcast values so far for the ranks played later (the first played
     rank only; again whenever it waits for a rank that may start then: see p2p_messages.py)."""
     if _keeps_values:
-        temporary = f"{_values_file}.{os.getpid()}.tmp"
-        torch.save(_root_values, temporary)
-        os.replace(temporary, _values_file)
+        write_atomically(_values_file, lambda temporary: torch.save(_root_values, temporary))
