@@ -102,8 +102,9 @@ def _register() -> None:
 
         plan.install(cfg.plan_simulate, cfg.plan_record)
 
-    from supa_emu import core_share
+    from supa_emu import card_time, core_share
 
+    card_time.install(cfg.profiler_card)
     core_share.at_activation()
     if not cfg.autograd_device_threads:
         from supa_emu.supa import _autograd_threads

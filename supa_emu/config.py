@@ -11,7 +11,7 @@ import os
 import pathlib
 import re
 
-from supa_emu import allocator_settings, switches
+from supa_emu import allocator_settings, card_profiles, switches
 from supa_emu.device_profile import DEFAULT_PROFILE, PROFILES, DeviceProfile
 
 MAX_DEVICES = 64
@@ -47,6 +47,7 @@ class EmulatorConfig:
     plan_mode: str  # SUPA_PLAN_MODE: 'compute' (kernels run) | 'shapes' (shape rules, no kernels; set by the planner)
     plan_host_memory: int | None  # SUPA_PLAN_HOST_MEMORY: host tensors a planned rank may hold (None: what the host has free)
     blas_workspace_bytes: int  # one BLAS workspace per (handle, stream); SUPA_EMU_SUBLAS_WORKSPACE_CONFIG or the profile's
+    profiler_card: card_profiles.CardProfile  # SUPA_EMU_PROFILER_CARD: whose modelled times torch.profiler's card track shows
 
 
 def _flag(name: str, default: bool = False) -> bool:
@@ -203,6 +204,22 @@ def sanitize_memory(mode: str) -> str | None:
     return next((part for part in mode.split(",") if part in MEMCHECK_MODES), None)
 
 
+def profiler_card(profile_name: str) -> card_profiles.CardProfile:
+    """SUPA_EMU_PROFILER_CARD: a card of card_profiles.PROFILES or a profile file (.toml); unset, the
+    emulated card's (SUPA_EMU_PROFILE)."""
+    raw = os.environ.get("SUPA_EMU_PROFILER_CARD", "").strip()
+    if not raw:
+        return card_profiles.PROFILES[profile_name]
+    name = next((n for n in card_profiles.PROFILES if n.upper() == raw.upper()), raw)  # names in any case
+    try:
+        return card_profiles.choose(name)
+    except card_profiles.ProfileError as error:
+        if name.endswith(".toml") or os.path.sep in name:
+            raise ConfigError(f"SUPA_EMU_PROFILER_CARD: {error}") from None
+        raise ConfigError(f"SUPA_EMU_PROFILER_CARD={raw!r} is unknown; accepted values: {', '.join(card_profiles.PROFILES)}, "
+                          f"or a card profile file (.toml, docs/time_on_the_card.md)") from None
+
+
 def _plan_record() -> pathlib.Path | None:
     raw = os.environ.get("SUPA_PLAN_RECORD", "").strip()
     if not raw:
@@ -265,4 +282,5 @@ def load() -> EmulatorConfig:
         plan_host_memory=(parse_size("SUPA_PLAN_HOST_MEMORY", os.environ["SUPA_PLAN_HOST_MEMORY"])
                           if os.environ.get("SUPA_PLAN_HOST_MEMORY") else None),
         blas_workspace_bytes=blas_workspace_bytes(profile),
+        profiler_card=profiler_card(profile_name),
     )

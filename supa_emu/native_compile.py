@@ -59,8 +59,9 @@ def _torch_dir() -> pathlib.Path:
 
 
 def compile_flags(module_name: str) -> list[str]:
+    # Kineto's headers include each other by bare name (the profiler's card track reads them).
     includes = [_torch_dir() / "include", _torch_dir() / "include" / "torch" / "csrc" / "api" / "include",
-                pathlib.Path(sysconfig.get_paths()["include"])]
+                _torch_dir() / "include" / "kineto", pathlib.Path(sysconfig.get_paths()["include"])]
     flags = [f"-DTORCH_EXTENSION_NAME={module_name}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     for path in includes:
         flags += ["-isystem", str(path)]

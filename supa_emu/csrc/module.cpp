@@ -2,6 +2,7 @@
 #include "aten/blas_ops.h"
 #include "aten/fallback.h"
 #include "runtime/op_trace_bindings.h"
+#include "runtime/card_time_profiler.h"
 #include "aten/sdp_choice_bindings.h"
 #include "aten/half_precision_products.h"
 #include "aten/shape_only.h"
@@ -309,6 +310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("count"), py::arg("capacities"), py::arg("dtype_demotion"), py::arg("shapes") = false);
   m.def("_shapes_mode", &supa::shapes_mode);
   supa::bind_op_trace(m);
+  supa::bind_card_time_profiler(m);
   m.def("_shapes_notes", &shapes_notes);
   supa::bind_shapes_mode(m);
   m.def("_card_bytes_move", &supa::card_bytes_move, py::arg("nbytes"),

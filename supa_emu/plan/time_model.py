@@ -39,6 +39,16 @@ TOP_OPS = 10
 MEMORY_POINTS = 600
 
 
+def launch_seconds(p: card_profiles.CardProfile, c: op_costs.OpCost) -> tuple:
+    """(arithmetic seconds, memory seconds) of a launch of cost `c` on `p`'s card (launch latency apart);
+    the profiler's card track (supa_emu/card_time.py) times a running program's launches with it too."""
+    if c.kind in ("h2d", "d2h"):
+        return 0.0, c.bytes / (p.host_link_bandwidth * efficiency.HOST_LINK_EFFICIENCY)
+    arithmetic = c.flops / (p.peak_flops[c.family] * efficiency.fraction(c.kind, c.flops)) if c.flops else 0.0
+    memory = c.bytes / (p.memory_bandwidth * efficiency.fraction("memory", c.bytes)) if c.bytes else 0.0
+    return arithmetic, memory
+
+
 class Schedule:
     """Plays launches on the card's streams and keeps each step's figures."""
 
@@ -95,13 +105,7 @@ class Schedule:
         return found
 
     def seconds(self, c: op_costs.OpCost) -> tuple:
-        """(arithmetic seconds, memory seconds) of a launch of cost `c` (launch latency apart)."""
-        p = self.profile
-        if c.kind in ("h2d", "d2h"):
-            return 0.0, c.bytes / (p.host_link_bandwidth * efficiency.HOST_LINK_EFFICIENCY)
-        arithmetic = c.flops / (p.peak_flops[c.family] * efficiency.fraction(c.kind, c.flops)) if c.flops else 0.0
-        memory = c.bytes / (p.memory_bandwidth * efficiency.fraction("memory", c.bytes)) if c.bytes else 0.0
-        return arithmetic, memory
+        return launch_seconds(self.profile, c)
 
     def _issue(self) -> float:
         self.host += self.host_op_s

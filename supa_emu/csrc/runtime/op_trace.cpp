@@ -14,6 +14,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
+#include <c10/util/ApproximateClock.h>
 
 #include <atomic>
 #include <cstring>
@@ -35,6 +36,13 @@ std::unordered_map<std::string, int64_t> g_trace_name_index;
 
 thread_local int t_trace_paused = 0;
 thread_local int t_trace_inside = 0;  // inside a recorded launch: what it calls is the kernel
+
+// The profiler's launches: a callback of their own, added while a profile records.
+std::mutex g_profile_mutex;  // guards the handle and the launches
+at::CallbackHandle g_profile_callback = 0;
+std::vector<ProfiledLaunch> g_profiled;
+thread_local int t_profile_inside = 0;
+thread_local std::vector<uint64_t> t_correlations;
 
 struct TracedLaunch : at::ObserverContext {
   TraceEntry entry;
@@ -153,10 +161,9 @@ const TracedOpInfo& traced_op_info(const at::RecordFunction& fn) {
   return cache.emplace(key, info).first->second;
 }
 
-std::unique_ptr<at::ObserverContext> on_trace_start(const at::RecordFunction& fn) {
-  if (!g_trace_enabled.load(std::memory_order_relaxed) || t_trace_paused > 0 || t_trace_inside > 0) {
-    return nullptr;
-  }
+// The card a launch runs on and its name index, or -1: not a launch (no supa operand, or a
+// composite that decomposes into launches).
+std::pair<int, int64_t> launch_of(const at::RecordFunction& fn) {
   int device = -1;
   for (const auto& input : fn.inputs()) {
     device = traced_device_of(input);
@@ -165,22 +172,44 @@ std::unique_ptr<at::ObserverContext> on_trace_start(const at::RecordFunction& fn
     }
   }
   if (device < 0) {
-    return nullptr;
+    return {-1, -1};
   }
   const TracedOpInfo& info = traced_op_info(fn);
   if (!info.launch || info.name < 0) {
+    return {-1, -1};
+  }
+  return {device, info.name};
+}
+
+void encode_inputs(const at::RecordFunction& fn, std::vector<int64_t>& args) {
+  for (const auto& input : fn.inputs()) {
+    encode_trace_arg(input, args);
+  }
+}
+
+void encode_outputs(const at::RecordFunction& fn, std::vector<int64_t>& args) {
+  args.push_back(kOutputs);
+  for (const auto& output : fn.outputs()) {
+    encode_trace_arg(output, args);
+  }
+}
+
+std::unique_ptr<at::ObserverContext> on_trace_start(const at::RecordFunction& fn) {
+  if (!g_trace_enabled.load(std::memory_order_relaxed) || t_trace_paused > 0 || t_trace_inside > 0) {
+    return nullptr;
+  }
+  const auto [device, name] = launch_of(fn);
+  if (device < 0) {
     return nullptr;
   }
   auto launch = std::make_unique<TracedLaunch>();
   auto& e = launch->entry;
   e.kind = TraceKind::kOp;
-  e.name = info.name;
+  e.name = name;
   e.device = static_cast<c10::DeviceIndex>(device);
   e.stream = current_stream_id(e.device);
   e.aux = 0;
-  for (const auto& input : fn.inputs()) {
-    encode_trace_arg(input, e.args);
-  }
+  encode_inputs(fn, e.args);
   ++t_trace_inside;
   return launch;
 }
@@ -191,17 +220,88 @@ void on_trace_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   }
   --t_trace_inside;
   auto& e = static_cast<TracedLaunch*>(context)->entry;
-  e.args.push_back(kOutputs);
-  for (const auto& output : fn.outputs()) {
-    encode_trace_arg(output, e.args);
-  }
+  encode_outputs(fn, e.args);
   // The card's allocated bytes once the launch returned: the trace's memory counter.
   e.aux = device_allocator()->getDeviceStats(e.device).allocated_bytes[0].current;
   std::lock_guard<std::mutex> lock(g_trace_mutex);
   g_trace_entries.push_back(std::move(e));
 }
 
+struct ProfiledContext : at::ObserverContext {
+  ProfiledLaunch launch;
+  size_t depth;  // the correlation stack when the launch began, and its top
+  uint64_t top;
+};
+
+std::unique_ptr<at::ObserverContext> on_profile_start(const at::RecordFunction& fn) {
+  if (t_trace_paused > 0 || t_profile_inside > 0) {
+    return nullptr;
+  }
+  const auto [device, name] = launch_of(fn);
+  if (device < 0) {
+    return nullptr;
+  }
+  auto context = std::make_unique<ProfiledContext>();
+  auto& l = context->launch;
+  l.name = name;
+  l.device = static_cast<c10::DeviceIndex>(device);
+  l.stream = current_stream_id(l.device);
+  l.host_start_ns = c10::getTime();
+  encode_inputs(fn, l.args);
+  context->depth = t_correlations.size();
+  context->top = t_correlations.empty() ? 0 : t_correlations.back();
+  ++t_profile_inside;
+  return context;
+}
+
+void on_profile_end(const at::RecordFunction& fn, at::ObserverContext* observed) {
+  if (observed == nullptr) {
+    return;
+  }
+  --t_profile_inside;
+  auto* context = static_cast<ProfiledContext*>(observed);
+  auto& l = context->launch;
+  l.host_end_ns = c10::getTime();
+  encode_outputs(fn, l.args);
+  // The profiler's own callback pushes this operator's id as it starts and pops it as it ends;
+  // whether it runs before or after this one, the stack was one deeper at one end of the launch.
+  l.correlation = t_correlations.size() > context->depth ? t_correlations.back() : context->top;
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  g_profiled.push_back(std::move(l));
+}
+
 }  // namespace
+
+void op_trace_set_profiling(bool on) {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  if (on && g_profile_callback == 0) {
+    g_profiled.clear();
+    g_profile_callback = at::addGlobalCallback(at::RecordFunctionCallback(&on_profile_start, &on_profile_end)
+                                                   .needsInputs(true)
+                                                   .needsOutputs(true)
+                                                   .scopes({at::RecordScope::FUNCTION}));
+  } else if (!on && g_profile_callback != 0) {
+    at::removeCallback(g_profile_callback);
+    g_profile_callback = 0;
+  }
+}
+
+void op_trace_push_correlation(uint64_t id) {
+  t_correlations.push_back(id);
+}
+
+void op_trace_pop_correlation() {
+  if (!t_correlations.empty()) {
+    t_correlations.pop_back();
+  }
+}
+
+std::vector<ProfiledLaunch> op_trace_take_profiled() {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  std::vector<ProfiledLaunch> taken;
+  taken.swap(g_profiled);
+  return taken;
+}
 
 void op_trace_set_enabled(bool on) {
   std::call_once(g_trace_installed, [] {

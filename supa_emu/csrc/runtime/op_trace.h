@@ -58,4 +58,22 @@ std::vector<TraceEntry> op_trace_take();
 // "aten::name.overload" per name index.
 std::vector<std::string> op_trace_names();
 
+// The profiler's card track (card_time_profiler.cpp): while a profile records, each launch is
+// also kept with the profiler's correlation id of the operator that made it and the host's times.
+struct ProfiledLaunch {
+  int64_t name;  // index into op_trace_names()
+  c10::DeviceIndex device;
+  c10::StreamId stream;
+  uint64_t correlation;  // 0: made outside any operator the profiler saw
+  int64_t host_start_ns;  // c10::getTime() when the host began the operator
+  int64_t host_end_ns;
+  std::vector<int64_t> args;  // as TraceEntry::args
+};
+void op_trace_set_profiling(bool on);
+// The profiler's correlation ids of the operators running on this thread (it pushes one as an
+// operator starts and pops it as it ends).
+void op_trace_push_correlation(uint64_t id);
+void op_trace_pop_correlation();
+std::vector<ProfiledLaunch> op_trace_take_profiled();
+
 }  // namespace supa

@@ -59,24 +59,29 @@ py::object decode_trace_arg(const std::vector<int64_t>& tokens, size_t& at) {
 py::list take_trace() {
   py::list taken;
   for (const auto& e : op_trace_take()) {
-    py::list inputs, outputs;
-    size_t at = 0;
-    py::list* into = &inputs;
-    while (at < e.args.size()) {
-      if (e.args[at] == kOutputs) {
-        ++at;
-        into = &outputs;
-        continue;
-      }
-      into->append(decode_trace_arg(e.args, at));
-    }
+    const py::tuple args = decode_trace_args(e.args);
     taken.append(py::make_tuple(static_cast<int64_t>(e.kind), e.name, static_cast<int64_t>(e.device),
-                                static_cast<int64_t>(e.stream), e.aux, inputs, outputs));
+                                static_cast<int64_t>(e.stream), e.aux, args[0], args[1]));
   }
   return taken;
 }
 
 }  // namespace
+
+py::tuple decode_trace_args(const std::vector<int64_t>& args) {
+  py::list inputs, outputs;
+  size_t at = 0;
+  py::list* into = &inputs;
+  while (at < args.size()) {
+    if (args[at] == kOutputs) {
+      ++at;
+      into = &outputs;
+      continue;
+    }
+    into->append(decode_trace_arg(args, at));
+  }
+  return py::make_tuple(inputs, outputs);
+}
 
 void bind_op_trace(py::module& m) {
   m.def("_op_trace_enable", &op_trace_set_enabled, py::arg("on"),
