@@ -50,7 +50,7 @@ class _Placement:
             start = max(host_start, ready.get((device, stream), 0)) + latency
             ready[(device, stream)] = start + busy
             placed.append((_kernel_name(name, cost.kind), "memcpy" if cost.kind in ("h2d", "d2h") else "kernel",
-                           start, start + busy, cost.flops, cost.bytes))
+                           start, start + busy, round(cost.flops), round(cost.bytes)))
         if untimed:
             warnings.warn(f"supa_emu: the profiler's card track leaves out {', '.join(sorted(untimed))}: "
                           f"the card's cost model cannot read their operands", RuntimeWarning, stacklevel=1)

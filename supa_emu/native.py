@@ -46,7 +46,7 @@ def _sources() -> list[pathlib.Path]:
     return sorted(p for p in SOURCE_DIR.rglob("*") if p.suffix in (".cpp", ".h"))
 
 
-# The sources compile as three translation units. Most of a unit's compile time goes to parsing
+# The sources compile as four translation units. Most of a unit's compile time goes to parsing
 # torch's headers, so the runtime and operator files, which share the same ATen and c10 headers,
 # compile as one unit (measured: 27 s of CPU as one unit, about 11 s per file apart); the files
 # that need far heavier headers (ATen.h for the autocast policies, Python.h and pybind11 for the

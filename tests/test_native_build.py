@@ -163,14 +163,14 @@ def test_unfinished_build_without_manifest_is_finished_then_reused(seeded_cache)
 @pytest.mark.slow
 @pytest.mark.emulation_only
 def test_damaged_object_file_is_recompiled_alone(seeded_cache):
-    # The unit that compiles fastest (a single file; the bindings and the runtime take longer).
-    objects = list((seeded_cache / "native" / "objects").glob("autocast-*.o"))
+    # The unit that compiles fastest (one file; the bindings and the runtime take longer).
+    objects = list((seeded_cache / "native" / "objects").glob("card_time-*.o"))
     assert len(objects) == 1, objects
     _random_bytes(objects[0])
     _empty(_library(seeded_cache))
     result = _run(seeded_cache)
     assert result.returncode == 0, result.stderr
-    assert "compiling 1 of 3 units" in result.stderr and "[1/1] compiled autocast" in result.stderr, result.stderr
+    assert "compiling 1 of 4 units" in result.stderr and "[1/1] compiled card_time" in result.stderr, result.stderr
 
 
 @pytest.mark.emulation_only

@@ -136,12 +136,30 @@ def test_the_chrome_trace_has_a_track_for_the_card(tmp_path):
     assert [e["name"] for e in kernels] == ["card:aten::mm"]
     (kernel,) = kernels
     assert kernel["dur"] == pytest.approx(_device_us(prof, "aten::mm"), abs=1e-3)
-    assert kernel["args"]["card"] == "BR100" and float(kernel["args"]["FLOPs"]) == 2.0 * 1024 ** 3
+    assert kernel["args"]["card"] == "BR100" and int(kernel["args"]["FLOPs"]) == 2 * 1024 ** 3
     names = [e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"
              and e["pid"] == kernel["pid"]]
     assert names == ["SUPA 0 (modelled: BR100)"]
     host = [e for e in events if e.get("cat") == "cpu_op" and e["name"] == "aten::mm"]
     assert len(host) == 1 and host[0]["pid"] != kernel["pid"]
+
+
+def _profile_cuda_activity():
+    if ProfilerActivity.CUDA != ProfilerActivity.PrivateUse1:
+        pytest.skip("transfer_to_supa is off: the CUDA activity is CUDA's")
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+@pytest.mark.parametrize("start", [_profile_cuda_activity,
+                                   lambda: torch.autograd.profiler.profile(use_device="supa", use_kineto=True)],
+                         ids=["cuda-activity-under-the-transfer", "autograd-profiler-with-kineto"])
+def test_the_other_ways_of_asking_for_the_device_get_the_card_track(start):
+    a = torch.randn(512, 512, device="supa")
+    with start() as prof:
+        a @ a
+    (kernel,) = _card_events(prof)
+    assert kernel.name == "card:aten::mm"
+    assert _device_us(prof, "aten::mm") == pytest.approx(kernel.time_range.elapsed_us()) and kernel.time_range.elapsed_us() > 0
 
 
 def test_profiling_the_host_alone_is_unchanged():

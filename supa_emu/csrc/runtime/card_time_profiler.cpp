@@ -17,6 +17,7 @@
 #include <output_base.h>
 #include <torch/csrc/profiler/standalone/privateuse1_profiler.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
@@ -119,6 +120,7 @@ class CardTimeSession final : public libkineto::IActivityProfilerSession {
       return;
     }
     buffer_->span = libkineto::TraceSpan(0, 0, "SUPA card (modelled)");
+    buffer_->gpuOpCount = 0;
     for (size_t i = 0; i < launches.size() && i < placed.size(); ++i) {
       if (placed[i].is_none()) {
         continue;
@@ -140,6 +142,9 @@ class CardTimeSession final : public libkineto::IActivityProfilerSession {
       a.addMetadataQuoted("bytes", py::str(p[5]).cast<std::string>());
       streams_.insert({l.device, l.stream});
       logger.handleActivity(a);
+      auto& span = buffer_->span;
+      span.startTime = span.opCount++ == 0 ? a.startTime : std::min(span.startTime, a.startTime);
+      span.endTime = std::max(span.endTime, a.endTime);
     }
   }
 
