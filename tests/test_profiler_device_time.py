@@ -51,7 +51,8 @@ def _device_us(prof, name: str) -> float:
 
 
 def _card_events(prof) -> list:
-    return [e for e in prof.events() if e.device_type == DeviceType.PrivateUse1]
+    events = prof.events() if isinstance(prof, profile) else prof.function_events  # torch.autograd.profiler's
+    return [e for e in events if e.device_type == DeviceType.PrivateUse1]
 
 
 def test_a_matmul_takes_its_flops_at_the_efficiency_of_its_size():
