@@ -66,5 +66,6 @@ def _kernel_name(operator: str, kind: str) -> str:
 
 
 def install(profile: card_profiles.CardProfile) -> None:
-    """Give torch.profiler's device activity the card track, timed on `profile`."""
-    process_state.core()._card_time_enable(_Placement(profile), profile.name)
+    """Give torch.profiler's device activity the card track, timed on `profile` (and the profiler
+    without Kineto its device times; under the transfer, for use_cuda too)."""
+    process_state.core()._card_time_enable(_Placement(profile), profile.name, process_state.config().transfer)

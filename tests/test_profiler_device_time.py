@@ -163,6 +163,29 @@ def test_the_other_ways_of_asking_for_the_device_get_the_card_track(start):
     assert _device_us(prof, "aten::mm") == pytest.approx(kernel.time_range.elapsed_us()) and kernel.time_range.elapsed_us() > 0
 
 
+def _legacy_cuda():
+    if ProfilerActivity.CUDA != ProfilerActivity.PrivateUse1:
+        pytest.skip("transfer_to_supa is off: use_cuda means CUDA")
+    return torch.autograd.profiler.profile(use_device="cuda")
+
+
+@pytest.mark.parametrize("start", [lambda: torch.autograd.profiler.profile(use_device="supa"), _legacy_cuda],
+                         ids=["use-device-supa", "use-cuda-under-the-transfer"])
+def test_the_profiler_without_kineto_reads_the_card_time_in_whole_microseconds(start):
+    # PyTorch asks the backend's event stubs for each operator's device time and keeps whole microseconds.
+    m = 1024
+    a = torch.randn(m, m, device="supa")
+    with start() as prof:
+        a @ a
+        a + a
+    matmul = 2.0 * m ** 3 / (CARD.peak_flops["fp32"] * _fraction("gemm", 2.0 * m ** 3))
+    added = 3.0 * 4 * m * m
+    add = added / (CARD.memory_bandwidth * _fraction("memory", added))
+    assert _device_us(prof, "aten::mm") == int(matmul * 1e6)
+    assert _device_us(prof, "aten::add") == int(add * 1e6)
+    assert _device_us(prof, "aten::matmul") == 0  # its kernel is its aten::mm's
+
+
 def test_profiling_the_host_alone_is_unchanged():
     a = torch.randn(256, 256, device="supa")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
