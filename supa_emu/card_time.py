@@ -9,6 +9,10 @@ and calls `_Placement` when it is processed. On its stream a launch starts once 
 it and the stream's previous kernel ended, after the card's launch latency, so the track is what
 the card would show behind this host; the host's own times are the emulator's.
 
+The profiler without Kineto (torch.autograd.profiler.profile with use_kineto=False) asks the same
+native side for each operator's device time between two events: the sum of these placements'
+durations for the launches made in between.
+
 The card is SUPA_EMU_PROFILER_CARD's, by default the emulated card's (SUPA_EMU_PROFILE).
 """
 
