@@ -237,6 +237,14 @@ def behaviour_table():
 
 
 @pytest.fixture
+def supa_initialised():
+    """torch.supa initialised before the test (test_graphs*.py use it for every test)."""
+    import torch
+
+    torch.supa.init()
+
+
+@pytest.fixture
 def restore_supa_device():
     """Initialises torch.supa and makes the device current before the test current again after it."""
     import torch

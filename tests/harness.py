@@ -156,39 +156,6 @@ def cpu_asked_once():
         cpuinfo.get_cpu_info = asked
 
 
-# ---- older spellings: each is fresh_process with one option set (test files written before it) ----
-def run_function(fn, *args, fresh: bool = False, **options) -> Returned:
-    return fresh_process(fn, *args, torch_first=not fresh, **options)
-
-
-def start_function(fn, *args, fresh: bool = False, **options):
-    return fresh_process(fn, *args, torch_first=not fresh, wait=False, **options)
-
-
-def run_python(code: str, env=None, timeout: float = 300, check: bool = True, args=(), cwd=ROOT) -> Finished:
-    return fresh_process(code, *args, env=env, timeout=timeout, check=check, cwd=cwd)
-
-
-def run(command, *, check: bool = False, **options) -> Finished:
-    return fresh_process(command, check=check, **options)
-
-
-def start(command, *, forked: bool = False, **options):
-    return fresh_process(command, torch_first=forked, wait=False, **options)
-
-
-def launch(make_command, *, env: dict | None = None, timeout: float = 900) -> Finished:
-    return fresh_process(make_command(PORT), env=env, timeout=timeout, check=False)
-
-
-def shared_call(fn, *args, env: dict | None = None, stage: str = ANY, timeout: float = 300) -> SharedCase:
-    return fresh_process(fn, *args, env=env, shared=stage, timeout=timeout)
-
-
-def shared_case(name: str, code: str, env: dict | None = None, stage: str = ANY, timeout: float = 300) -> SharedCase:
-    return fresh_process(code, env=env, shared=stage, name=name, timeout=timeout)
-
-
 if __name__ == "__main__":  # the fresh process of a function, or a shared interpreter
     if sys.argv[1] == "shared":
         shared_interpreters.run_cases(sys.argv[2])

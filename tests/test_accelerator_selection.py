@@ -196,7 +196,8 @@ def _run(code=None, timeout=300, args=(), **env):
     setting but those in `env` (a value of None unsets a variable). The code is passed with -c,
     so the checkout (the working directory) is importable, as for a user in their checkout."""
     command = [sys.executable, *args] if args else [sys.executable, "-c", textwrap.dedent(code)]
-    return harness.run(command, env={"DS_ACCELERATOR": None, "SUPA_DS_ACCELERATOR": None, **env}, timeout=timeout)
+    return harness.fresh_process(command, env={"DS_ACCELERATOR": None, "SUPA_DS_ACCELERATOR": None, **env},
+                                 timeout=timeout, check=False)
 
 
 # A user's script: it selects nothing itself.

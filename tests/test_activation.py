@@ -2,18 +2,18 @@
 torch_supa is installed), and what `import torch_supa` / `import torch_supa_ext` give. Each case
 runs in a fresh interpreter, because activation happens once, at `import torch`; cases that need
 no more than the environment at activation share theirs with the other cases of that environment
-(harness.shared_case). Where the imports a user types are the point, the case is that code;
-where what the activated process does is, it is a function of this file (harness.shared_call)."""
+(`harness.fresh_process(..., shared=...)`). Where the imports a user types are the point, the case
+is that code; where what the activated process does is, it is a function of this file."""
 
 import pytest
 
-from harness import run_function, run_python, shared_call, shared_case
+from harness import ANY, fresh_process
 
 pytestmark = pytest.mark.emulation_only
 
 
 def test_unset_imports_nothing_of_the_emulator():
-    out = run_python("""
+    out = fresh_process("""
         import sys, torch
         print(sorted(m for m in sys.modules if m.startswith('supa_emu')))
         print(hasattr(torch, 'supa'), torch._C._get_privateuse1_backend_name())
@@ -21,8 +21,8 @@ def test_unset_imports_nothing_of_the_emulator():
     assert out == ["['supa_emu']", "False privateuseone"]
 
 
-_ZERO = shared_case("test_activation: SUPA_EMULATE=0", "import torch; print(hasattr(torch, 'supa'))",
-                    env={"SUPA_EMULATE": "0"})
+_ZERO = fresh_process("import torch; print(hasattr(torch, 'supa'))",
+                      env={"SUPA_EMULATE": "0"}, shared=ANY, name="test_activation: SUPA_EMULATE=0")
 
 
 def test_zero_is_off():
@@ -30,11 +30,11 @@ def test_zero_is_off():
     assert out.strip() == "False"
 
 
-_ACTIVATES = shared_case("test_activation: import torch activates the device", """
+_ACTIVATES = fresh_process("""
     import torch
     t = torch.ones(2, device='supa')
     print(t.device, torch.supa.is_available(), torch.accelerator.current_accelerator())
-""", env={"SUPA_EMULATE": "1"})
+""", env={"SUPA_EMULATE": "1"}, shared=ANY, name="test_activation: import torch activates the device")
 
 
 def test_import_torch_activates_the_device():
@@ -46,7 +46,7 @@ def test_import_torch_activates_the_device():
 def test_explicit_activate_before_importing_torch(emulate):
     """activate() before `import torch`: under SUPA_EMULATE=1, torch's autoload re-enters activate()
     from inside it, and both calls agree without waiting on each other."""
-    out = run_python("""
+    out = fresh_process("""
         import supa_emu
         print(supa_emu.activate())
         import torch
@@ -58,7 +58,7 @@ def test_explicit_activate_before_importing_torch(emulate):
 def test_native_module_imported_before_torch():
     """`supa_emu.native` imported before torch does not import torch half-way through itself, where
     torch's autoload would find it incomplete."""
-    out = run_python("""
+    out = fresh_process("""
         from supa_emu import native
         import torch
         print(len(native.build_key()), torch.ones(1, device='supa').device)
@@ -66,11 +66,11 @@ def test_native_module_imported_before_torch():
     assert out.strip() == "16 supa:0"
 
 
-_TORCH_SUPA = shared_case("test_activation: import torch_supa", """
+_TORCH_SUPA = fresh_process("""
     import torch, torch_supa
     print(torch_supa.__version__)
     print(torch_supa.supa is torch.supa)
-""", env={"SUPA_EMULATE": "1"})
+""", env={"SUPA_EMULATE": "1"}, shared=ANY, name="test_activation: import torch_supa")
 
 
 def test_import_torch_supa_yields_the_emulator():
@@ -89,15 +89,15 @@ def test_torch_supa_ext_only_when_asked():
         except ImportError:
             print('absent')
     """
-    assert run_python(code, env={"SUPA_EMULATE": "1", "SUPA_EMU_EXT": None}).stdout.strip() == "absent"
-    assert run_python(code, env={"SUPA_EMULATE": "1", "SUPA_EMU_EXT": "1"}).stdout.strip() == "present"
+    assert fresh_process(code, env={"SUPA_EMULATE": "1", "SUPA_EMU_EXT": None}).stdout.strip() == "absent"
+    assert fresh_process(code, env={"SUPA_EMULATE": "1", "SUPA_EMU_EXT": "1"}).stdout.strip() == "present"
 
 
 def test_stands_down_when_a_real_torch_supa_is_installed(tmp_path):
     package = tmp_path / "torch_supa"
     package.mkdir()
     (package / "__init__.py").write_text("REAL = True\n")
-    result = run_python("""
+    result = fresh_process("""
         import torch, torch_supa
         print(torch_supa.REAL, hasattr(torch, 'supa'), torch._C._get_privateuse1_backend_name())
     """, env={"SUPA_EMULATE": "1", "PYTHONPATH": str(tmp_path)})
@@ -114,7 +114,7 @@ def test_stands_down_when_a_real_torch_supa_is_installed(tmp_path):
 ])
 def test_bad_values_fail_at_activation_naming_the_variable(variable, value):
     env = {"SUPA_EMULATE": "1", variable: value}
-    result = run_python("import torch", env=env, check=False)
+    result = fresh_process("import torch", env=env, check=False)
     assert result.returncode != 0
     assert f"{variable}={value!r}" in result.stderr
     assert "accepted" in result.stderr
@@ -133,7 +133,8 @@ def _no_cards() -> None:
         torch.ones(1, device='supa')
 
 
-_NO_VISIBLE_CARDS = {value: shared_call(_no_cards, env={"SUPA_EMULATE": "1", "SUPA_VISIBLE_DEVICES": value})
+_NO_VISIBLE_CARDS = {value: fresh_process(_no_cards, env={"SUPA_EMULATE": "1", "SUPA_VISIBLE_DEVICES": value},
+                                          shared=ANY)
                      for value in ["-1", ""]}
 
 
@@ -142,8 +143,8 @@ def test_no_visible_cards_as_with_cuda_visible_devices(value):
     _NO_VISIBLE_CARDS[value].result()
 
 
-_MEMORY_BEYOND_THE_HOST = shared_case("test_activation: SUPA_EMU_MEMORY beyond the host", "import torch",
-                                      env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"})
+_MEMORY_BEYOND_THE_HOST = fresh_process("import torch", env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"},
+                                        shared=ANY, name="test_activation: SUPA_EMU_MEMORY beyond the host")
 
 
 def test_memory_beyond_the_host_warns_at_activation():
@@ -166,7 +167,7 @@ def _spawns_two_children() -> None:
 
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_multiprocessing_children_are_emulated_too():
-    run_function(_spawns_two_children, env={"SUPA_EMULATE": "1"})
+    fresh_process(_spawns_two_children, env={"SUPA_EMULATE": "1"})
 
 
 def _card_uuids() -> list:
@@ -177,9 +178,9 @@ def _card_uuids() -> list:
 
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_visible_devices_filter_and_reorder():
-    physical = run_function(_card_uuids, env={"SUPA_EMULATE": "1", "SUPA_EMU_DEVICE_COUNT": "4"}).value
-    visible = run_function(_card_uuids, env={"SUPA_EMULATE": "1", "SUPA_EMU_DEVICE_COUNT": "4",
-                                             "SUPA_VISIBLE_DEVICES": "3,1"}).value
+    physical = fresh_process(_card_uuids, env={"SUPA_EMULATE": "1", "SUPA_EMU_DEVICE_COUNT": "4"}).value
+    visible = fresh_process(_card_uuids, env={"SUPA_EMULATE": "1", "SUPA_EMU_DEVICE_COUNT": "4",
+                                              "SUPA_VISIBLE_DEVICES": "3,1"}).value
     assert len(set(physical)) == 4
     # Visible device 0 is physical card 3, visible device 1 is physical card 1: in that order.
     assert visible == [physical[3], physical[1]]
@@ -198,8 +199,9 @@ def _where_backward_runs() -> list:
             torch.autograd.is_multithreading_enabled()]
 
 
-_BACKWARD_THREADS = {setting: shared_call(_where_backward_runs,
-                                          env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": setting})
+_BACKWARD_THREADS = {setting: fresh_process(_where_backward_runs,
+                                            env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": setting},
+                                            shared=ANY)
                      for setting in [None, "0", "1"]}
 
 

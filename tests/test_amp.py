@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import shared_call
+from harness import ANY, fresh_process
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -211,7 +211,7 @@ def _grad_scaler_without_devices() -> None:
     assert not scaler.is_enabled()
 
 
-_SCALER_WITHOUT_DEVICES = shared_call(_grad_scaler_without_devices, env={"SUPA_VISIBLE_DEVICES": ""})
+_SCALER_WITHOUT_DEVICES = fresh_process(_grad_scaler_without_devices, env={"SUPA_VISIBLE_DEVICES": ""}, shared=ANY)
 
 
 def test_grad_scaler_disables_itself_without_devices():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from harness import shared_call
+from harness import ANY, fresh_process
 from test_half_precision_products import assert_a_float32_sum_rounded_once
 import torch
 import torch.nn.functional as F
@@ -140,7 +140,8 @@ def _held_by_a_backward() -> int:
     return torch.supa.memory_allocated() - before - w.grad.untyped_storage().nbytes()
 
 
-_DEVICE_THREADS = shared_call(_held_by_a_backward, env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": "1"})
+_DEVICE_THREADS = fresh_process(_held_by_a_backward, env={"SUPA_EMULATE": "1", "SUPA_EMU_AUTOGRAD_DEVICE_THREADS": "1"},
+                                shared=ANY)
 
 
 def test_backward_on_autograd_s_device_threads_holds_the_same():
@@ -155,7 +156,8 @@ def _held_by_a_product() -> int:
     return torch.supa.memory_allocated() - before - y.untyped_storage().nbytes()
 
 
-_CONFIGURED = shared_call(_held_by_a_product, env={"SUPA_EMULATE": "1", "SUPA_EMU_SUBLAS_WORKSPACE_CONFIG": ":16:8"})
+_CONFIGURED = fresh_process(_held_by_a_product, env={"SUPA_EMULATE": "1", "SUPA_EMU_SUBLAS_WORKSPACE_CONFIG": ":16:8"},
+                            shared=ANY)
 
 
 def test_the_workspace_size_is_configurable_as_cublas_s():

@@ -13,7 +13,7 @@ emulation_only = pytest.mark.emulation_only
 
 
 def brsmi(*args, **env):
-    return harness.run(["brsmi", *args], env=env, timeout=60)
+    return harness.fresh_process(["brsmi", *args], env=env, timeout=60, check=False)
 
 
 def _our_brsmi() -> str:
@@ -25,7 +25,8 @@ def _our_brsmi() -> str:
 
 
 def _without_emulation(path: str, *args):
-    return harness.run([_our_brsmi(), *args], env={"SUPA_EMULATE": None, "PATH": path}, timeout=60)
+    return harness.fresh_process([_our_brsmi(), *args], env={"SUPA_EMULATE": None, "PATH": path}, timeout=60,
+                                 check=False)
 
 
 def _fake_real_brsmi(directory: pathlib.Path) -> pathlib.Path:

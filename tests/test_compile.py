@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import script_sequence
-from harness import run_function, run_python
+from harness import fresh_process
 import torch
 import torch.nn as nn
 
@@ -59,7 +59,7 @@ def last_device():
 @pytest.mark.emulation_only
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_import_torch_loads_nothing_of_dynamo_or_inductor():
-    out = run_python("""
+    out = fresh_process("""
         import sys, torch
         torch.randn(2, device="supa")
         print([m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor", "supa_emu.compile."))])
@@ -480,7 +480,7 @@ def _compile_a_model() -> dict:
 def test_second_process_reuses_the_on_disk_compile_cache(tmp_path):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
     # Two new interpreters, as a user's two runs: Inductor's cache key depends on the order of sys.modules.
-    first, second = (run_function(_compile_a_model, env=env, fresh=True).value for _ in range(2))
+    first, second = (fresh_process(_compile_a_model, env=env, torch_first=False).value for _ in range(2))
     assert (first["hit"], first["miss"]) == (0, 1), first
     assert (second["hit"], second["miss"]) == (1, 0), second
     assert second["sum"] == first["sum"]

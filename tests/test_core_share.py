@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import UNTOUCHED, free_port, run_function, shared_call
+from harness import UNTOUCHED, free_port, fresh_process
 
 pytestmark = pytest.mark.emulation_only
 
@@ -17,10 +17,10 @@ def _threads() -> int:
 
 
 def threads(**env) -> int:
-    return run_function(_threads, env={**NO_LAUNCHER, **env}).value
+    return fresh_process(_threads, env={**NO_LAUNCHER, **env}).value
 
 
-_HOST_THREADS = shared_call(_threads, env=NO_LAUNCHER, stage=UNTOUCHED)
+_HOST_THREADS = fresh_process(_threads, env=NO_LAUNCHER, shared=UNTOUCHED)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_the_users_thread_count_wins_over_the_launchers(host_threads):
 
 
 def test_a_launcher_count_that_is_not_a_rank_count_is_reported_and_changes_nothing(host_threads):
-    result = run_function(_threads, env={**NO_LAUNCHER, "LOCAL_SIZE": "two"})
+    result = fresh_process(_threads, env={**NO_LAUNCHER, "LOCAL_SIZE": "two"})
     assert result.value == host_threads
     assert "LOCAL_SIZE='two' is not a rank count" in result.stderr
 
@@ -76,5 +76,5 @@ def _two_jobs_of_two_ranks(host_threads: int) -> list:
 
 @pytest.mark.slow  # two ranks in fresh interpreters
 def test_ranks_without_a_launcher_share_the_host_from_their_first_bccl_group(host_threads):
-    counts = run_function(_two_jobs_of_two_ranks, host_threads, env=NO_LAUNCHER).value
+    counts = fresh_process(_two_jobs_of_two_ranks, host_threads, env=NO_LAUNCHER).value
     assert counts == ([[0, host_threads // 2, host_threads]] * 2 + [[host_threads + 1, host_threads + 1, host_threads]] * 2)

@@ -103,18 +103,18 @@ def launch(config, *args, model=SMALL, launcher="torchrun", env=None) -> Job:
 def launch_command(example, launcher="torchrun", env=None) -> Job:
     """Runs the example command `example` on WORLD ranks with `launcher` (torchrun or deepspeed)."""
     if launcher == "deepspeed":
-        return Job(harness.launch(lambda port: deepspeed_command(*example, num_gpus=WORLD, port=port),
-                                  env=env, timeout=JOB_TIMEOUT_S))
-    return Job(harness.launch(lambda port: torchrun_command(*example, nproc=WORLD, port=port),
-                              env=env, timeout=JOB_TIMEOUT_S))
+        return Job(harness.fresh_process(deepspeed_command(*example, num_gpus=WORLD, port=harness.PORT),
+                                         env=env, timeout=JOB_TIMEOUT_S, check=False))
+    return Job(harness.fresh_process(torchrun_command(*example, nproc=WORLD, port=harness.PORT),
+                                     env=env, timeout=JOB_TIMEOUT_S, check=False))
 
 
 def launch_in_sequence(scenarios: dict, env=None) -> dict:
     """name -> Job of each scenario (name -> example command), all run in one torchrun job."""
     runner = [pathlib.Path(script_sequence.__file__),
               json.dumps([[name, *map(str, command)] for name, command in scenarios.items()])]
-    finished = harness.launch(lambda port: torchrun_command(*runner, nproc=WORLD, port=port),
-                              env=env, timeout=JOB_TIMEOUT_S + 120 * len(scenarios))
+    finished = harness.fresh_process(torchrun_command(*runner, nproc=WORLD, port=harness.PORT),
+                                     env=env, timeout=JOB_TIMEOUT_S + 120 * len(scenarios), check=False)
     return {name: Job(part) for name, part in script_sequence.outputs(finished, scenarios).items()}
 
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from harness import PRISTINE, run_function, shared_call
+from harness import ANY, PRISTINE, fresh_process
 import torch
 
 supa = pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -58,7 +58,7 @@ def _seeds_queued_before_init() -> list:
     return [g.initial_seed() for g in torch.supa.default_generators]
 
 
-_QUEUED_SEEDS = shared_call(_seeds_queued_before_init, stage=PRISTINE)
+_QUEUED_SEEDS = fresh_process(_seeds_queued_before_init, shared=PRISTINE)
 
 
 def test_lazy_init_in_fresh_process_runs_queued_seeds_last():
@@ -76,7 +76,7 @@ def _init_without_devices() -> None:
         torch.supa.init()
 
 
-_INIT_WITHOUT_DEVICES = shared_call(_init_without_devices, env={"SUPA_VISIBLE_DEVICES": ""})
+_INIT_WITHOUT_DEVICES = fresh_process(_init_without_devices, env={"SUPA_VISIBLE_DEVICES": ""}, shared=ANY)
 
 
 @pytest.mark.emulation_only
@@ -323,6 +323,6 @@ def _gpu_trace_of_a_tensor_and_an_event() -> dict:
 @pytest.mark.slow  # a fresh interpreter: PyTorch's GPU trace, once on, stays on for the process
 def test_gpu_trace_reports_event_lifetimes_and_memory_blocks():
     """The callbacks that only the native runtime can fire (as CUDA's allocator and guard fire them)."""
-    seen = run_function(_gpu_trace_of_a_tensor_and_an_event).value
+    seen = fresh_process(_gpu_trace_of_a_tensor_and_an_event).value
     assert seen["address"] in seen["allocated"] and seen["address"] in seen["freed"]
     assert len(seen["created"]) == 1 and seen["deleted"] == seen["created"]

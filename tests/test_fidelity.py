@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from harness import run
+from harness import fresh_process
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 pytestmark = pytest.mark.emulation_only
@@ -42,8 +42,8 @@ def planner_arguments(card_args: str) -> tuple[int, list[str]]:
 def plan(card_args: str, mode: str) -> dict:
     """The probe's RESULT as the planner's rank 0 of N, in the planner's `mode`."""
     world, args = planner_arguments(card_args)
-    finished = run([sys.executable, "-m", "supa_emu.plan", "--world-size", str(world), "--rank", "0",
-                    "--mode", mode, "--", str(PROBE), *args], timeout=1800, check=True)
+    finished = fresh_process([sys.executable, "-m", "supa_emu.plan", "--world-size", str(world), "--rank", "0",
+                              "--mode", mode, "--", str(PROBE), *args], timeout=1800)
     [result] = finished.json_lines("RESULT ")
     return result
 

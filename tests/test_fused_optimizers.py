@@ -336,7 +336,7 @@ def _fused_adam_against_adamw() -> None:
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_deepspeed_builtin_supa_accelerator_runs_fused_adam_on_the_emulator():
     """DeepSpeed's own SUPA accelerator (SUPA_DS_ACCELERATOR=builtin) trains on the emulator too."""
-    from harness import run_function
+    from harness import fresh_process
 
-    run_function(_fused_adam_against_adamw,
-                 env={"SUPA_EMULATE": "1", "SUPA_DS_ACCELERATOR": "builtin", "DS_ACCELERATOR": "supa"})
+    fresh_process(_fused_adam_against_adamw,
+                  env={"SUPA_EMULATE": "1", "SUPA_DS_ACCELERATOR": "builtin", "DS_ACCELERATOR": "supa"})

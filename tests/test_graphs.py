@@ -7,10 +7,7 @@ import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
-
-@pytest.fixture(autouse=True)
-def initialised():
-    torch.supa.init()
+pytestmark = pytest.mark.usefixtures("supa_initialised")
 
 
 def test_capture_and_replay_reads_current_inputs():

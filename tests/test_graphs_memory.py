@@ -6,10 +6,7 @@ import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 
-
-@pytest.fixture(autouse=True)
-def initialised():
-    torch.supa.init()
+pytestmark = pytest.mark.usefixtures("supa_initialised")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,12 +43,11 @@ def run(*args, launcher=None, env=None, quiet=False):
     example = [EXAMPLE, *args]
     env = {"BRTB_TRANSFER_SILENCE": "1", **(env or {})}
     if launcher == "torchrun":
-        result = harness.launch(lambda port: torchrun_command(*example, nproc=2, port=port), env=env, timeout=900)
+        result = harness.fresh_process(torchrun_command(*example, nproc=2, port=harness.PORT), env=env, timeout=900)
     elif launcher == "deepspeed":
-        result = harness.launch(lambda port: deepspeed_command(*example, num_gpus=2, port=port), env=env, timeout=900)
+        result = harness.fresh_process(deepspeed_command(*example, num_gpus=2, port=harness.PORT), env=env, timeout=900)
     else:
-        result = harness.run([sys.executable, *example], env=env, timeout=900)
-    result.require_success()
+        result = harness.fresh_process([sys.executable, *example], env=env, timeout=900)
     assert not (quiet and result.stderr), result.stderr[-6000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event"')]
     assert len(lines) == 1, result.stdout

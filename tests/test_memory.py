@@ -3,7 +3,7 @@
 import gc
 
 import pytest
-from harness import PRISTINE, UNTOUCHED, shared_call
+from harness import PRISTINE, UNTOUCHED, fresh_process
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -37,7 +37,7 @@ def _stats_before_init() -> list:
             torch.supa.memory_allocated(), torch.supa.is_initialized()]
 
 
-_STATS_BEFORE_INIT = shared_call(_stats_before_init, stage=UNTOUCHED)
+_STATS_BEFORE_INIT = fresh_process(_stats_before_init, shared=UNTOUCHED)
 
 
 def test_stats_empty_before_init():
@@ -162,8 +162,8 @@ def _allocation_beyond_the_host() -> None:
 
 
 # PRISTINE: nothing reserved before it
-_HOST_ALLOCATION_FAILURE = shared_call(_allocation_beyond_the_host, env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"},
-                                       stage=PRISTINE)
+_HOST_ALLOCATION_FAILURE = fresh_process(_allocation_beyond_the_host,
+                                         env={"SUPA_EMULATE": "1", "SUPA_EMU_MEMORY": "99999TiB"}, shared=PRISTINE)
 
 
 def test_host_allocation_failure_is_reported_as_the_hosts():

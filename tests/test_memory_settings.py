@@ -5,7 +5,7 @@ import re
 import warnings
 
 import pytest
-from harness import fresh_process, run_function
+from harness import fresh_process
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -216,11 +216,11 @@ def _allocated_and_max_split_size() -> list:
 
 @pytest.mark.emulation_only
 def test_allocator_conf_variable_applies_at_start_and_is_validated():
-    result = run_function(_allocated_and_max_split_size,
-                          env={"PYTORCH_SUPA_ALLOC_CONF": "roundup_power2_divisions:4,max_split_size_mb:64"})
+    result = fresh_process(_allocated_and_max_split_size,
+                           env={"PYTORCH_SUPA_ALLOC_CONF": "roundup_power2_divisions:4,max_split_size_mb:64"})
     assert result.value == [3 * MiB + MiB // 2, 64 * MiB]
-    bad = run_function(_allocated_and_max_split_size, env={"PYTORCH_SUPA_ALLOC_CONF": "max_split_size_mb:lots"},
-                       check=False)
+    bad = fresh_process(_allocated_and_max_split_size, env={"PYTORCH_SUPA_ALLOC_CONF": "max_split_size_mb:lots"},
+                        check=False)
     assert bad.returncode != 0
     assert "PYTORCH_SUPA_ALLOC_CONF='max_split_size_mb:lots': invalid value 'lots' for max_split_size_mb" in bad.stderr
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from harness import run_function
+from harness import fresh_process
 
 pytestmark = pytest.mark.skipif(not torch.supa.is_available() or torch.supa.device_count() < 2,
                                 reason="needs two supa devices")
@@ -33,7 +33,7 @@ def _the_cards_memory_as_found():
     assert [torch.supa.memory_allocated(d) for d in range(torch.supa.device_count())] == before
 
 
-# The parents below run in fresh interpreters (harness.run_function), their children in processes of
+# The parents below run in fresh interpreters (harness.fresh_process), their children in processes of
 # their own. Every blocking call has a timeout, so a lost message fails the test instead of hanging it.
 T = 60
 
@@ -98,7 +98,7 @@ def _exchange_with_a_child(method: str) -> None:
 @pytest.mark.parametrize("method", ["spawn", "fork"])
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_tensors_cross_processes_on_the_same_device_and_share_memory(method):
-    run_function(_exchange_with_a_child, method, timeout=400)
+    fresh_process(_exchange_with_a_child, method, timeout=400)
 
 
 def _spawned_worker(rank, t):
@@ -115,7 +115,7 @@ def _spawn_two_workers_on_one_tensor() -> None:
 @pytest.mark.emulation_only
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_torch_multiprocessing_spawn_args_share_memory():
-    run_function(_spawn_two_workers_on_one_tensor, timeout=400)
+    fresh_process(_spawn_two_workers_on_one_tensor, timeout=400)
 
 
 # Memory accounting across processes: the sender keeps counting a block it sent until the
@@ -154,7 +154,7 @@ def _send_and_count() -> None:
 @pytest.mark.emulation_only
 @pytest.mark.slow  # several fresh interpreters doing real work
 def test_sender_counts_shared_memory_until_the_receiver_releases_it():
-    run_function(_send_and_count, timeout=400)
+    fresh_process(_send_and_count, timeout=400)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,8 +43,8 @@ CASES = (
 
 def test_card_memory_block_policy(tmp_path):
     program = tmp_path / "card_memory_test"
-    harness.run([native_compile.compiler(), native_compile.CXX_STD, "-O1", "-Wall", "-Wextra", "-Werror",
-                 f"-I{CARD_MODEL.parent}", TEST_SOURCE, CARD_MODEL, "-o", program], timeout=300, check=True)
-    run = harness.run([program], timeout=60, check=True)
+    harness.fresh_process([native_compile.compiler(), native_compile.CXX_STD, "-O1", "-Wall", "-Wextra", "-Werror",
+                           f"-I{CARD_MODEL.parent}", TEST_SOURCE, CARD_MODEL, "-o", program], timeout=300)
+    run = harness.fresh_process([program], timeout=60)
     reported = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
     assert reported == [f"ok {name}" for name in CASES], run.stdout

@@ -91,7 +91,8 @@ def seeded_cache(good_build, tmp_path):
 
 def _start(cache: pathlib.Path, code: str = CODE):
     """A fresh interpreter on the emulated card that builds its core into (or loads it from) `cache`."""
-    return harness.start([sys.executable, "-c", code], env={"SUPA_EMULATE": "1", "SUPA_EMU_CACHE_DIR": cache})
+    return harness.fresh_process([sys.executable, "-c", code], env={"SUPA_EMULATE": "1", "SUPA_EMU_CACHE_DIR": cache},
+                                 wait=False)
 
 
 def _run(cache: pathlib.Path, code: str = CODE):
@@ -212,7 +213,7 @@ def _hold_the_build_lock(root: pathlib.Path) -> None:
 def test_a_waiting_process_names_the_builder(tmp_path, caplog):
     root = tmp_path / "native"
     root.mkdir()
-    holder = harness.start_function(_hold_the_build_lock, root)
+    holder = harness.fresh_process(_hold_the_build_lock, root, wait=False)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with caplog.at_level("WARNING", logger="supa_emu"), native._BuildLock(root):

@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from harness import LAST, run_function, shared_call
+from harness import LAST, fresh_process
 
 pytestmark = pytest.mark.emulation_only
 
@@ -313,7 +313,7 @@ def _fuzz_env(sanitize: str | None) -> dict:
 
 
 def _fuzz(seed: int, count: int, sanitize: str | None) -> None:
-    result = run_function(run_cases, seed, count, env=_fuzz_env(sanitize), timeout=60 + count, check=False)
+    result = fresh_process(run_cases, seed, count, env=_fuzz_env(sanitize), timeout=60 + count, check=False)
     assert result.returncode == 0, (f"fuzz seed {seed} ({count} cases, SUPA_EMU_SANITIZE={sanitize}) ended with "
                                     f"{result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     _check_outcomes(result.value, count)
@@ -326,7 +326,7 @@ def _check_outcomes(outcomes: dict, count: int) -> None:
 
 
 # Last in an interpreter shared with other tests: a case that crashes it ends it.
-_SHORT_FUZZ = {sanitize: shared_call(run_cases, 1, 150, env=_fuzz_env(sanitize), stage=LAST, timeout=60 + 150)
+_SHORT_FUZZ = {sanitize: fresh_process(run_cases, 1, 150, env=_fuzz_env(sanitize), shared=LAST, timeout=60 + 150)
                for sanitize in [None, "memory"]}
 
 

@@ -152,7 +152,7 @@ def _run_all() -> tuple[dict, dict, dict]:
     outcomes, crashed, hung = {}, {}, {}
     first = 0
     while True:
-        run = harness.run_function(call_entries, first, check=False, timeout=600)
+        run = harness.fresh_process(call_entries, first, check=False, timeout=600)
         started, finished = {}, set()
         for line in run.stdout.splitlines():
             if line.startswith(_STARTED):

@@ -13,7 +13,7 @@ import pkgutil
 
 import pytest
 
-from harness import run_function
+from harness import fresh_process
 import torch
 
 import supa_deepspeed.op_builder.supa as supa_builders
@@ -311,7 +311,7 @@ def test_switching_accelerators_does_not_rebuild_host_ops(cpu_adam_module, tmp_p
     env = {'TORCH_EXTENSIONS_DIR': str(ext_dir), 'DS_ACCELERATOR': 'supa', 'SUPA_EMULATE': '1'}
 
     def run(accelerator):
-        result = run_function(_load_cpu_adam, env={**env, 'SUPA_DS_ACCELERATOR': accelerator}, timeout=1200)
+        result = fresh_process(_load_cpu_adam, env={**env, 'SUPA_DS_ACCELERATOR': accelerator}, timeout=1200)
         library = next(ext_dir.rglob('cpu_adam.so'))
         return result, library.stat().st_mtime_ns, (library.parent / '.ninja_log').read_text()
 

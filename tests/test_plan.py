@@ -13,7 +13,7 @@ import re
 import sys
 
 import pytest
-from harness import launch, run, torchrun_command
+from harness import PORT, fresh_process, torchrun_command
 
 from supa_emu.plan.__main__ import main as plan_main
 
@@ -44,15 +44,15 @@ CASES = {
 
 def real_run(command, world_size, record_dir):
     """The script as a real `world_size`-process torchrun job, each rank recorded to record_dir."""
-    launch(lambda port: torchrun_command(*command, nproc=world_size, port=port),
-           env={"SUPA_PLAN_RECORD": str(record_dir)}, timeout=900).require_success()
+    fresh_process(torchrun_command(*command, nproc=world_size, port=PORT),
+                  env={"SUPA_PLAN_RECORD": str(record_dir)}, timeout=900)
     return {rank: json.loads((record_dir / f"rank-{rank}.json").read_text()) for rank in range(world_size)}
 
 
 def plan(command, world_size, out, *options, check=True, env=None, timeout=900):
     """The planner's report of `command` (ranks 0 and N-1 unless `options` say otherwise)."""
-    result = run([sys.executable, "-m", "supa_emu.plan", "--world-size", world_size, "--json", out, *options,
-                  "--", *command], env=env, timeout=timeout, check=check)
+    result = fresh_process([sys.executable, "-m", "supa_emu.plan", "--world-size", world_size, "--json", out, *options,
+                            "--", *command], env=env, timeout=timeout, check=check)
     return json.loads(out.read_text()) if out.exists() else None, result
 
 
@@ -328,8 +328,9 @@ def test_plot_draws_each_rank_and_the_capacity(tmp_path):
 def test_a_module_runs_as_python_m_runs_it_and_the_peak_names_its_frame(tmp_path):
     package = SCRIPTS / "planned_pkg"
     out = tmp_path / "argv"
-    result = run([sys.executable, "-m", "supa_emu.plan", "--world-size", "2", "--json", tmp_path / "plan.json",
-                  "--", "-m", "planned_pkg.train", str(out)], cwd=SCRIPTS, timeout=900, check=True)
+    result = fresh_process([sys.executable, "-m", "supa_emu.plan", "--world-size", "2", "--json",
+                            tmp_path / "plan.json", "--", "-m", "planned_pkg.train", str(out)],
+                           cwd=SCRIPTS, timeout=900)
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["script"] == "-m planned_pkg.train" and "plan of -m planned_pkg.train" in result.stdout
     for rank in ("0", "1"):

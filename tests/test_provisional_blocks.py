@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from harness import run_function
+from harness import fresh_process
 
 pytestmark = pytest.mark.emulation_only
 
@@ -68,7 +68,7 @@ def _results_set_aside_against_a_second_thread(rounds: int) -> dict:
 
 
 def test_results_set_aside_are_no_other_threads_blocks():
-    outcome = run_function(_results_set_aside_against_a_second_thread, 200, env={"SUPA_EMU_SANITIZE": "memory"}).value
+    outcome = fresh_process(_results_set_aside_against_a_second_thread, 200, env={"SUPA_EMU_SANITIZE": "memory"}).value
     assert outcome["wrong"] == 0, f"{outcome['wrong']} results hold bytes of the second thread's blocks"
     assert outcome["leaked"] == 0
     assert outcome["turns"] == 200 * 3  # the second thread ran after each result

@@ -8,7 +8,7 @@ one (checked in real ranks at the end).
 """
 
 import pytest
-from harness import PRISTINE, shared_call
+from harness import PRISTINE, fresh_process
 from ranks import distributed_test
 import torch
 
@@ -111,7 +111,7 @@ def _seeded_before_init() -> None:
     assert torch.equal(a.cpu(), b.cpu())
     assert torch.supa.initial_seed() == 77
 
-_SEEDED_BEFORE_INIT = shared_call(_seeded_before_init, stage=PRISTINE)
+_SEEDED_BEFORE_INIT = fresh_process(_seeded_before_init, shared=PRISTINE)
 
 def test_seeding_before_init_is_deferred():
     _SEEDED_BEFORE_INIT.result()

@@ -8,7 +8,7 @@ import io
 import math
 
 import pytest
-from harness import run_function
+from harness import fresh_process
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -164,11 +164,11 @@ def _generator_state_across_fork_and_spawn() -> None:
     assert forked == spawned == torch.rand(8, device="supa").cpu().tolist()
 
 
-# An interpreter of its own (not shared_call): a shared interpreter runs all its functions whenever
+# An interpreter of its own (not `shared=`): a shared interpreter runs all its functions whenever
 # one of them is asked for, so the spawned child would start in every run, the fast tier's too.
 @pytest.mark.slow  # the spawned child is a fresh interpreter
 def test_generator_state_carries_across_fork_and_spawn():
-    run_function(_generator_state_across_fork_and_spawn)
+    fresh_process(_generator_state_across_fork_and_spawn)
 
 
 def test_clone_state_copies_and_graphsafe_state_shares():

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 import harness
-from harness import launch, run_function, run_python, torchrun_command
+from harness import PORT, fresh_process, torchrun_command
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -410,12 +410,12 @@ def _a_race() -> None:
 
 
 def test_environment_switch_enables_it_at_activation():
-    run_function(_a_race, env={"SUPA_EMU_SANITIZE": "streams"})
+    fresh_process(_a_race, env={"SUPA_EMU_SANITIZE": "streams"})
 
 
 def test_off_by_default_nothing_is_imported():
     # Code, not a function of this file: importing this file imports the sanitizer.
-    result = run_python("""
+    result = fresh_process("""
         import sys, torch
         x = torch.ones(8, device="supa")
         torch.supa.synchronize()
@@ -460,8 +460,8 @@ def _sanitized_job(tmp_path, config_name: str, zero_overrides: dict, forget_wait
         script.insert(0, __file__)  # each rank forgets every wait, then runs the script (below)
     script += ["--config", tmp_path / "config.json", "--steps", 2, "--log-format", "json", "--vocab", 256,
                "--seq-len", 16, "--dim", 256, "--layers", 4, "--heads", 4]
-    result = launch(lambda port: torchrun_command(*script, nproc=2, port=port),
-                    env={"SUPA_EMU_SANITIZE": "streams-report"}, timeout=600)
+    result = fresh_process(torchrun_command(*script, nproc=2, port=PORT),
+                           env={"SUPA_EMU_SANITIZE": "streams-report"}, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     summaries = [line for line in result.stderr.splitlines() if "kernels checked" in line]
     assert len(summaries) == 2, result.stderr[-4000:]  # one per rank

@@ -14,7 +14,7 @@ import os
 import sys
 
 import pytest
-from harness import ROOT, run, run_function
+from harness import ROOT, fresh_process
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 pytestmark = pytest.mark.emulation_only
@@ -25,8 +25,8 @@ MODES = ("compute", "shapes")
 def recorded(body, mode: str, *args, env=None) -> dict:
     """What `body(dev, out, *args)` leaves in `out`, with the card's history and figures, run in a
     fresh interpreter in `mode` (with `env` added to its environment)."""
-    return run_function(_record, body.__name__, *args,
-                        env={"SUPA_PLAN_MODE": mode, "SUPA_EMU_DEVICE_COUNT": "1", **(env or {})}).value
+    return fresh_process(_record, body.__name__, *args,
+                         env={"SUPA_PLAN_MODE": mode, "SUPA_EMU_DEVICE_COUNT": "1", **(env or {})}).value
 
 
 def _record(body_name: str, *args) -> dict:
@@ -269,8 +269,8 @@ def test_planning_the_llama_fine_tune_gives_the_same_figures_in_both_modes(tmp_p
     reports = {}
     for mode in MODES:
         out = tmp_path / f"{mode}.json"
-        run([sys.executable, "-m", "supa_emu.plan", "--world-size", "8", "--rank", "0", "--mode", mode, "--json", out,
-             "--", ROOT / "examples" / "finetune_llama.py", "--engine", engine], timeout=900, check=True)
+        fresh_process([sys.executable, "-m", "supa_emu.plan", "--world-size", "8", "--rank", "0", "--mode", mode,
+                       "--json", out, "--", ROOT / "examples" / "finetune_llama.py", "--engine", engine], timeout=900)
         reports[mode] = json.loads(out.read_text())
     assert reports["shapes"]["mode"] == "shapes"
     assert sorted(reports["shapes"]["ranks"]) == sorted(reports["compute"]["ranks"]) == ["0"]
@@ -399,8 +399,8 @@ def test_planning_a_compiled_model_with_flex_attention_gives_the_same_figures_in
     reports = {}
     for mode in MODES:
         out = tmp_path / f"{mode}.json"
-        run([sys.executable, "-m", "supa_emu.plan", "--world-size", "8", "--rank", "0", "--mode", mode, "--json", out,
-             "--", *probe], env=env, timeout=900, check=True)
+        fresh_process([sys.executable, "-m", "supa_emu.plan", "--world-size", "8", "--rank", "0", "--mode", mode,
+                       "--json", out, "--", *probe], env=env, timeout=900)
         reports[mode] = json.loads(out.read_text())["ranks"]["0"]
     compute, shapes = reports["compute"], reports["shapes"]
     assert shapes["failure"] is None and compute["failure"] is None

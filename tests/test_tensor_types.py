@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import shared_call
+from harness import ANY, fresh_process
 import torch
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
@@ -57,7 +57,7 @@ def _two_legacy_constructors() -> None:
     torch.supa.IntTensor(3)
 
 
-_LEGACY_CONSTRUCTORS = shared_call(_two_legacy_constructors)
+_LEGACY_CONSTRUCTORS = fresh_process(_two_legacy_constructors, shared=ANY)
 
 
 def test_constructor_warning_printed_once():

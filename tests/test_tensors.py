@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from harness import LAST, shared_call
+from harness import ANY, LAST, fresh_process
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -164,7 +164,8 @@ def _float64_under_demotion() -> None:
     assert u.dtype == torch.float64 and u.cpu().tolist() == torch.full((2,), 1 / 3).double().tolist()
 
 
-_DEMOTION = shared_call(_float64_under_demotion, env={"SUPA_EMULATE": "1", "BRTB_ENABLE_DTYPE_DEMOTION": "1"})
+_DEMOTION = fresh_process(_float64_under_demotion, env={"SUPA_EMULATE": "1", "BRTB_ENABLE_DTYPE_DEMOTION": "1"},
+                          shared=ANY)
 
 
 def test_float64_demotion_opt_in():
@@ -294,7 +295,7 @@ def _copies_of_lazily_conjugated_ffts() -> None:
         torch.testing.assert_close(got.cpu(), fn(x, **kwargs))
 
 
-_LAZY_CONJ_FFTS = shared_call(_copies_of_lazily_conjugated_ffts, stage=LAST)
+_LAZY_CONJ_FFTS = fresh_process(_copies_of_lazily_conjugated_ffts, shared=LAST)
 
 
 def test_copying_a_lazily_conjugated_fft_result_does_not_crash():

@@ -20,7 +20,7 @@ import json
 import re
 
 import pytest
-from harness import run_function
+from harness import fresh_process
 
 import torch_distributed_expectations as expectations
 import torch_distributed_driver
@@ -35,8 +35,8 @@ def _run_base(tmp_path, names=()) -> dict:
     # The driver's own process (not pytest's): torch's base reads BACKEND & co. at import, and the
     # ranks are forked from a process that has not touched a card. A new one (fresh=True): the
     # driver sets BRTB_ENABLE_DTYPE_DEMOTION before it imports torch, whose activation reads it.
-    result = run_function(torch_distributed_driver.main, argv, env={"SUPA_EMULATE": "1", "SUPA_EMU_TRANSFER": "1"},
-                          timeout=3600, check=False, fresh=True)
+    result = fresh_process(torch_distributed_driver.main, argv, env={"SUPA_EMULATE": "1", "SUPA_EMU_TRANSFER": "1"},
+                           timeout=3600, check=False, torch_first=False)
     if not out.exists():
         raise AssertionError(f"the driver wrote no outcomes ({result.returncode}):\n{result.stdout}\n{result.stderr[-20000:]}")
     outcomes = json.loads(out.read_text())
@@ -128,4 +128,4 @@ def _base_test_names() -> list:
 
 
 def _all_test_names(tmp_path) -> list:
-    return run_function(_base_test_names, env={"SUPA_EMULATE": "1"}).value
+    return fresh_process(_base_test_names, env={"SUPA_EMULATE": "1"}).value

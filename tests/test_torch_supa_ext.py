@@ -157,12 +157,12 @@ def _child_env(ext: bool) -> dict:
 
 def _run_child(command, ext, timeout=600):
     """Runs `command` with the checkout first on the path (see _child_env)."""
-    return harness.run(command, env=_child_env(ext), timeout=timeout, checkout_first=True)
+    return harness.fresh_process(command, env=_child_env(ext), timeout=timeout, checkout_first=True, check=False)
 
 
 def _in_child(fn, ext, timeout=600):
     """What `fn`, a function of this file, returns in a child (see _run_child)."""
-    return harness.run_function(fn, env=_child_env(ext), timeout=timeout, checkout_first=True).value
+    return harness.fresh_process(fn, env=_child_env(ext), timeout=timeout, checkout_first=True).value
 
 
 # ---------------------------------------------------------------- switching (main process)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import free_port, launch, print_line, run_as_main, run_python, shared_case, torchrun_command
+from harness import ANY, PORT, free_port, fresh_process, print_line, run_as_main, torchrun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -400,10 +400,10 @@ def _reported(finished) -> dict:
 
 
 def _report(code, **env):
-    return _reported(run_python(code, env={"BRTB_TRANSFER_SILENCE": "1", **env}))
+    return _reported(fresh_process(code, env={"BRTB_TRANSFER_SILENCE": "1", **env}))
 
 
-_PLAIN_IMPORT = shared_case("test_transfer: plain import torch", _REPORT)
+_PLAIN_IMPORT = fresh_process(_REPORT, shared=ANY, name="test_transfer: plain import torch")
 
 
 @pytest.mark.emulation_only
@@ -432,7 +432,7 @@ def test_transfer_can_be_switched_off():
 
 @pytest.mark.emulation_only
 def test_bad_transfer_switch_names_the_variable():
-    result = run_python("import torch", env={"SUPA_EMU_TRANSFER": "sometimes"}, check=False)
+    result = fresh_process("import torch", env={"SUPA_EMU_TRANSFER": "sometimes"}, check=False)
     assert result.returncode != 0
     assert "SUPA_EMU_TRANSFER='sometimes'" in result.stderr and "1/0, true/false" in result.stderr
 
@@ -442,13 +442,14 @@ def test_bad_transfer_switch_names_the_variable():
                                         ({"BRTB_TRANSFER_SILENCE": "yes"}, False)])
 def test_banner_once_on_rank_zero_unless_silenced(env, shown):
     code = "import warnings\nwarnings.simplefilter('always')\nimport torch\n"
-    result = run_python(code, env={"BRTB_TRANSFER_SILENCE": None, **env})
+    result = fresh_process(code, env={"BRTB_TRANSFER_SILENCE": None, **env})
     assert result.stderr.count("transfer_to_supa is active") == (1 if shown else 0)
 
 
-_EMULATOR_OFF = {"report": shared_case("test_transfer: emulator off, report", _REPORT, env={"SUPA_EMULATE": "0"}),
-                 "torch_supa": shared_case("test_transfer: emulator off, import torch_supa", "import torch_supa",
-                                           env={"SUPA_EMULATE": "0"})}
+_EMULATOR_OFF = {"report": fresh_process(_REPORT, env={"SUPA_EMULATE": "0"}, shared=ANY,
+                                          name="test_transfer: emulator off, report"),
+                 "torch_supa": fresh_process("import torch_supa", env={"SUPA_EMULATE": "0"}, shared=ANY,
+                                             name="test_transfer: emulator off, import torch_supa")}
 
 
 @pytest.mark.emulation_only
@@ -467,8 +468,8 @@ def test_cuda_written_ddp_script_under_torchrun():
         pytest.skip("needs 2 SUPA cards")
     # Each rank is this file: it runs the script, then says what torch.supa counted (below).
     script = [__file__, ROOT / "examples" / "train_cuda_ddp.py", "--steps", "4"]
-    result = launch(lambda port: torchrun_command(*script, nproc=2, port=port), timeout=600,
-                    env={"BRTB_TRANSFER_SILENCE": "1"})
+    result = fresh_process(torchrun_command(*script, nproc=2, port=PORT), timeout=600,
+                           env={"BRTB_TRANSFER_SILENCE": "1"}, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event"')]
     results = sorted((e for e in lines if e["event"] == "result"), key=lambda e: e["rank"])

@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from harness import free_port, print_line, run, start, torchrun_command, wait
+from harness import free_port, fresh_process, print_line, torchrun_command, wait
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
@@ -39,8 +39,8 @@ def _namespaces_unavailable():
     """Why host namespaces cannot be made here, or None if they can."""
     if shutil.which("unshare") is None:
         return "needs util-linux's unshare"
-    probe = run(["unshare", "--uts", "--ipc", "--mount", "--fork", "sh", "-c",
-                 "mount -t tmpfs tmpfs /dev/shm && hostname probe"], timeout=60)
+    probe = fresh_process(["unshare", "--uts", "--ipc", "--mount", "--fork", "sh", "-c",
+                           "mount -t tmpfs tmpfs /dev/shm && hostname probe"], timeout=60, check=False)
     if probe.returncode != 0:
         return f"unshare --uts --ipc --mount is not permitted here: {probe.stderr.strip()[:200]}"
     return None
@@ -155,7 +155,7 @@ def _on_host(host: int, command) -> list:
 def _run_jobs(commands) -> list:
     """Run `commands` together (the launchers of the hosts), fail with their output unless all
     succeed; return their stdouts."""
-    procs = [start(command, env={"SUPA_EMULATE": "1"}, checkout_first=True) for command in commands]
+    procs = [fresh_process(command, env={"SUPA_EMULATE": "1"}, checkout_first=True, wait=False) for command in commands]
     return [job.require_success().stdout for job in wait(procs, JOB_TIMEOUT_S, what="two-host job")]
 
 
