@@ -172,7 +172,10 @@ def test_adam_noop_flag_skips_the_step(adam_ops, adam_path, device, dtype):
     assert all(torch.equal(a, b) for a, b in zip(p + m + v, before))
     flag.zero_()
     adam_ops.multi_tensor_adam(CHUNK, flag, [g, p, m, v], 1e-2, 0.9, 0.999, 1e-8, 3, 1, 1, 0.1)
-    assert not torch.equal(p[0], before[0])
+    # The step ran: the moments moved everywhere; a bfloat16 parameter of 7 elements may round back to
+    # itself under a small update, so the parameters are checked together.
+    changed = [not torch.equal(a, b) for a, b in zip(p + m, before)]
+    assert any(changed[:len(p)]) and all(changed[len(p):])
 
 
 def test_adam_empty_group_is_a_no_op_and_unequal_lists_raise(adam_ops):
