@@ -6,11 +6,23 @@ does not have. Everything else is torchtitan's own llama3 config of the same nam
 The `*_sdpa` configs also replace flex attention (block-causal, under torch.compile) with
 torchtitan's ScaledDotProductAttention (causal over the whole sequence, eager): a model change,
 for plans that must not compile (docs/frameworks.md says where).
+
+Every config builds `PlannedTrainer`, torchtitan's Trainer that also tells the planner the tokens
+each step trains per card (`supa_emu.plan.tokens`), so a plan reports tokens/s per card the way
+torchtitan's own `tps` counts them; in a run that is not planned the marker does nothing.
 """
+
+import dataclasses
 
 import torch.distributed as dist
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import config_registry as _titan
+from torchtitan.trainer import Trainer
+
+try:
+    from supa_emu import plan as _plan
+except ImportError:  # a real card's stack without the emulator: nothing plans, nothing to mark
+    _plan = None
 
 if not hasattr(dist, "set_timeout"):
     # The trainer calls torch.distributed.set_timeout after the first step; torch 2.13 has
@@ -21,11 +33,29 @@ if not hasattr(dist, "set_timeout"):
     dist.set_timeout = _set_timeout
 
 
+class PlannedTrainer(Trainer):
+    """torchtitan's Trainer, marking the tokens of a step per card for the planner."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    def __init__(self, config):
+        super().__init__(config)
+        if _plan is not None:
+            # torchtitan's tps: the tokens of a step's batches on this rank (every microbatch of
+            # gradient accumulation) over the cards that share them (TP, PP, CP: its
+            # non_data_parallel_size), so tokens/s per card here is what its log calls tps.
+            training = config.training
+            per_step = training.local_batch_size * training.seq_len * self.gradient_accumulation_steps
+            _plan.tokens(per_step // self.parallel_dims.non_data_parallel_size)
+
+
 def _for_torch_2_13(config):
     # The default "spmd_types" backend hands fully_shard plain tensors with dp_mesh_dims, which
     # torch 2.13's FSDP2 refuses ("all parameters must be DTensors on the full SPMD mesh").
     config.parallelism.spmd_backend = "partial_dtensor"
-    return config
+    return PlannedTrainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init})
 
 
 def _with_sdpa(config):

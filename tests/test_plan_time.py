@@ -239,6 +239,44 @@ def test_the_recorder_sees_each_launch_once_with_its_shapes():
     assert not any(n in ("aten::linear", "aten::matmul", "aten::empty.memory_format") for n, _ in launched)
 
 
+def _launched_under_a_sharded_subclass():
+    """The matrix products an mm of two wrapper tensors launches: like DTensor, each reports a
+    global size (4x its plain tensor's rows) and runs the operator on its plain tensors."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from supa_emu import process_state
+
+    class Sharded(torch.Tensor):
+        @staticmethod
+        def __new__(cls, local):
+            size = (4 * local.shape[0], *local.shape[1:])
+            return torch.Tensor._make_wrapper_subclass(cls, size, dtype=local.dtype, device=local.device)
+
+        def __init__(self, local):
+            self.local = local
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            unwrap = lambda a: a.local if isinstance(a, Sharded) else a  # noqa: E731
+            return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+    core = process_state.core()
+    a, w = Sharded(torch.randn(16, 32, device="supa")), torch.randn(32, 24, device="supa")
+    core._op_trace_enable(True)
+    torch.mm(a, w)
+    core._op_trace_enable(False)
+    names = core._op_trace_names()
+    return [(names[e[1]], op_costs.cost(names[e[1]], e[5], e[6]).flops) for e in core._op_trace_take() if e[0] == 0]
+
+
+@pytest.mark.emulation_only
+def test_an_operator_on_a_python_subclass_launches_as_its_plain_tensors():
+    # the card multiplies the 16-row shard, not the 64 rows the wrapper reports; once
+    assert run_function(_launched_under_a_sharded_subclass, env={"SUPA_EMULATE": "1"}).value == [
+        ["aten::mm", 2 * 16 * 32 * 24]]  # (a list: the value comes back as JSON)
+
+
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     directory = tmp_path_factory.mktemp("timed")

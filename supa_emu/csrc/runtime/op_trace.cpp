@@ -69,6 +69,24 @@ int traced_device_of(const c10::IValue& v) {
   return -1;
 }
 
+// A tensor subclass that dispatches in Python (DTensor, a fake tensor) reports sizes of its own
+// (a DTensor its global ones, N times what the card holds); its operator runs as the operators it
+// calls on its plain tensors, and those are the launches.
+bool traced_python_subclass(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    return t.defined() && t.key_set().has(c10::DispatchKey::Python);
+  }
+  if (v.isTensorList() || v.isList()) {
+    for (const auto& item : v.toListRef()) {
+      if (traced_python_subclass(item)) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 void encode_trace_arg(const c10::IValue& v, std::vector<int64_t>& out) {
   if (v.isTensor()) {
     const auto& t = v.toTensor();
@@ -166,9 +184,11 @@ const TracedOpInfo& traced_op_info(const at::RecordFunction& fn) {
 std::pair<int, int64_t> launch_of(const at::RecordFunction& fn) {
   int device = -1;
   for (const auto& input : fn.inputs()) {
-    device = traced_device_of(input);
-    if (device >= 0) {
-      break;
+    if (traced_python_subclass(input)) {
+      return nullptr;
+    }
+    if (device < 0) {
+      device = traced_device_of(input);
     }
   }
   if (device < 0) {

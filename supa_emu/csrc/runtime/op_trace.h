@@ -9,6 +9,8 @@
 // or the boxed fallback; an operator that decomposes into others (a composite without a supa
 // kernel: linear, matmul, dropout) is not recorded itself, its parts are. What a launch calls in
 // turn (CPU kernels on host views, shape rules, allocations) is not recorded: that is the kernel.
+// Nor is an operator on a tensor subclass that dispatches in Python (DTensor: its sizes are the
+// global ones): the operators it calls on its plain tensors are the launches.
 // The same launches, timed by the host, feed torch.profiler's card track while a profile records
 // (card_time_profiler.cpp), through a callback of their own.
 #pragma once
