@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 namespace supa {
@@ -50,8 +51,11 @@ bool accepts_host_indices(const c10::OperatorName& name, const std::string& argu
 
 // A copy's source may live on another card (CUDA's copy_ reads across devices; comm.broadcast of a
 // sparse tensor copies into one made on each card).
+// Asked for every operand of every call: string_view compares the lengths first (std::string's
+// compare with a C string measures the literal at run time).
 bool reads_from_any_card(const c10::OperatorName& name, const std::string& argument) {
-  return argument == "src" && (name.name == "aten::copy_" || name.name == "aten::copy_sparse_to_sparse_");
+  return std::string_view(argument) == "src" &&
+         (std::string_view(name.name) == "aten::copy_" || std::string_view(name.name) == "aten::copy_sparse_to_sparse_");
 }
 
 std::string device_name(const c10::Device& d) {

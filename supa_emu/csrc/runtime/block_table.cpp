@@ -9,16 +9,34 @@
 
 namespace supa {
 
+namespace {
+constexpr size_t kSpareNodes = 8;  // per shard
+}  // namespace
+
 BlockTable::Shard& BlockTable::shard(const void* ptr) const {
   // Blocks are 512-byte aligned: the bits above those spread them over the shards.
   return shards_[(reinterpret_cast<uintptr_t>(ptr) >> 9) % kShards];
+}
+
+BlockTable::Owners& BlockTable::entry(Shard& s, const void* ptr) {
+  if (auto it = s.owners.find(ptr); it != s.owners.end()) {
+    return it->second;
+  }
+  if (s.spare.empty()) {
+    return s.owners[ptr];
+  }
+  OwnersMap::node_type node = std::move(s.spare.back());
+  s.spare.pop_back();
+  node.key() = ptr;
+  node.mapped() = Owners{};
+  return s.owners.insert(std::move(node)).position->second;
 }
 
 template <typename T>
 void BlockTable::add(const void* ptr, T* Owners::*slot, T* value) {
   Shard& s = shard(ptr);
   std::lock_guard<std::mutex> lock(s.mutex);
-  T*& held = s.owners[ptr].*slot;
+  T*& held = entry(s, ptr).*slot;
   TORCH_INTERNAL_ASSERT(held == nullptr, "supa_emu: two blocks of one kind handed out at one address");
   held = value;
 }
@@ -33,7 +51,11 @@ T* BlockTable::remove(const void* ptr, T* Owners::*slot) {
   }
   T* held = std::exchange(it->second.*slot, nullptr);
   if (it->second.block == nullptr && it->second.provisional == nullptr) {
-    s.owners.erase(it);
+    if (s.spare.size() < kSpareNodes) {
+      s.spare.push_back(s.owners.extract(it));
+    } else {
+      s.owners.erase(it);
+    }
   }
   return held;
 }

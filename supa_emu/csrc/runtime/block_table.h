@@ -14,6 +14,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace supa {
 
@@ -49,10 +50,16 @@ class BlockTable {
     CardBlock* block = nullptr;
     ProvisionalBlock* provisional = nullptr;
   };
+  using OwnersMap = std::unordered_map<const void*, Owners>;
   struct Shard {
     mutable std::mutex mutex;
-    std::unordered_map<const void*, Owners> owners;
+    OwnersMap owners;
+    // Nodes of addresses that left, reused by the next to come: an operator's result handed out
+    // and freed on every call costs the heap nothing.
+    std::vector<OwnersMap::node_type> spare;
   };
+  // The entry of `ptr` in `s`, made if there is none (under the shard's lock).
+  static Owners& entry(Shard& s, const void* ptr);
   static constexpr size_t kShards = 16;
   Shard& shard(const void* ptr) const;
   template <typename T>

@@ -22,6 +22,9 @@ using c10::CachingDeviceAllocator::DeviceStats;
 
 // A statistic moves in "all" and in the pool (small or large) of the block or segment.
 void update(StatArray& stat, bool small, int64_t amount) {
+  if (amount == 0) {  // moves nothing (not even a peak)
+    return;
+  }
   const size_t pool = small ? 1 : 2;
   for (size_t i : {size_t{0}, pool}) {
     amount >= 0 ? stat[i].increase(static_cast<size_t>(amount)) : stat[i].decrease(static_cast<size_t>(-amount));

@@ -158,7 +158,7 @@ CardBlock* CardMemory::find_free(size_t size, const PoolId& pool, int64_t stream
     return nullptr;
   }
   CardBlock* block = *it;
-  blocks.erase(it);
+  erase_free(blocks, it);
   return block;
 }
 
@@ -170,7 +170,7 @@ void CardMemory::release(CardBlock* block) {
   segments_.erase(reinterpret_cast<uintptr_t>(segment->ptr));
   unback(segment->ptr, segment->size, backing_);
   delete segment;
-  delete block;
+  delete_block(block);
 }
 
 void CardMemory::release_cached(const PoolId* pool, bool for_oom) {
@@ -288,9 +288,11 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, 
   }
   const bool small = size <= kSmallSize;
   auto* segment = new CardSegment{ptr, bytes, device_, pool, small, policy.is_oversize(bytes), stream};
-  auto* block = new CardBlock{ptr, bytes, 0, device_, false, pool, small};
-  block->stream = stream;
-  block->segment = segment;
+  segment->free_list = &free_blocks(pool, small, stream);
+  CardBlock like{nullptr, 0, 0, device_, false, pool, small};
+  like.stream = stream;
+  like.segment = segment;
+  CardBlock* block = new_block(ptr, bytes, like);
   segment->first = block;
   segments_.emplace(reinterpret_cast<uintptr_t>(ptr), segment);
   reserved_ += static_cast<int64_t>(bytes);
@@ -350,16 +352,13 @@ Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy)
     return placed;
   }
   FreeBlocks& blocks = free_blocks_of(*block);
-  blocks.erase(block);
+  erase_free(blocks, block);
   if (block->is_split()) {
     placed.inactive_split -= 1;
     placed.inactive_split_bytes -= static_cast<int64_t>(block->size);
   }
   const auto carve = [&](void* at, size_t bytes, bool before) {
-    auto* rest = new CardBlock{at, bytes, 0, device_, false, block->pool, block->small};
-    rest->segment = block->segment;
-    rest->stream = block->stream;
-    rest->freed_at = block->freed_at;
+    CardBlock* rest = new_block(at, bytes, *block);
     if (before) {
       rest->prev = block->prev;
       rest->next = block;
@@ -373,7 +372,7 @@ Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy)
       }
       block->next = rest;
     }
-    blocks.insert(rest);  // the free memory before or after the range, a free block of its own
+    insert_free(blocks, rest);  // the free memory before or after the range, a free block of its own
     placed.inactive_split += 1;
     placed.inactive_split_bytes += static_cast<int64_t>(bytes);
   };
@@ -400,10 +399,7 @@ void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& poli
   const bool split = !(pool_rules_.no_split && pool_rules_.no_split(pool)) &&
                      (block->small ? remaining >= kMinBlockSize : !policy.is_oversize(size) && remaining > kSmallSize);
   if (split) {
-    auto* rest = new CardBlock{static_cast<char*>(block->ptr) + size, remaining, 0, device_, false, pool, block->small};
-    rest->segment = block->segment;
-    rest->stream = block->stream;
-    rest->freed_at = block->freed_at;
+    CardBlock* rest = new_block(static_cast<char*>(block->ptr) + size, remaining, *block);
     rest->prev = block;
     rest->next = block->next;
     if (block->next != nullptr) {
@@ -411,7 +407,7 @@ void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& poli
     }
     block->next = rest;
     block->size = size;
-    free_blocks_of(*rest).insert(rest);
+    insert_free(free_blocks_of(*rest), rest);
     if (already_split) {  // a free block of a split segment shrinks
       placed.inactive_split_bytes -= static_cast<int64_t>(size);
     } else {  // a segment is split: its remainder is a new free block
@@ -442,7 +438,7 @@ Release CardMemory::merge_free(CardBlock* block) {
     if (neighbour == nullptr || neighbour->allocated) {
       continue;
     }
-    blocks.erase(neighbour);
+    erase_free(blocks, neighbour);
     if (neighbour == block->prev) {
       block->ptr = neighbour->ptr;
       block->prev = neighbour->prev;
@@ -460,9 +456,9 @@ Release CardMemory::merge_free(CardBlock* block) {
     block->size += neighbour->size;
     changed.inactive_split -= 1;
     changed.inactive_split_bytes -= static_cast<int64_t>(neighbour->size);
-    delete neighbour;
+    delete_block(neighbour);
   }
-  blocks.insert(block);
+  insert_free(blocks, block);
   drop_pages(*block);
   if (block->is_split()) {
     changed.inactive_split += 1;

@@ -93,6 +93,14 @@ struct BlockPolicy {
 // The size of the segment reserved for a request of rounded `size`.
 size_t segment_size(size_t size);
 
+struct CardBlock;
+
+// The free blocks of one (pool, small or large, stream): the smallest first, then the lowest address.
+struct BlockBySize {
+  bool operator()(const CardBlock* a, const CardBlock* b) const;
+};
+using FreeBlocks = std::set<CardBlock*, BlockBySize>;
+
 // A segment: one host allocation, the unit reserved and released.
 struct CardSegment {
   void* ptr;
@@ -103,6 +111,7 @@ struct CardSegment {
   bool oversize;  // decided when it was reserved (max_split_size at that time)
   int64_t stream;  // the stream it was reserved on (its blocks serve only that stream)
   struct CardBlock* first = nullptr;  // its blocks, linked in address order
+  FreeBlocks* free_list = nullptr;    // where its free blocks are (its pool, pool size and stream's)
 };
 
 // A block: a slice of a segment, allocated or free.
@@ -124,6 +133,10 @@ struct CardBlock {
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
 };
+
+inline bool BlockBySize::operator()(const CardBlock* a, const CardBlock* b) const {
+  return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+}
 
 // How a request was served (CardMemory::place).
 struct Placement {
@@ -158,6 +171,11 @@ class CardMemory {
   // The card's segments outlive it (the process's cards live until exit).
   CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing = Backing::kHeap,
              PoolRules pool_rules = {});
+  ~CardMemory() {
+    for (CardBlock* block : spare_blocks_) {
+      delete block;
+    }
+  }
   CardMemory(const CardMemory&) = delete;
   CardMemory& operator=(const CardMemory&) = delete;
 
@@ -208,13 +226,6 @@ class CardMemory {
   void release_cached(const PoolId* pool = nullptr, bool for_oom = false);
 
  private:
-  struct BySize {
-    bool operator()(const CardBlock* a, const CardBlock* b) const {
-      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
-    }
-  };
-  using FreeBlocks = std::set<CardBlock*, BySize>;
-
   // The free blocks of one (pool, small or large, stream).
   using FreeKey = std::tuple<PoolId, bool, int64_t>;
   // Requests come mostly from one pool and stream: the last list found is looked up first.
@@ -228,7 +239,42 @@ class CardMemory {
     }
     return *found;
   }
-  FreeBlocks& free_blocks_of(const CardBlock& block) { return free_blocks(block.pool, block.small, block.stream); }
+  FreeBlocks& free_blocks_of(const CardBlock& block) { return *block.segment->free_list; }
+  // A free list's insertions and removals, and blocks made and deleted by splits and merges, reuse
+  // the nodes and blocks of earlier ones: an operator's result split off and merged back on every
+  // call costs the heap nothing (the lists and blocks are as with fresh ones).
+  static constexpr size_t kSpares = 64;  // nodes and blocks kept (a few per live split)
+  void insert_free(FreeBlocks& blocks, CardBlock* block) {
+    if (spare_nodes_.empty()) {
+      blocks.insert(block);
+      return;
+    }
+    FreeBlocks::node_type node = std::move(spare_nodes_.back());
+    spare_nodes_.pop_back();
+    node.value() = block;
+    blocks.insert(std::move(node));
+  }
+  void erase_free(FreeBlocks& blocks, FreeBlocks::iterator it) {
+    spare_nodes_.size() < kSpares ? spare_nodes_.push_back(blocks.extract(it)) : void(blocks.erase(it));
+  }
+  void erase_free(FreeBlocks& blocks, CardBlock* block) {
+    if (auto it = blocks.find(block); it != blocks.end()) {
+      erase_free(blocks, it);
+    }
+  }
+  // A free block at `ptr` in `like`'s segment.
+  CardBlock* new_block(void* ptr, size_t size, const CardBlock& like) {
+    CardBlock* block = spare_blocks_.empty() ? new CardBlock{} : spare_blocks_.back();
+    if (!spare_blocks_.empty()) {
+      spare_blocks_.pop_back();
+    }
+    *block = CardBlock{ptr, size, 0, device_, false, like.pool, like.small, like.freed_at, false, like.stream};
+    block->segment = like.segment;
+    return block;
+  }
+  void delete_block(CardBlock* block) {
+    spare_blocks_.size() < kSpares ? spare_blocks_.push_back(block) : void(delete block);
+  }
   CardBlock* find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
   bool release_oversize(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
@@ -251,6 +297,8 @@ class CardMemory {
   FreeKey last_free_key_[2];             // large, small
   FreeBlocks* last_free_[2] = {nullptr, nullptr};
   std::map<uintptr_t, CardSegment*> segments_;          // by address
+  std::vector<FreeBlocks::node_type> spare_nodes_;
+  std::vector<CardBlock*> spare_blocks_;
   SegmentReleased on_release_;
   PoolRules pool_rules_;
   Backing backing_;
