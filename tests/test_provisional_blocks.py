@@ -2,7 +2,8 @@
 uses the same card: an operator whose first result must be placed anew sets its other results
 aside until it hands them back, and another thread's takes, placements and frees meanwhile never
 meet them. Run in an interpreter of its own under the memory checker (the GPU trace the test
-hooks into stays on for the rest of a process)."""
+hooks into stays on for the rest of a process). And an operator whose results do not fit the card:
+an out-of-memory error, after which the process goes on."""
 
 import threading
 
@@ -72,3 +73,49 @@ def test_results_set_aside_are_no_other_threads_blocks():
     assert outcome["wrong"] == 0, f"{outcome['wrong']} results hold bytes of the second thread's blocks"
     assert outcome["leaked"] == 0
     assert outcome["turns"] == 200 * 3  # the second thread ran after each result
+
+
+def _results_that_do_not_fit() -> dict:
+    # An operator's CPU kernel allocates its results provisionally, and the card places them when
+    # it hands them back; where no room is left, placing raises. The kernel's storage then still
+    # holds the provisional block and frees it as the error unwinds (once, the block had been
+    # forgotten, its free reached the card as an unknown pointer and the process aborted). In
+    # shapes mode the results the shape rule tells do not fit: that is the error, and no kernel
+    # runs after it (once, the rule's error was taken for a rule that could not tell).
+    from supa_emu import shapes
+
+    mib = 1 << 20
+    device = torch.device("supa", 0)
+    total = torch.supa.get_device_properties(device).total_memory
+    a = torch.arange(2 * mib, dtype=torch.float32, device=device).flip(0)  # 8 MiB, in a 20 MiB segment
+    fill = torch.empty(total - 20 * mib, dtype=torch.uint8, device=device)  # 12 MiB left free
+    before = [torch.supa.memory_allocated(device), torch.supa.memory_reserved(device)]
+    ooms = torch.supa.memory_stats(device)["num_ooms"]
+    refused = []
+    for name, op in (("cat", lambda: torch.cat([a, a])),  # one 16 MiB result
+                     ("sort", lambda: torch.sort(a))):  # 8 MiB of values fit, 16 MiB of indices do not
+        try:
+            op()
+        except torch.OutOfMemoryError as error:
+            refused.append([name, str(error).split(".")[0]])
+    after = [torch.supa.memory_allocated(device), torch.supa.memory_reserved(device)]
+    del fill
+    joined, (values, indices) = torch.cat([a, a]), torch.sort(a)
+    return {"refused": refused, "ooms": torch.supa.memory_stats(device)["num_ooms"] - ooms,
+            "unchanged": after == before,
+            "kernels_ran": [note["op"] for note in shapes.notes()],
+            "shapes": [list(joined.shape), list(values.shape), str(indices.dtype)],
+            "values": [float(joined[-1]), float(values[1]), int(indices[1])]}
+
+
+@pytest.mark.parametrize("mode", ["compute", "shapes"])
+def test_results_that_do_not_fit_the_card_raise_out_of_memory(mode):
+    env = {"SUPA_EMU_MEMORY": "256MiB", "SUPA_EMU_DEVICE_COUNT": "1", "SUPA_PLAN_MODE": mode}
+    outcome = run_function(_results_that_do_not_fit, env=env).value
+    assert outcome["refused"] == [["cat", "SUPA out of memory"], ["sort", "SUPA out of memory"]]
+    assert outcome["ooms"] == 2
+    assert outcome["unchanged"], "a refused result left blocks counted on the card"
+    assert outcome["kernels_ran"] == []
+    assert outcome["shapes"] == [[4 << 20], [2 << 20], "torch.int64"]
+    if mode == "compute":
+        assert outcome["values"] == [0.0, 1.0, (2 << 20) - 2]

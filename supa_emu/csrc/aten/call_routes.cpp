@@ -69,6 +69,9 @@ void run_in_shapes_mode(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     if (route != ShapesRoute::kKernelAfterRule) {
       return;
     }
+  } catch (const c10::OutOfMemoryError&) {
+    // The rule told the results and the card has no room for them: the kernel would only ask again.
+    throw;
   } catch (const c10::NotImplementedError&) {
     // The dispatcher found no Meta kernel, or a dynamic-shape rule needs the values.
     without_meta_kernel = route == ShapesRoute::kShapeRule;
@@ -147,6 +150,8 @@ void run_in_capture(const c10::OperatorHandle& op, torch::jit::Stack* stack, Hos
     try {
       run_fallback_call(op, stack, kernel, /*shape_rule=*/true);
       return;
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // the graph's pool has no room for the results the rule told
     } catch (const std::exception&) {
       if (op.hasTag(at::Tag::dynamic_output_shape)) {
         // nonzero, masked_select, boolean-mask indexing: the result's size needs the values.
