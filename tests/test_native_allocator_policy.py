@@ -38,6 +38,7 @@ CASES = (
     "taken_and_given_back",
     "taken_again_at_its_address",
     "reserved_address_space_backing",
+    "lowest_card_address_whatever_the_host_address",
 )
 
 

@@ -14,7 +14,8 @@ planned call is checked, counted and recorded by the code that checks, counts an
 one, and the rule is written once, here. Like the gloo transport, this one moves data through
 host views of the group's tensors and allocates nothing on the card. Where the answer depends on
 values only other ranks hold (uneven all_to_all splits, a scatter's or recv's data), the call is
-flagged for the report.
+flagged for the report; an all_to_all that permutes (each rank sends to one other, as ring
+attention's does) is uniform under a shift by rank (uniform_sources).
 
 In shapes mode a call whose payload on the card is larger than what the card moves there
 (csrc/aten/shape_only.h, card_bytes_move: 64 KiB) moves no data; its outputs keep their contents
@@ -65,19 +66,30 @@ def _card_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == DEVICE_TYPE)
 
 
-def flag_uneven(received: List[int], sent: int, operation: str) -> None:
-    """Flags an all_to_all whose chunks differ from what this rank sends itself (`sent` elements)."""
-    if any(count != sent for count in received):
-        call_record.flag(f"{operation} with uneven splits: what each rank sends depends on its own data "
-                         f"(e.g. MoE routing); chunks of another size keep their contents")
+def uniform_sources(sent: List[int], received: List[int], rank: int, operation: str) -> List[int]:
+    """For each source rank of an all_to_all, which of this rank's chunks stands for what it sends here.
+
+    The rule: every rank sends this rank what this rank sends itself (chunk `rank`). Where the split
+    sizes say otherwise but every rank sends as this one does, shifted by its rank (a permutation:
+    ring attention passes its key/value shard to the next rank), rank j sends here what this rank
+    sends to the rank as far after it as j is before it. Other splits depend on every rank's own
+    data (MoE routing): flagged, and each chunk takes this rank's own where the sizes allow."""
+    size = len(sent)
+    if all(count == sent[rank] for count in received):
+        return [rank] * size
+    shifted = [(2 * rank - source) % size for source in range(size)]
+    if all(received[source] == sent[shifted[source]] for source in range(size)):
+        return shifted
+    call_record.flag(f"{operation} with uneven splits: what each rank sends depends on its own data "
+                     f"(e.g. MoE routing); chunks of another size keep their contents")
+    return [rank] * size
 
 
-def receive_own_chunk(chunks: List[torch.Tensor], mine: torch.Tensor, operation: str) -> None:
-    """An all_to_all's received chunks under the rule: every rank sent this rank what it sends itself."""
-    flag_uneven([chunk.numel() for chunk in chunks], mine.numel(), operation)
-    for chunk in chunks:
-        if chunk.numel() == mine.numel():
-            chunk.copy_(mine.reshape(chunk.shape))
+def receive_chunks(chunks: List[torch.Tensor], sent: List[torch.Tensor], sources: List[int]) -> None:
+    """An all_to_all's received chunks under the rule: source j's is this rank's sent chunk sources[j]."""
+    for chunk, source in zip(chunks, sources):
+        if chunk.numel() == sent[source].numel():
+            chunk.copy_(sent[source].reshape(chunk.shape))
 
 
 class UniformTransport(Transport):
@@ -190,26 +202,23 @@ class UniformTransport(Transport):
         return self._done(call, host)
 
     def all_to_all(self, call: Collective) -> BCCLWork:
+        sources = uniform_sources(*call.counts, self._rank, "all_to_all")
         if not self._moves(call):
-            flag_uneven([t.numel() for t in call.outputs], call.inputs[self._rank].numel(), "all_to_all")
             return self._done(call)
         host = HostCall()
-        # Rank j sends me its inputs[me]; under the rule that is this rank's inputs[me].
-        mine = host.view(call.inputs[self._rank], write=False)
-        receive_own_chunk([host.view(t, read=False) for t in call.outputs], mine, "all_to_all")
+        sent = [host.view(t, write=False) for t in call.inputs]
+        receive_chunks([host.view(t, read=False) for t in call.outputs], sent, sources)
         return self._done(call, host)
 
     def all_to_all_single(self, call: Collective) -> BCCLWork:
         send, receive = call.counts
+        sources = uniform_sources(send, receive, self._rank, "all_to_all_single")
         if not self._moves(call):
-            flag_uneven(receive, send[self._rank], "all_to_all_single")
             return self._done(call)
         host = HostCall()
-        in_flat = host.view(call.inputs[0], write=False).reshape(-1)
+        sent = host.view(call.inputs[0], write=False).reshape(-1).split(send)
         out_view = host.view(call.outputs[0], read=False)
-        start = sum(send[:self._rank])
-        mine = in_flat[start:start + send[self._rank]]
-        receive_own_chunk(list(out_view.view(-1).split(receive)), mine, "all_to_all_single")
+        receive_chunks(list(out_view.view(-1).split(receive)), sent, sources)
         return self._done(call, host)
 
     # ---- synchronisation and point-to-point ------------------------------------------------------

@@ -418,6 +418,36 @@ void reserved_address_space_backing() {
   t.card.cache(large);
 }
 
+// Equal free blocks go lowest card address first, whatever the host addresses behind the segments
+// (mapped pages come at falling addresses, heap ones in no fixed order): a compute-mode and a
+// shapes-mode run of one program pick the same blocks. Segments lie first fit on the card.
+void lowest_card_address_whatever_the_host_address() {
+  for (const supa::Backing backing : {supa::Backing::kHeap, supa::Backing::kReservedAddressSpace}) {
+    TestCard t(64 * MiB, backing);
+    CardBlock* a1 = t.take(1 * MiB);
+    CardBlock* a2 = t.take(1 * MiB);  // fills the first small segment
+    CardBlock* b1 = t.take(1 * MiB);
+    CardBlock* b2 = t.take(1 * MiB);
+    REQUIRE(a1 && a2 && b1 && b2 && a1->segment != b1->segment);
+    CHECK(a1->segment->card_address == 0 && b1->segment->card_address == 2 * MiB);
+    CHECK(a2->card_address() == 1 * MiB && b1->card_address() == 2 * MiB);
+    t.card.cache(b1);  // freed first, and
+    t.card.cache(a1);
+    CHECK(t.take(1 * MiB) == a1);  // still the second choice
+    t.card.cache(a1);
+    t.card.cache(a2);  // the first segment is whole again, and goes back to the host
+    t.card.release_cached();
+    REQUIRE(t.released.size() == 1);
+    CHECK(t.take(1 * MiB) == b1);
+    CardBlock* c = t.take(1 * MiB);  // a new segment, where the released one lay
+    REQUIRE(c != nullptr && t.last.segment != nullptr);
+    CHECK(c->segment->card_address == 0);
+    for (CardBlock* x : {c, b1, b2}) {
+      t.card.cache(x);
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -442,6 +472,7 @@ int main() {
       {"taken_and_given_back", taken_and_given_back},
       {"taken_again_at_its_address", taken_again_at_its_address},
       {"reserved_address_space_backing", reserved_address_space_backing},
+      {"lowest_card_address_whatever_the_host_address", lowest_card_address_whatever_the_host_address},
   };
   int failed_cases = 0;
   for (const auto& [name, run] : cases) {

@@ -23,10 +23,7 @@ size_t round_to_division(size_t size, size_t divisions) {
     return size;
   }
   const size_t step = floor / divisions;
-  if (step == 0) {
-    return floor << 1;
-  }
-  return ((size + step - 1) / step) * step;
+  return step == 0 ? floor << 1 : ((size + step - 1) / step) * step;
 }
 
 }  // namespace
@@ -148,7 +145,7 @@ std::vector<const CardBlock*> CardMemory::blocks_of(const CardSegment& segment) 
   return blocks;
 }
 
-// The smallest free block of the pool and stream that holds `size` (then the lowest address), if
+// The smallest free block of the pool and stream that holds `size` (then the lowest card address), if
 // the max_split_size rules let it serve the request.
 CardBlock* CardMemory::find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy) {
   FreeBlocks& blocks = free_blocks(pool, size <= kSmallSize, stream);
@@ -168,6 +165,7 @@ void CardMemory::release(CardBlock* block) {
   on_release_(*segment);
   reserved_ -= static_cast<int64_t>(segment->size);
   segments_.erase(reinterpret_cast<uintptr_t>(segment->ptr));
+  addresses_.give_back(segment->card_address);
   unback(segment->ptr, segment->size, backing_);
   delete segment;
   delete_block(block);
@@ -294,6 +292,7 @@ CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, 
   like.segment = segment;
   CardBlock* block = new_block(ptr, bytes, like);
   segment->first = block;
+  segment->card_address = addresses_.take(bytes);
   segments_.emplace(reinterpret_cast<uintptr_t>(ptr), segment);
   reserved_ += static_cast<int64_t>(bytes);
   placed.segment = segment;

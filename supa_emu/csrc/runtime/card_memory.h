@@ -9,10 +9,11 @@
 // - Requests up to 1 MiB belong to the small pool, larger ones to the large pool; each memory
 //   pool (the card's general one, graph pools, user pools) has one of each.
 // - A request is served from the smallest free block of its pool that fits (best fit, then the
-//   lowest address) among the blocks of the stream it is made on: a block freed on one stream
-//   serves that stream again (segments, and the blocks split from them, belong to the stream
-//   they were reserved on). Only when none fits is a segment reserved: 2 MiB for a small request,
-//   20 MiB for a large one below 10 MiB, else the request rounded up to 2 MiB.
+//   lowest card address: CardAddresses) among the blocks of the stream it is made on: a block
+//   freed on one stream serves that stream again (segments, and the blocks split from them,
+//   belong to the stream they were reserved on). Only when none fits is a segment reserved:
+//   2 MiB for a small request, 20 MiB for a large one below 10 MiB, else the request rounded up
+//   to 2 MiB.
 // - A block larger than the request is split when the remainder is at least 512 bytes (small
 //   pool) or more than 1 MiB (large pool, and only for requests below max_split_size);
 //   otherwise the whole block is handed out and counted.
@@ -112,6 +113,31 @@ struct CardSegment {
   int64_t stream;  // the stream it was reserved on (its blocks serve only that stream)
   struct CardBlock* first = nullptr;  // its blocks, linked in address order
   FreeBlocks* free_list = nullptr;    // where its free blocks are (its pool, pool size and stream's)
+  uint64_t card_address = 0;  // where it lies in the card's address space (CardAddresses)
+};
+
+// The card's address space, in which segments are laid out first fit from its start, as a
+// device's allocator hands out ranges. "Lowest address" among free blocks of equal size is the
+// card address: the host addresses behind segments (heap or mapped pages, by mode and by the
+// host allocator's state) have no fixed order, and taking the lowest of those made the same
+// program pick other blocks, and reserve other bytes, in a compute- and a shapes-mode run.
+class CardAddresses {
+ public:
+  uint64_t take(size_t size) {
+    uint64_t at = 0;
+    for (const auto& [start, length] : used_) {
+      if (start >= at + size) {
+        break;
+      }
+      at = start + length;
+    }
+    used_.emplace(at, size);
+    return at;
+  }
+  void give_back(uint64_t at) { used_.erase(at); }
+
+ private:
+  std::map<uint64_t, size_t> used_;  // start -> length
 };
 
 // A block: a slice of a segment, allocated or free.
@@ -132,10 +158,16 @@ struct CardBlock {
   CardBlock* next = nullptr;
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
+  // Where it lies on the card (a lookup key, without a segment, lies at 0).
+  uint64_t card_address() const {
+    return segment == nullptr ? 0
+                              : segment->card_address + static_cast<uint64_t>(static_cast<const char*>(ptr) -
+                                                                              static_cast<const char*>(segment->ptr));
+  }
 };
 
 inline bool BlockBySize::operator()(const CardBlock* a, const CardBlock* b) const {
-  return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+  return a->size != b->size ? a->size < b->size : a->card_address() < b->card_address();
 }
 
 // How a request was served (CardMemory::place).
@@ -299,6 +331,7 @@ class CardMemory {
   std::map<uintptr_t, CardSegment*> segments_;          // by address
   std::vector<FreeBlocks::node_type> spare_nodes_;
   std::vector<CardBlock*> spare_blocks_;
+  CardAddresses addresses_;
   SegmentReleased on_release_;
   PoolRules pool_rules_;
   Backing backing_;
