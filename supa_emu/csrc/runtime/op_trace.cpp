@@ -185,7 +185,7 @@ std::pair<int, int64_t> launch_of(const at::RecordFunction& fn) {
   int device = -1;
   for (const auto& input : fn.inputs()) {
     if (traced_python_subclass(input)) {
-      return nullptr;
+      return {-1, -1};
     }
     if (device < 0) {
       device = traced_device_of(input);
