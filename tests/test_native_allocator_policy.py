@@ -14,7 +14,9 @@ import harness
 from supa_emu import native, native_compile
 
 TEST_SOURCE = pathlib.Path(__file__).parent / "cpp" / "card_memory_test.cpp"
-CARD_MODEL = native.SOURCE_DIR / "runtime" / "card_memory.cpp"
+RUNTIME = native.SOURCE_DIR / "runtime"
+# The card model and what it is built on.
+CARD_MODEL = [RUNTIME / "card_memory.cpp", RUNTIME / "host_memory.cpp", RUNTIME / "expandable_segments.cpp"]
 
 # Every case main() runs; the program must report each one.
 CASES = (
@@ -44,7 +46,7 @@ CASES = (
 def test_card_memory_block_policy(tmp_path):
     program = tmp_path / "card_memory_test"
     harness.run([native_compile.compiler(), native_compile.CXX_STD, "-O1", "-Wall", "-Wextra", "-Werror",
-                 f"-I{CARD_MODEL.parent}", TEST_SOURCE, CARD_MODEL, "-o", program], timeout=300, check=True)
+                 f"-I{RUNTIME}", TEST_SOURCE, *CARD_MODEL, "-o", program], timeout=300, check=True)
     run = harness.run([program], timeout=60, check=True)
     reported = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
     assert reported == [f"ok {name}" for name in CASES], run.stdout
