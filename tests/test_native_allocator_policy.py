@@ -3,9 +3,9 @@
 The card model has no PyTorch dependency, so tests/cpp/card_memory_test.cpp compiles against it
 alone with the compiler the native core uses, in about a second, and checks the policy directly:
 request rounding, blocks never split or coalesced, which cached block serves a request, garbage
-collection, the capacity and host-memory decisions, operator kernels' provisional blocks, and the
-backing of shapes mode (reserved address space, blocks that read zeros). test_memory.py checks the same policy
-through torch.supa's statistics.
+collection, the capacity and host-memory decisions, operator kernels' provisional blocks, the
+backing of shapes mode (reserved address space, blocks that read zeros) and expandable segments.
+test_memory.py checks the same policy through torch.supa's statistics.
 """
 
 import pathlib
@@ -40,6 +40,8 @@ CASES = (
     "taken_and_given_back",
     "taken_again_at_its_address",
     "reserved_address_space_backing",
+    "expandable_segments_map_and_unmap_pages",
+    "expandable_segments_setting_and_limit",
 )
 
 
