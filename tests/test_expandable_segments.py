@@ -243,3 +243,18 @@ def test_a_mem_pool_grows_its_own_expandable_segment(expandable):
     (seg_in,), (seg_out,) = segments_of(inside), segments_of(outside)
     assert seg_in["is_expandable"] and seg_out["is_expandable"]
     assert tuple(seg_in["segment_pool_id"]) == tuple(pool.id) and seg_in["address"] != seg_out["address"]
+
+
+def _planners_record():
+    from supa_emu.plan import rank_record
+
+    torch.supa._set_allocator_settings("expandable_segments:True")
+    rank_record.start(None, rank=0)
+    before = torch.supa.memory_reserved()
+    t = empty(30)
+    return rank_record.record()["peak_reserved"], torch.supa.memory_reserved(), before, t.numel()
+
+
+def test_the_planners_record_counts_the_mapped_pages_as_reserved():
+    peak_reserved, reserved, before, _ = run_function(_planners_record).value
+    assert reserved - before == 2 * PAGE and peak_reserved == reserved
