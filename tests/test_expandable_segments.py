@@ -58,7 +58,8 @@ def test_the_setting_no_longer_warns_and_puts_requests_in_an_expandable_segment(
 
 
 def _requests_share_one_segment_that_grows_by_pages():
-    segments, reserved, maps = stat("segment.large_pool.current"), torch.supa.memory_reserved(), stat("num_device_alloc")
+    segments, maps = stat("segment.large_pool.current"), stat("num_device_alloc")
+    reserved = torch.supa.memory_reserved()
     a = empty(5)
     assert torch.supa.memory_reserved() - reserved == PAGE  # one 20 MiB page, not a segment of the request
     b = empty(30)  # the 15 MiB left and one more page, merged: b follows a

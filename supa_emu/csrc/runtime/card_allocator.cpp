@@ -58,8 +58,9 @@ CardAllocator::CardAllocator(c10::DeviceIndex device, int64_t capacity, Backing 
           device, capacity, [this](const CardSegment& segment) { segment_released(segment); }, backing,
           {[](const PoolId& pool) { return pool_use_count(pool) > 0; }, &pool_use_on_oom, &pool_no_split}) {
   stats_.max_split_size = policy_.max_split_size;
-  card_.set_pages_changed(
-      [this](const CardSegment& segment, void* ptr, size_t size, bool mapped) { pages_changed(segment, ptr, size, mapped); });
+  card_.set_pages_changed([this](const CardSegment& segment, void* ptr, size_t size, bool mapped) {
+    pages_changed(segment, ptr, size, mapped);
+  });
 }
 
 // Pages of an expandable segment mapped or unmapped (called by the card): reserved memory and the

@@ -155,7 +155,7 @@ void CardMemory::release_cached(const PoolId* pool, bool for_oom) {
     FreeBlocks& blocks = entry.second;
     for (auto it = blocks.begin(); it != blocks.end();) {
       CardBlock* block = *it;
-      if (block->segment->expandable() || block->is_split()) {
+      if (block->is_split()) {  // as an expandable segment's blocks always are (its range is never all mapped)
         if (block->segment->expandable()) {
           expandable.push_back(block);
         }

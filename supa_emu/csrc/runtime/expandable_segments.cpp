@@ -32,8 +32,8 @@ CardMemory::FreeBlocks::iterator CardMemory::expandable_choice(FreeBlocks& block
   const auto growable = [](const CardBlock* block) {
     return block->size + (block->next != nullptr && !block->next->mapped ? block->next->size : 0);
   };
-  for (auto next = std::next(it); next != blocks.end() && (*it)->segment->expandable() && growable(*next) < growable(*it);
-       ++next) {
+  for (auto next = std::next(it);
+       next != blocks.end() && (*it)->segment->expandable() && growable(*next) < growable(*it); ++next) {
     it = next;
   }
   return it;
