@@ -63,7 +63,7 @@ bool map_range(void* ptr, size_t size) {
 }
 
 // The pages go back to the host (a later mapping reads zeros, as fresh pages do); a stray access
-// to the range faults, as an access to unmapped device memory does.
+// to the range faults (SIGSEGV), where a card reports an illegal memory access.
 void unmap_range(void* ptr, size_t size) {
   madvise(ptr, size, MADV_DONTNEED);
   mprotect(ptr, size, PROT_NONE);
