@@ -259,3 +259,13 @@ def _planners_record():
 def test_the_planners_record_counts_the_mapped_pages_as_reserved():
     peak_reserved, reserved, before, _ = run_function(_planners_record).value
     assert reserved - before == 2 * PAGE and peak_reserved == reserved
+
+
+def test_a_no_split_mem_pool_keeps_a_segment_per_block(expandable):
+    # Its contract (each block keeps its whole segment) holds with expandable segments on too, so
+    # PyTorch's test_mempool_no_split passes in either mode.
+    pool = torch.supa.MemPool(no_split=True)
+    with torch.supa.use_mem_pool(pool):
+        a, b = empty(4), empty(4)
+    segments = segments_of(a, b)
+    assert [(seg["is_expandable"], len(seg["blocks"])) for seg in segments] == [(False, 1), (False, 1)]

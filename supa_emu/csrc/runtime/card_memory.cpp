@@ -237,9 +237,10 @@ void CardMemory::collect_garbage(size_t incoming, const BlockPolicy& policy) {
 // (and expandable segments' free pages), go back first.
 CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy,
                                Placement& placed) {
+  // A pool whose blocks are never split keeps a segment per block, expandable segments or not.
+  const bool expandable = policy.expandable && !(pool_rules_.no_split && pool_rules_.no_split(pool));
   const auto attempt = [&] {
-    return policy.expandable ? grow_expandable(size, pool, stream, placed)
-                             : new_segment(size, pool, stream, policy, placed);
+    return expandable ? grow_expandable(size, pool, stream, placed) : new_segment(size, pool, stream, policy, placed);
   };
   CardBlock* block = attempt();
   if (block == nullptr && release_oversize(size, pool, stream, policy)) {

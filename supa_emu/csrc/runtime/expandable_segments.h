@@ -11,7 +11,8 @@
 // - Blocks inside the mapped pages are split and merged as usual; with the setting on, a block of
 //   the large pool splits whenever 512 bytes would remain. Among free blocks that fit, best fit
 //   prefers the block that could grow least (its size plus the unmapped space after it); with the
-//   setting off, blocks of expandable segments serve no request.
+//   setting off, blocks of expandable segments serve no request. (A MemPool(no_split=True) keeps a
+//   segment per block, expandable segments or not.)
 // - empty_cache, and the release before an out-of-memory error, unmap the whole pages inside free
 //   blocks; a segment with no page left mapped goes back. Garbage collection and the release of
 //   oversize blocks leave expandable segments alone.
