@@ -57,4 +57,5 @@ def allocator_settings_restored():
     torch.supa.set_per_process_memory_fraction(1.0)
     torch.supa._native()._set_allocator_knobs(saved["max_split_size"], saved["garbage_collection_threshold"],
                                               saved["roundup_power2_divisions"],
-                                              saved["graph_capture_record_stream_reuse"])
+                                              saved["graph_capture_record_stream_reuse"],
+                                              saved["expandable_segments"])

@@ -2,7 +2,6 @@
 and what they change in the accounting."""
 
 import re
-import warnings
 
 import pytest
 from harness import fresh_process
@@ -22,16 +21,6 @@ def test_allocator_backend_and_settings():
     assert settings["pinned_use_supa_host_register"] is True
     assert settings["pinned_num_register_threads"] == 8
     torch.supa._set_allocator_settings("pinned_use_cuda_host_register:False,pinned_num_register_threads:1")
-
-
-@pytest.mark.emulation_only
-def test_expandable_segments_is_a_documented_no_op_that_warns():
-    with pytest.warns(UserWarning, match="expandable_segments:True is not modelled by the emulator"):
-        torch.supa._set_allocator_settings("expandable_segments:True")
-    t = torch.empty(1 << 20, device="supa")
-    (seg,) = [s for s in torch.supa.memory_snapshot() if s["address"] == t.data_ptr()]
-    assert seg["is_expandable"] is False
-    torch.supa._set_allocator_settings("expandable_segments:False")
 
 
 BAD_ALLOCATOR_SETTINGS = {
@@ -185,26 +174,6 @@ def test_pytorchs_own_settings_entry_sets_the_supa_allocator(allocator_settings_
     assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [4] * 16
     torch._C._accelerator_setAllocatorSettings("")
     assert torch.supa.memory._snapshot()["allocator_settings"]["roundup_power2_divisions"] == [0] * 16
-
-
-@pytest.mark.emulation_only
-def test_segments_made_with_and_without_expandable_segments_fill_a_limited_card(allocator_settings_restored):
-    """PyTorch's test_max_split_expandable: CUDA maps a 40 MiB request in an expandable segment as two
-    20 MiB pages, the emulator as a 40 MiB segment; the card fills and empties the same way."""
-    torch.supa.set_per_process_memory_fraction(
-        (120 * MiB + torch.supa.memory_reserved()) / torch.supa.get_device_properties().total_memory)
-    held = []
-    for expandable in (False, True, False):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # expandable_segments:True is not modelled
-            torch.supa._set_allocator_settings(f"expandable_segments:{expandable},max_split_size_mb:40")
-        held.append(torch.empty(40 * MiB, dtype=torch.uint8, device="supa"))
-    with pytest.raises(torch.OutOfMemoryError):
-        torch.empty(40 * MiB, dtype=torch.uint8, device="supa")
-    del held
-    # The cached 40 MiB segments go back to make room.
-    assert torch.empty(120 * MiB, dtype=torch.uint8, device="supa").numel() == 120 * MiB
-    torch.supa._set_allocator_settings("expandable_segments:False")
 
 
 def _allocated_and_max_split_size() -> list:

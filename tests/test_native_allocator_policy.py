@@ -3,9 +3,9 @@
 The card model has no PyTorch dependency, so tests/cpp/card_memory_test.cpp compiles against it
 alone with the compiler the native core uses, in about a second, and checks the policy directly:
 request rounding, blocks never split or coalesced, which cached block serves a request, garbage
-collection, the capacity and host-memory decisions, operator kernels' provisional blocks, and the
-backing of shapes mode (reserved address space, blocks that read zeros). test_memory.py checks the same policy
-through torch.supa's statistics.
+collection, the capacity and host-memory decisions, operator kernels' provisional blocks, the
+backing of shapes mode (reserved address space, blocks that read zeros) and expandable segments.
+test_memory.py checks the same policy through torch.supa's statistics.
 """
 
 import pathlib
@@ -14,7 +14,9 @@ import harness
 from supa_emu import native, native_compile
 
 TEST_SOURCE = pathlib.Path(__file__).parent / "cpp" / "card_memory_test.cpp"
-CARD_MODEL = native.SOURCE_DIR / "runtime" / "card_memory.cpp"
+RUNTIME = native.SOURCE_DIR / "runtime"
+# The card model and what it is built on.
+CARD_MODEL = [RUNTIME / "card_memory.cpp", RUNTIME / "host_memory.cpp", RUNTIME / "expandable_segments.cpp"]
 
 # Every case main() runs; the program must report each one.
 CASES = (
@@ -39,13 +41,15 @@ CASES = (
     "taken_again_at_its_address",
     "reserved_address_space_backing",
     "lowest_card_address_whatever_the_host_address",
+    "expandable_segments_map_and_unmap_pages",
+    "expandable_segments_setting_and_limit",
 )
 
 
 def test_card_memory_block_policy(tmp_path):
     program = tmp_path / "card_memory_test"
     harness.fresh_process([native_compile.compiler(), native_compile.CXX_STD, "-O1", "-Wall", "-Wextra", "-Werror",
-                           f"-I{CARD_MODEL.parent}", TEST_SOURCE, CARD_MODEL, "-o", program], timeout=300)
+                           f"-I{RUNTIME}", TEST_SOURCE, *CARD_MODEL, "-o", program], timeout=300)
     run = harness.fresh_process([program], timeout=60)
     reported = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
     assert reported == [f"ok {name}" for name in CASES], run.stdout

@@ -273,7 +273,7 @@ def _launched_under_a_sharded_subclass():
 @pytest.mark.emulation_only
 def test_an_operator_on_a_python_subclass_launches_as_its_plain_tensors():
     # the card multiplies the 16-row shard, not the 64 rows the wrapper reports; once
-    assert run_function(_launched_under_a_sharded_subclass, env={"SUPA_EMULATE": "1"}).value == [
+    assert fresh_process(_launched_under_a_sharded_subclass, env={"SUPA_EMULATE": "1"}).value == [
         ["aten::mm", 2 * 16 * 32 * 24]]  # (a list: the value comes back as JSON)
 
 

@@ -111,7 +111,7 @@ def _results_that_do_not_fit() -> dict:
 @pytest.mark.parametrize("mode", ["compute", "shapes"])
 def test_results_that_do_not_fit_the_card_raise_out_of_memory(mode):
     env = {"SUPA_EMU_MEMORY": "256MiB", "SUPA_EMU_DEVICE_COUNT": "1", "SUPA_PLAN_MODE": mode}
-    outcome = run_function(_results_that_do_not_fit, env=env).value
+    outcome = fresh_process(_results_that_do_not_fit, env=env).value
     assert outcome["refused"] == [["cat", "SUPA out of memory"], ["sort", "SUPA out of memory"]]
     assert outcome["ooms"] == 2
     assert outcome["unchanged"], "a refused result left blocks counted on the card"

@@ -151,7 +151,7 @@ py::list memory_snapshot(int64_t device) {
     segment["stream"] = info.stream;
     segment["segment_type"] = info.small ? "small" : "large";
     segment["segment_pool_id"] = pool_id(static_cast<int64_t>(info.pool.first), static_cast<int64_t>(info.pool.second));
-    segment["is_expandable"] = false;
+    segment["is_expandable"] = info.expandable;
     segment["frames"] = py::list();
     py::list blocks;
     for (const auto& b : info.blocks) {
@@ -329,7 +329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return supa::get_memory_fraction(device_arg(device));
   });
   m.def("_set_allocator_knobs", &supa::set_allocator_knobs, py::arg("max_split_size"), py::arg("gc_threshold"),
-        py::arg("divisions"), py::arg("capture_record_stream_reuse") = false);
+        py::arg("divisions"), py::arg("capture_record_stream_reuse") = false, py::arg("expandable_segments") = false);
   m.def("_install_accelerator_settings_hook", &install_accelerator_settings_hook, py::arg("apply"), py::arg("keys"));
   m.def("_set_blas_workspace_sizes", &supa::set_blas_workspace_sizes, py::arg("workspace"), py::arg("lt_workspace"));
   m.def("_current_blas_handle", [](int64_t device) {

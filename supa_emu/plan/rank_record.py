@@ -176,9 +176,9 @@ def record(failure: Optional[dict] = None) -> dict:
             allocated += size
         elif action == "free_completed":
             allocated -= size
-        elif action == "segment_alloc":
+        elif action in ("segment_alloc", "segment_map"):  # (pages of an expandable segment: map, unmap)
             reserved += size
-        elif action == "segment_free":
+        elif action in ("segment_free", "segment_unmap"):
             reserved -= size
         elif action == "oom":
             oom_phase, oom_location = _phase(event["frames"])

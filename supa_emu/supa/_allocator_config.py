@@ -2,10 +2,10 @@
 
 The syntax is parsed by supa_emu/allocator_settings.py. As on CUDA, each string sets
 `max_split_size_mb`, `garbage_collection_threshold` and `roundup_power2_divisions` (to their
-defaults where it does not name them); the others keep their value. Those three and
-`graph_capture_record_stream_reuse` act in the native allocator. The others would change a layout
-or a driver interaction the emulator does not have; setting them warns that they are not
-modelled (their value is still reported in `_snapshot()["allocator_settings"]`).
+defaults where it does not name them); the others keep their value. Those three,
+`graph_capture_record_stream_reuse` and `expandable_segments` act in the native allocator. The
+others would change a driver interaction the emulator does not have; setting them warns that they
+are not modelled (their value is still reported in `_snapshot()["allocator_settings"]`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ _settings: dict[str, Any] = dict(allocator_settings.DEFAULTS)
 
 # Why a setting changes nothing in the emulator, by settings key.
 _NOT_MODELLED = {
-    "expandable_segments": "the emulated allocator maps every segment at its final size, so "
-                           "there are no segments to expand (a documented no-op)",
     "release_lock_on_supamalloc": "there is no driver call to release the lock around",
     "pinned_num_register_threads": "pinned blocks are host memory the runtime marks as pinned, with no driver registration",
     "pinned_use_supa_host_register": "pinned blocks are host memory the runtime marks as pinned, with no driver registration",
@@ -45,7 +43,7 @@ def apply(text: str, source: str = "SUPA allocator config", error: type[Exceptio
         _settings[name] = value
     process_state.core()._set_allocator_knobs(
         _settings["max_split_size"], _settings["garbage_collection_threshold"], _settings["roundup_power2_divisions"],
-        _settings["graph_capture_record_stream_reuse"])
+        _settings["graph_capture_record_stream_reuse"], _settings["expandable_segments"])
 
 
 def install_accelerator_hook() -> None:

@@ -20,8 +20,8 @@ from ._runtime import _get_device_index, _lazy_init, _native, device_count
 _DeviceLike = Union[torch.device, str, int, None]
 
 
-# What the allocator records; the ones a card's allocator has and the emulator's never records
-# (segment_map, segment_unmap: expandable segments; snapshot) may still be skipped.
+# What the allocator records (segment_map, segment_unmap: expandable segments); the one a card's
+# allocator has and the emulator's never records (snapshot) may still be skipped.
 _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
             "segment_unmap", "oom", "snapshot")
 # torch.cuda's context levels, as the core numbers them (memory_history.h, StackContext).

@@ -1,9 +1,11 @@
 // Unit tests of the emulated card's block policy (supa_emu/csrc/runtime/card_memory.h): request
 // rounding, segment sizes, best fit, splitting and whole-block hand-outs, coalescing on free,
-// per-stream reuse, oversize blocks, garbage collection, and the capacity and host-memory decisions. Plain C++ with no test framework: each case prints
+// per-stream reuse, oversize blocks, garbage collection, the capacity and host-memory decisions, and
+// expandable segments (expandable_segments.h). Plain C++ with no test framework: each case prints
 // "ok <name>" or "FAIL <name>" with the failed checks, and the exit status counts the failures.
 // Built and run by tests/test_native_allocator_policy.py.
 #include "card_memory.h"
+#include "expandable_segments.h"
 
 #include <cerrno>
 #include <cstdio>
@@ -448,6 +450,68 @@ void lowest_card_address_whatever_the_host_address() {
   }
 }
 
+// Expandable segments (expandable_segments.h): pages mapped on demand into one range per pool and
+// stream, reported as they change; only whole free pages are unmapped, and an empty segment goes.
+void expandable_segments_map_and_unmap_pages() {
+  TestCard t(100 * MiB);
+  std::vector<std::pair<size_t, bool>> changes;  // (bytes, mapped)
+  t.card.set_pages_changed([&](const CardSegment& s, void*, size_t size, bool mapped) {
+    CHECK(s.expandable() && s.page == 20 * MiB && s.size == supa::expandable_range(100 * MiB, 20 * MiB));
+    changes.emplace_back(size, mapped);
+  });
+  BlockPolicy policy;
+  policy.expandable = true;
+  CardBlock* a = t.take(10 * MiB, kGeneral, policy);
+  REQUIRE(a != nullptr && a->segment->expandable());
+  CHECK(t.last.segment == nullptr && t.card.reserved() == int64_t(20 * MiB) && t.last.inactive_split == 0);
+  CardBlock* b = t.take(40 * MiB, kGeneral, policy);  // the free 10 MiB and two more pages
+  REQUIRE(b != nullptr && b->ptr == static_cast<char*>(a->ptr) + 10 * MiB && b->segment == a->segment);
+  CardBlock* c = t.take(10 * MiB - 512, kGeneral, policy);  // fills the third page but 512 bytes: split
+  REQUIRE(c != nullptr && c->size == 10 * MiB - 512 && c->next != nullptr && c->next->size == 512);
+  CHECK(t.card.reserved() == int64_t(60 * MiB));
+  CHECK(t.take(50 * MiB, kGeneral, policy) == nullptr);  // 110 MiB is more than the card
+  CHECK(t.last.retries == 1 && t.card.reserved() == int64_t(60 * MiB));
+  t.card.cache(b);
+  t.card.release_cached();  // b's pages [20, 40) go; the 10 MiB before and after stay mapped
+  CHECK(t.card.reserved() == int64_t(40 * MiB) && t.released.empty());
+  const std::vector<const CardBlock*> blocks = t.card.blocks_of(*a->segment);
+  REQUIRE(blocks.size() == 7);
+  CHECK(!blocks[2]->mapped && blocks[2]->size == 20 * MiB && blocks[1]->mapped && blocks[1]->size == 10 * MiB);
+  CardBlock* d = t.take(15 * MiB, kGeneral, policy);  // maps the hole again at its lowest address
+  REQUIRE(d != nullptr && d->ptr == static_cast<char*>(a->ptr) + 10 * MiB);
+  t.card.cache(a);
+  t.card.cache(c);
+  t.card.cache(d);
+  t.card.release_cached();
+  CHECK(t.card.reserved() == 0 && t.card.segments().empty());
+  const std::vector<std::pair<size_t, bool>> expected = {
+      {20 * MiB, true}, {40 * MiB, true}, {20 * MiB, false}, {20 * MiB, true}, {60 * MiB, false}};
+  CHECK(changes == expected);
+}
+
+// The setting off: blocks of expandable segments serve no request. The process's limit is checked
+// against the segment a request would otherwise get, the card against the pages.
+void expandable_segments_setting_and_limit() {
+  TestCard t(200 * MiB);
+  BlockPolicy on;
+  on.expandable = true;
+  CardBlock* a = t.take(5 * MiB, kGeneral, on);
+  REQUIRE(a != nullptr);
+  t.card.cache(a);
+  CardBlock* b = t.take(5 * MiB);  // the setting off: a segment of its own
+  REQUIRE(b != nullptr && !b->segment->expandable() && t.last.segment != nullptr);
+  t.card.cache(b);
+  t.card.release_cached();
+  t.card.set_fraction(0.5);  // 100 MiB
+  CardBlock* c = t.take(61 * MiB, kGeneral, on);  // maps 80 MiB
+  REQUIRE(c != nullptr && t.card.reserved() == int64_t(80 * MiB));
+  CHECK(t.take(22 * MiB, kGeneral, on) == nullptr);  // 80 + 22 is over the limit, though 19 MiB are free
+  CardBlock* d = t.take(19 * MiB, kGeneral, on);  // fits the free 19 MiB
+  REQUIRE(d != nullptr && t.card.reserved() == int64_t(80 * MiB));
+  t.card.cache(c);
+  t.card.cache(d);
+}
+
 }  // namespace
 
 int main() {
@@ -473,6 +537,8 @@ int main() {
       {"taken_again_at_its_address", taken_again_at_its_address},
       {"reserved_address_space_backing", reserved_address_space_backing},
       {"lowest_card_address_whatever_the_host_address", lowest_card_address_whatever_the_host_address},
+      {"expandable_segments_map_and_unmap_pages", expandable_segments_map_and_unmap_pages},
+      {"expandable_segments_setting_and_limit", expandable_segments_setting_and_limit},
   };
   int failed_cases = 0;
   for (const auto& [name, run] : cases) {

@@ -245,12 +245,13 @@ double get_memory_fraction(c10::DeviceIndex device) {
 }
 
 void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions,
-                         bool capture_record_stream_reuse) {
+                         bool capture_record_stream_reuse, bool expandable_segments) {
   TORCH_CHECK(divisions.size() == kRoundUpIntervals, "supa_emu: expected ", kRoundUpIntervals,
               " roundup_power2_divisions intervals, got ", divisions.size());
   BlockPolicy policy;
   policy.max_split_size = max_split_size < 0 ? -1 : max_split_size;
   policy.gc_threshold = gc_threshold;
+  policy.expandable = expandable_segments;
   for (size_t i = 0; i < kRoundUpIntervals; ++i) {
     policy.divisions[i] = static_cast<size_t>(divisions[i]);
   }

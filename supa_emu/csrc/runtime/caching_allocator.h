@@ -49,9 +49,10 @@ void set_memory_fraction(double fraction, c10::DeviceIndex device);
 double get_memory_fraction(c10::DeviceIndex device);
 // The allocator settings that change accounting; max_split_size < 0 means unlimited;
 // `divisions` has one entry per roundup_power2_divisions interval (kRoundUpIntervals);
-// `capture_record_stream_reuse`: graph_capture_record_stream_reuse (freed_blocks.h).
+// `capture_record_stream_reuse`: graph_capture_record_stream_reuse (freed_blocks.h);
+// `expandable_segments`: new memory is mapped into expandable segments (expandable_segments.h).
 void set_allocator_knobs(int64_t max_split_size, double gc_threshold, const std::vector<int64_t>& divisions,
-                         bool capture_record_stream_reuse = false);
+                         bool capture_record_stream_reuse = false, bool expandable_segments = false);
 int64_t capacity(c10::DeviceIndex device);
 // A segment and its blocks in address order, for torch.supa.memory._snapshot().
 struct BlockInfo {
@@ -72,6 +73,7 @@ struct SegmentInfo {
   std::pair<unsigned long long, unsigned long long> pool;  // (graph pool, user pool)
   int64_t stream;  // the stream whose requests its blocks serve
   std::vector<BlockInfo> blocks;
+  bool expandable = false;  // a mapped range of an expandable segment (one entry per range)
 };
 // The segments of `device` (every device's when it is negative), by device and address.
 std::vector<SegmentInfo> segment_snapshot(c10::DeviceIndex device);

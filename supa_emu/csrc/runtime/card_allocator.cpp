@@ -61,6 +61,18 @@ CardAllocator::CardAllocator(c10::DeviceIndex device, int64_t capacity, Backing 
           device, capacity, [this](const CardSegment& segment) { segment_released(segment); }, backing,
           {[](const PoolId& pool) { return pool_use_count(pool) > 0; }, &pool_use_on_oom, &pool_no_split}) {
   stats_.max_split_size = policy_.max_split_size;
+  card_.set_pages_changed([this](const CardSegment& segment, void* ptr, size_t size, bool mapped) {
+    pages_changed(segment, ptr, size, mapped);
+  });
+}
+
+// Pages of an expandable segment mapped or unmapped (called by the card): reserved memory and the
+// device's allocations and frees, never segments, as CUDA counts them.
+void CardAllocator::pages_changed(const CardSegment& segment, void* ptr, size_t size, bool mapped) {
+  record_memory_event(mapped ? "segment_map" : "segment_unmap", device_, ptr, size,
+                      mapped && placing_ != nullptr ? *placing_ : nullptr, size, segment.stream);
+  update(stats_.reserved_bytes, segment.small, size, mapped);
+  ++(mapped ? stats_.num_device_alloc : stats_.num_device_free);
 }
 
 // A segment the card gives back to the host (called by the card).
@@ -137,7 +149,9 @@ void CardAllocator::return_to_cache(CardBlock* block) {
 
 CardBlock* CardAllocator::place_block(size_t nbytes, const PoolId& pool, c10::StreamId stream, const Stack& stack) {
   const size_t size = policy_.round_size(nbytes);
+  placing_ = &stack;
   const Placement placed = card_.place(size, pool, policy_, stream);
+  placing_ = nullptr;
   stats_.num_alloc_retries += placed.retries;
   if (placed.block == nullptr) {
     if (placed.host_error != 0) {
@@ -249,22 +263,31 @@ std::vector<SegmentInfo> CardAllocator::snapshot() {
   std::vector<SegmentInfo> out;
   for (const auto& entry : card_.segments()) {
     const CardSegment& segment = *entry.second;
-    SegmentInfo info{segment.device, entry.first, segment.size, 0, 0, 0, segment.small, segment.pool, segment.stream,
-                     {}};
+    // An expandable segment shows one segment per contiguous mapped range, as CUDA's snapshot does.
+    SegmentInfo* info = nullptr;
     for (const CardBlock* b : card_.blocks_of(segment)) {
+      if (!b->mapped) {
+        info = nullptr;
+        continue;
+      }
+      if (info == nullptr) {
+        out.push_back({segment.device, reinterpret_cast<uintptr_t>(b->ptr), 0, 0, 0, 0, segment.small, segment.pool,
+                       segment.stream, {}, segment.expandable()});
+        info = &out.back();
+      }
       // The card holds a freed block until the streams that used it pass the free: active, not
       // allocated (as a block an operator kernel took and has not handed back).
       const bool allocated = b->allocated && table_.find_block(b->ptr) == b;
-      info.blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, allocated, b->allocated});
+      info->blocks.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, b->requested, allocated, b->allocated});
+      info->total_size += b->size;
       if (allocated) {
-        info.allocated_size += b->size;
-        info.requested_size += b->requested;
+        info->allocated_size += b->size;
+        info->requested_size += b->requested;
       }
       if (b->allocated) {
-        info.active_size += b->size;
+        info->active_size += b->size;
       }
     }
-    out.push_back(std::move(info));
   }
   return out;
 }

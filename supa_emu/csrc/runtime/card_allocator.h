@@ -74,6 +74,7 @@ class CardAllocator {
   using DeviceStats = c10::CachingDeviceAllocator::DeviceStats;
 
   void segment_released(const CardSegment& segment);
+  void pages_changed(const CardSegment& segment, void* ptr, size_t size, bool mapped);
   [[noreturn]] void raise_oom(size_t size, const Stack& stack);
   [[noreturn]] void raise_host_oom(size_t size, int error);
   void count_inactive_split(bool small, int blocks, int64_t bytes);
@@ -110,6 +111,7 @@ class CardAllocator {
   CardMemory card_;
   DeviceStats stats_;
   BlockPolicy policy_;  // `_set_allocator_settings`, as every card has them
+  const Stack* placing_ = nullptr;  // the stack of the request being placed (for pages it maps)
 
   // Freed blocks that streams they were recorded on have not reached yet, with the time they will
   // (stream_timeline.h): still active, not yet reusable.

@@ -2,11 +2,9 @@
 #include "card_memory.h"
 
 #include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 
 namespace supa {
@@ -67,42 +65,6 @@ size_t segment_size(size_t size) {
   return ((size + kRoundLarge - 1) / kRoundLarge) * kRoundLarge;
 }
 
-namespace {
-
-bool lazily_backed(size_t size, Backing backing) {
-  return backing == Backing::kReservedAddressSpace && size >= kReservedBackingMin;
-}
-
-uintptr_t page_size() {
-  static const auto size = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  return size;
-}
-
-}  // namespace
-
-void* back(size_t size, Backing backing) {
-  if (lazily_backed(size, backing)) {
-    // MAP_NORESERVE: not counted against the host's commit limit, so a card larger than the host
-    // can be planned; pages cost host RAM only once written.
-    void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    return ptr == MAP_FAILED ? nullptr : ptr;
-  }
-  void* ptr = nullptr;
-  if (const int error = posix_memalign(&ptr, kSegmentAlignment, size); error != 0) {
-    errno = error;
-    return nullptr;
-  }
-  return ptr;
-}
-
-void unback(void* ptr, size_t size, Backing backing) {
-  if (lazily_backed(size, backing)) {
-    munmap(ptr, size);
-  } else {
-    std::free(ptr);
-  }
-}
-
 CardMemory::CardMemory(int device, int64_t capacity, SegmentReleased on_release, Backing backing,
                        PoolRules pool_rules)
     : device_(device),
@@ -151,6 +113,9 @@ CardBlock* CardMemory::find_free(size_t size, const PoolId& pool, int64_t stream
   FreeBlocks& blocks = free_blocks(pool, size <= kSmallSize, stream);
   CardBlock key{nullptr, size, 0, device_, false};
   auto it = blocks.lower_bound(&key);
+  if (it != blocks.end() && (*it)->segment->expandable()) {
+    it = expandable_choice(blocks, it, policy);
+  }
   if (it == blocks.end() || !policy.may_serve((*it)->size, size)) {
     return nullptr;
   }
@@ -180,6 +145,7 @@ void CardMemory::release_cached(const PoolId* pool, bool for_oom) {
     return in_use && !(for_oom && pool_rules_.use_on_oom && pool_rules_.use_on_oom(owner));
   };
   ++changes_;
+  std::vector<CardBlock*> expandable;  // their whole free pages are unmapped (this changes the lists)
   for (auto& entry : free_) {
     if (kept(std::get<0>(entry.first))) {
       continue;
@@ -187,13 +153,19 @@ void CardMemory::release_cached(const PoolId* pool, bool for_oom) {
     FreeBlocks& blocks = entry.second;
     for (auto it = blocks.begin(); it != blocks.end();) {
       CardBlock* block = *it;
-      if (block->is_split()) {
+      if (block->is_split()) {  // as an expandable segment's blocks always are (its range is never all mapped)
+        if (block->segment->expandable()) {
+          expandable.push_back(block);
+        }
         ++it;
         continue;
       }
       it = blocks.erase(it);
       release(block);
     }
+  }
+  for (CardBlock* block : expandable) {
+    unmap_free_pages(block);
   }
 }
 
@@ -258,30 +230,39 @@ void CardMemory::collect_garbage(size_t incoming, const BlockPolicy& policy) {
   }
 }
 
-// A new segment for a request of `size`, as one free block; on a full card the oversize free
-// segments, then every whole free segment, go back first.
+// New memory for a request of `size`, as one free block: a new segment, or with expandable segments
+// pages mapped into one; on a full card the oversize free segments, then every whole free segment
+// (and expandable segments' free pages), go back first.
 CardBlock* CardMemory::reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy,
                                Placement& placed) {
-  const size_t bytes = segment_size(size);
-  void* ptr = nullptr;
-  int error = 0;
-  const auto fits = [&] { return reserved_ + static_cast<int64_t>(bytes) <= limit(); };
-  const auto try_reserve = [&] {
-    if (!fits()) {
-      return false;
-    }
-    ptr = back(bytes, backing_);
-    error = ptr == nullptr ? errno : 0;
-    return ptr != nullptr;
+  // A pool whose blocks are never split keeps a segment per block, expandable segments or not.
+  const bool expandable = policy.expandable && !(pool_rules_.no_split && pool_rules_.no_split(pool));
+  const auto attempt = [&] {
+    return expandable ? grow_expandable(size, pool, stream, placed) : new_segment(size, pool, stream, policy, placed);
   };
-  bool ok = try_reserve() || (release_oversize(size, pool, stream, policy) && try_reserve());
-  if (!ok) {
+  CardBlock* block = attempt();
+  if (block == nullptr && release_oversize(size, pool, stream, policy)) {
+    block = attempt();
+  }
+  if (block == nullptr) {
     placed.retries++;
     release_cached(nullptr, /*for_oom=*/true);
-    ok = try_reserve();
+    block = attempt();
   }
-  if (!ok) {
-    placed.host_error = fits() ? error : 0;
+  return block;
+}
+
+// A segment of its own for a request of `size` (host_error: the host could not back one that fits).
+CardBlock* CardMemory::new_segment(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy,
+                                   Placement& placed) {
+  const size_t bytes = segment_size(size);
+  placed.host_error = 0;
+  if (reserved_ + static_cast<int64_t>(bytes) > limit()) {
+    return nullptr;
+  }
+  void* ptr = back(bytes, backing_);
+  if (ptr == nullptr) {
+    placed.host_error = errno;
     return nullptr;
   }
   const bool small = size <= kSmallSize;
@@ -347,7 +328,8 @@ Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy)
   while (block != nullptr && static_cast<char*>(block->ptr) + block->size <= begin) {
     block = block->next;
   }
-  if (block == nullptr || block->allocated || static_cast<char*>(block->ptr) + block->size < begin + size) {
+  if (block == nullptr || block->allocated || !block->mapped ||
+      static_cast<char*>(block->ptr) + block->size < begin + size) {
     return placed;
   }
   FreeBlocks& blocks = free_blocks_of(*block);
@@ -356,38 +338,46 @@ Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy)
     placed.inactive_split -= 1;
     placed.inactive_split_bytes -= static_cast<int64_t>(block->size);
   }
-  const auto carve = [&](void* at, size_t bytes, bool before) {
-    CardBlock* rest = new_block(at, bytes, *block);
-    if (before) {
-      rest->prev = block->prev;
-      rest->next = block;
-      (block->prev != nullptr ? block->prev->next : block->segment->first) = rest;
-      block->prev = rest;
-    } else {
-      rest->prev = block;
-      rest->next = block->next;
-      if (block->next != nullptr) {
-        block->next->prev = rest;
-      }
-      block->next = rest;
-    }
-    insert_free(blocks, rest);  // the free memory before or after the range, a free block of its own
+  const auto carve_free = [&](void* at, size_t bytes, bool before) {
+    insert_free(blocks, carve(block, at, bytes, before));  // the free memory before or after the range
     placed.inactive_split += 1;
     placed.inactive_split_bytes += static_cast<int64_t>(bytes);
   };
   if (const size_t front = static_cast<size_t>(begin - static_cast<char*>(block->ptr)); front > 0) {
     block->ptr = ptr;
     block->size -= front;
-    carve(begin - front, front, true);
+    carve_free(begin - front, front, true);
   }
   if (const size_t after = block->size - size; after > 0) {
     block->size = size;
-    carve(begin + size, after, false);
+    carve_free(begin + size, after, false);
   }
   block->oversize = policy.is_oversize(block->size);
   clear(*block);
   placed.block = block;
+  if (block->segment->expandable()) {
+    placed.inactive_split = 0;
+    placed.inactive_split_bytes = 0;
+  }
   return placed;
+}
+
+CardBlock* CardMemory::carve(CardBlock* block, void* at, size_t bytes, bool before) {
+  CardBlock* rest = new_block(at, bytes, *block);
+  if (before) {
+    rest->prev = block->prev;
+    rest->next = block;
+    (block->prev != nullptr ? block->prev->next : block->segment->first) = rest;
+    block->prev = rest;
+  } else {
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next != nullptr) {
+      block->next->prev = rest;
+    }
+    block->next = rest;
+  }
+  return rest;
 }
 
 // Splits `block` (free, out of the free lists) to `size` where the rules allow.
@@ -395,8 +385,10 @@ void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& poli
   const PoolId pool = block->pool;
   const bool already_split = block->is_split();
   const size_t remaining = block->size - size;
+  // With expandable_segments on, blocks of the large pool split as the small pool's do (as CUDA's).
   const bool split = !(pool_rules_.no_split && pool_rules_.no_split(pool)) &&
-                     (block->small ? remaining >= kMinBlockSize : !policy.is_oversize(size) && remaining > kSmallSize);
+                     (block->small || policy.expandable ? remaining >= kMinBlockSize
+                                                        : !policy.is_oversize(size) && remaining > kSmallSize);
   if (split) {
     CardBlock* rest = new_block(static_cast<char*>(block->ptr) + size, remaining, *block);
     rest->prev = block;
@@ -420,6 +412,10 @@ void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& poli
   block->oversize = policy.is_oversize(block->size);
   clear(*block);
   placed.block = block;
+  if (block->segment->expandable()) {  // inactive_split leaves out expandable segments, as CUDA's
+    placed.inactive_split = 0;
+    placed.inactive_split_bytes = 0;
+  }
 }
 
 Release CardMemory::cache(CardBlock* block) {
@@ -434,7 +430,7 @@ Release CardMemory::merge_free(CardBlock* block) {
   Release changed;
   FreeBlocks& blocks = free_blocks_of(*block);
   for (CardBlock* neighbour : {block->prev, block->next}) {
-    if (neighbour == nullptr || neighbour->allocated) {
+    if (neighbour == nullptr || neighbour->allocated || !neighbour->mapped) {
       continue;
     }
     erase_free(blocks, neighbour);
@@ -459,6 +455,9 @@ Release CardMemory::merge_free(CardBlock* block) {
   }
   insert_free(blocks, block);
   drop_pages(*block);
+  if (block->segment->expandable()) {
+    return {};  // inactive_split leaves out expandable segments, as CUDA's
+  }
   if (block->is_split()) {
     changed.inactive_split += 1;
     changed.inactive_split_bytes += static_cast<int64_t>(block->size);
@@ -471,8 +470,8 @@ void CardMemory::drop_pages(const CardBlock& block) const {
     return;
   }
   const auto begin = reinterpret_cast<uintptr_t>(block.ptr);
-  const uintptr_t first = (begin + page_size() - 1) & ~(page_size() - 1);
-  const uintptr_t last = (begin + block.size) & ~(page_size() - 1);
+  const uintptr_t first = (begin + host_page_size() - 1) & ~(host_page_size() - 1);
+  const uintptr_t last = (begin + block.size) & ~(host_page_size() - 1);
   if (first < last) {
     madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
   }
@@ -486,8 +485,8 @@ void CardMemory::clear(const CardBlock& block) const {
   }
   const auto begin = reinterpret_cast<uintptr_t>(block.ptr);
   const uintptr_t end = begin + block.size;
-  const uintptr_t first = std::min(end, (begin + page_size() - 1) & ~(page_size() - 1));
-  const uintptr_t last = std::max(first, end & ~(page_size() - 1));
+  const uintptr_t first = std::min(end, (begin + host_page_size() - 1) & ~(host_page_size() - 1));
+  const uintptr_t last = std::max(first, end & ~(host_page_size() - 1));
   std::memset(block.ptr, 0, first - begin);
   std::memset(reinterpret_cast<void*>(last), 0, end - last);
 }

@@ -22,7 +22,8 @@
 // - Blocks of max_split_size or more ("oversize") serve only requests of max_split_size or
 //   more, and at most kLargeBuffer smaller than themselves.
 // Each segment is one host allocation; its blocks are slices of it, so reserved bytes are host
-// memory, as a card's reserved bytes are device memory.
+// memory, as a card's reserved bytes are device memory. With expandable_segments, new memory is
+// instead pages mapped into one large address range per pool and stream (expandable_segments.h).
 //
 // A segment's host memory comes from the heap, or (Backing::kReservedAddressSpace, the planner's
 // shapes mode) for larger segments from reserved address space that costs no host RAM until the
@@ -32,6 +33,8 @@
 //
 // Not thread-safe: the caller serialises every call (the card's CardAllocator holds its lock).
 #pragma once
+
+#include "host_memory.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -59,20 +62,6 @@ constexpr size_t kRoundUpIntervals = 16;
 // to size_t is far above it).
 constexpr size_t kLargestRequest = size_t{1} << 60;
 
-// Segments of at least this size are backed by reserved address space under kReservedAddressSpace
-// (smaller ones share heap pages, which a process touches anyway).
-constexpr size_t kReservedBackingMin = 64 << 10;
-
-enum class Backing {
-  kHeap,                 // every segment from the heap (posix_memalign): compute mode
-  kReservedAddressSpace  // larger segments mapped without reserving host memory: shapes mode
-};
-
-// Host memory of `size` bytes as `backing` provides it for a segment of that size (nullptr with
-// errno set when the host has none), and its release.
-void* back(size_t size, Backing backing);
-void unback(void* ptr, size_t size, Backing backing);
-
 // A memory pool's identity: (graph pool n, user pool n); (0, 0) is the card's general pool.
 // The same type as c10::MempoolId_t (see mem_pool.cpp).
 using PoolId = std::pair<unsigned long long, unsigned long long>;
@@ -82,6 +71,7 @@ struct BlockPolicy {
   int64_t max_split_size = -1;  // -1: unlimited
   double gc_threshold = 0.0;    // 0: off
   std::vector<size_t> divisions = std::vector<size_t>(kRoundUpIntervals, 0);  // per power of two from 1 MiB
+  bool expandable = false;  // expandable_segments: new memory is mapped into expandable segments
 
   // The block size that serves a request of `nbytes` (rounded to 512 bytes or to the interval's
   // roundup_power2_divisions step).
@@ -114,6 +104,9 @@ struct CardSegment {
   struct CardBlock* first = nullptr;  // its blocks, linked in address order
   FreeBlocks* free_list = nullptr;    // where its free blocks are (its pool, pool size and stream's)
   uint64_t card_address = 0;  // where it lies in the card's address space (CardAddresses)
+  size_t page = 0;  // an expandable segment's page (size: its address range); 0: not expandable
+
+  bool expandable() const { return page != 0; }
 };
 
 // The card's address space, in which segments are laid out first fit from its start, as a
@@ -154,6 +147,7 @@ struct CardBlock {
   int64_t stream = 0;     // its segment's
   std::vector<int64_t> used_on{};  // other streams that used it (record_stream), while allocated
   CardSegment* segment = nullptr;
+  bool mapped = true;  // false: address space of an expandable segment with no pages mapped
   CardBlock* prev = nullptr;  // neighbours in the segment
   CardBlock* next = nullptr;
 
@@ -190,6 +184,8 @@ class CardMemory {
  public:
   // Called for each segment going back to the host, before its memory is freed.
   using SegmentReleased = std::function<void(const CardSegment&)>;
+  // Called when pages of an expandable segment are mapped (`mapped`) or unmapped, with their range.
+  using PagesChanged = std::function<void(const CardSegment&, void* ptr, size_t size, bool mapped)>;
 
   // What the card asks of a pool's owner (mem_pool.h): whether the pool is in use (a live MemPool, a
   // graph's private pool: its cache is kept), whether a request short of memory may take its cache
@@ -211,6 +207,7 @@ class CardMemory {
   CardMemory(const CardMemory&) = delete;
   CardMemory& operator=(const CardMemory&) = delete;
 
+  void set_pages_changed(PagesChanged pages_changed) { pages_changed_ = std::move(pages_changed); }
   int64_t capacity() const { return capacity_; }
   Backing backing() const { return backing_; }
   int64_t reserved() const { return reserved_; }
@@ -224,7 +221,7 @@ class CardMemory {
   const std::map<uintptr_t, CardSegment*>& segments() const { return segments_; }
   // The segment that holds `ptr`, or null.
   const CardSegment* segment_of(const void* ptr) const;
-  // The segment's blocks in address order.
+  // The segment's blocks in address order (an expandable segment's unmapped ranges too).
   std::vector<const CardBlock*> blocks_of(const CardSegment& segment) const;
 
   // Serves a request of rounded `size` for `pool` made on `stream`: the best-fitting free block of
@@ -309,6 +306,23 @@ class CardMemory {
   }
   CardBlock* find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
+  CardBlock* new_segment(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
+  // A free block of `bytes` before (or after) `block`, carved from it: linked into its segment, in no list.
+  CardBlock* carve(CardBlock* block, void* at, size_t bytes, bool before);
+
+  // Expandable segments (expandable_segments.cpp).
+  struct ByAddress {
+    bool operator()(const CardBlock* a, const CardBlock* b) const { return a->ptr < b->ptr; }
+  };
+  using UnmappedBlocks = std::set<CardBlock*, ByAddress>;
+  UnmappedBlocks& unmapped_blocks_of(const CardBlock& block) {
+    return unmapped_[FreeKey{block.pool, block.small, block.stream}];
+  }
+  FreeBlocks::iterator expandable_choice(FreeBlocks& blocks, FreeBlocks::iterator it, const BlockPolicy& policy) const;
+  CardBlock* grow_expandable(size_t size, const PoolId& pool, int64_t stream, Placement& placed);
+  CardBlock* expandable_room(size_t size, const PoolId& pool, int64_t stream, Placement& placed);
+  bool map_pages(CardBlock* block, size_t bytes, Placement& placed);
+  void unmap_free_pages(CardBlock* block);
   bool release_oversize(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
   void collect_garbage(size_t incoming, const BlockPolicy& policy);
   void hand_out(CardBlock* block, size_t size, const BlockPolicy& policy, Placement& placed);
@@ -332,7 +346,9 @@ class CardMemory {
   std::vector<FreeBlocks::node_type> spare_nodes_;
   std::vector<CardBlock*> spare_blocks_;
   CardAddresses addresses_;
+  std::map<FreeKey, UnmappedBlocks> unmapped_;           // expandable segments' unmapped ranges
   SegmentReleased on_release_;
+  PagesChanged pages_changed_;
   PoolRules pool_rules_;
   Backing backing_;
 };
