@@ -21,7 +21,7 @@ size_t expandable_range(int64_t capacity, size_t page) {
 }
 
 // find_free's choice when its best fit is a block of an expandable segment.
-CardMemory::FreeBlocks::iterator CardMemory::expandable_choice(FreeBlocks& blocks, FreeBlocks::iterator it,
+FreeBlocks::iterator CardMemory::expandable_choice(FreeBlocks& blocks, FreeBlocks::iterator it,
                                                                const BlockPolicy& policy) const {
   if (!policy.expandable) {  // the setting is off: only blocks of other segments serve
     while (it != blocks.end() && (*it)->segment->expandable()) {
