@@ -12,6 +12,7 @@ real rank's to the byte, per section, and its collective lists are equal.
 """
 
 import pytest
+import torch
 from test_plan import MODES, SCRIPTS, plan, real_run
 
 from supa_emu.plan import moe_routing, report
@@ -123,6 +124,49 @@ def test_balanced_routing_gives_every_expert_an_even_share():
 def test_worst_routing_sends_every_token_to_this_ranks_experts_first(top_k, expected):
     experts = moe_routing.assumed_experts("worst", 8, top_k, ep_rank=3, ep_size=4)(5)  # rank 3 holds experts 6, 7
     assert experts.tolist() == [expected] * 5
+
+
+class TokenChoiceTopKRouter(torch.nn.Module):  # recognised by its class name, as torchtitan's
+    def __init__(self, experts=8, top_k=2):
+        super().__init__()
+        self.num_experts, self.top_k = experts, top_k
+        self.gate = torch.nn.Linear(16, experts)
+
+    def forward(self, x):
+        scores = torch.softmax(self.gate(x), dim=-1)
+        top = scores.topk(2, dim=-1)  # another top-k over experts, of the router's K: also its choice
+        _, experts = torch.topk(scores, k=self.top_k, dim=-1)
+        _, first = torch.topk(x, k=3, dim=0)  # over tokens: not a choice of experts
+        return top, experts, first
+
+
+@pytest.fixture
+def assumed():
+    def install(routing):
+        handle = moe_routing.install(routing)
+        installed.append(handle)
+    installed = []
+    yield install
+    for handle in installed:
+        handle.remove()
+
+
+@pytest.mark.parametrize("routing, expected", [("balanced", [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [2, 3]]),
+                                               ("worst", [[0, 1]] * 6)])
+def test_a_registered_router_chooses_the_assumed_experts_in_its_own_buffers(routing, expected, assumed):
+    assumed(routing)
+    owner = torch.nn.Module()
+    owner.router = TokenChoiceTopKRouter()  # registered: hooked (no expert-parallel group: this rank is EP rank 0)
+    x = torch.randn(6, 16)
+    scores = torch.softmax(owner.router.gate(x), dim=-1)
+    with torch.no_grad():
+        top, experts, first = owner.router(x)
+    assert experts.tolist() == top.indices.tolist() == expected
+    assert torch.equal(top.values, scores.gather(-1, top.indices))  # the values of the assumed choice
+    assert torch.equal(first, torch.topk(x, k=3, dim=0).indices)
+    assert moe_routing.summary()["routers"]["TokenChoiceTopKRouter"] >= 1
+    unregistered = TokenChoiceTopKRouter()  # a router no module registered keeps its own choice
+    assert torch.equal(unregistered(x)[1], torch.topk(torch.softmax(unregistered.gate(x), -1), 2).indices)
 
 
 @pytest.mark.parametrize("options, error", [

@@ -42,7 +42,7 @@ ROUTINGS = (BALANCED, WORST, ROUTER)
 _routing: Optional[str] = None
 _calls: Dict[str, int] = {}
 _hooked = weakref.WeakSet()
-_active: List["_AssumedChoice"] = []
+_active: List[tuple] = []  # (router, its _AssumedChoice), innermost last
 
 
 def _deepspeed_gate(gate, owner):
@@ -68,14 +68,16 @@ def _owner_group(owner):
     return mesh.get_group() if mesh is not None else None
 
 
-def install(routing: str) -> None:
-    """From now on in this process (a planned rank), routers registered in a module choose by `routing`."""
+def install(routing: str):
+    """From now on in this process (a planned rank), routers registered in a module choose by `routing`;
+    returns the hook's handle (None for `router`), whose `remove()` stops that for routers registered later."""
     global _routing
     if routing not in ROUTINGS:
         raise ValueError(f"--moe-routing {routing}: accepted values: {', '.join(ROUTINGS)}")
     _routing = routing
-    if routing != ROUTER:
-        torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+    if routing == ROUTER:
+        return None
+    return torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
 
 
 def summary() -> dict:
@@ -92,8 +94,7 @@ def _on_registration(owner, name, module):
     _hooked.add(module)
     owner_ref = weakref.ref(owner)
     module.register_forward_pre_hook(lambda router, args: _enter(router, describe(router, owner_ref())))
-    module.register_forward_hook(lambda router, args, output: _active.pop().__exit__(None, None, None),
-                                 always_call=True)
+    module.register_forward_hook(lambda router, args, output: _leave(router), always_call=True)
     return None
 
 
@@ -104,7 +105,12 @@ def _enter(router, described) -> None:
     _calls[kind] = _calls.get(kind, 0) + 1
     choice = _AssumedChoice(assumed_experts(_routing, experts, top_k, ep_rank, ep_size), experts)
     choice.__enter__()
-    _active.append(choice)
+    _active.append((router, choice))
+
+
+def _leave(router) -> None:
+    if _active and _active[-1][0] is router:  # not when its pre-hook failed before entering
+        _active.pop()[1].__exit__(None, None, None)
 
 
 def assumed_experts(routing: str, experts: int, top_k: int, ep_rank: int, ep_size: int):
