@@ -1,4 +1,5 @@
-"""The planner on expert-parallel MoE jobs: the routing it assumes (`--moe-routing`), exact against a real job forced to it.
+"""The planner on expert-parallel MoE jobs: the routing it assumes (`--moe-routing`), exact against the real job
+forced to that routing.
 
 How many tokens each rank's experts receive decides the buffers an MoE layer's all_to_alls fill,
 and it follows from the router's choice, which a plan cannot know. The plan assumes a routing and

@@ -1,6 +1,6 @@
 """`python -m supa_emu.plan --world-size N [--rank R[,R...]|all-stages]... [--cards-per-host K] [--mode compute|shapes]
-[--moe-routing balanced|worst|router]
-[--card NAME|FILE.toml] [--nic-gbps G] [--host-op-us US] [--json OUT] [--plot OUT] [--trace OUT.json] -- SCRIPT [ARGS...]`
+[--moe-routing balanced|worst|router] [--card NAME|FILE.toml] [--nic-gbps G] [--host-op-us US] [--json OUT]
+[--plot OUT] [--trace OUT.json] -- SCRIPT [ARGS...]`
 (or `-- -m MODULE [ARGS...]`, run as `python -m MODULE` would run it)
 
 Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each in its own process

@@ -24,7 +24,7 @@ its scores anew as torchtitan's and DeepSpeed's do, would find them changed in p
 Everything after it, counts, the exchange of counts, splits and capacity, comes from the program's
 own code. Routers are recognised by their class, when a module registers them as a submodule
 (a module registration hook: no patch of any package): DeepSpeed's `TopKGate` and torchtitan's
-`TokenChoiceTopKRouter` (or a class of that name with `num_experts` and `top_k`). The expert-parallel
+`TokenChoiceTopKRouter` (or a class of one of these names with the same attributes). The expert-parallel
 group that says which experts are this rank's is the gate's `ep_group` (DeepSpeed), its owner's
 `ep_group`, or its owner's `routed_experts.token_dispatcher.ep_mesh` (torchtitan).
 """
@@ -53,8 +53,10 @@ def _token_choice_router(router, owner):
     return router.num_experts, router.top_k, _owner_group(owner)
 
 
-# Router class name -> (experts, top-k, expert-parallel group or None) of a router and its owner.
-ROUTERS = {"TopKGate": _deepspeed_gate, "TokenChoiceTopKRouter": _token_choice_router}
+# Router class name -> (the attributes it must have, what gives (experts, top-k, expert-parallel group
+# or None) of a router and its owner).
+ROUTERS = {"TopKGate": (("wg", "k", "ep_group"), _deepspeed_gate),
+           "TokenChoiceTopKRouter": (("num_experts", "top_k"), _token_choice_router)}
 
 
 def _owner_group(owner):
@@ -86,10 +88,8 @@ def summary() -> dict:
 
 
 def _on_registration(owner, name, module):
-    describe = ROUTERS.get(type(module).__name__)
-    if describe is None or module in _hooked:
-        return None
-    if describe is _token_choice_router and not all(hasattr(module, a) for a in ("num_experts", "top_k")):
+    attributes, describe = ROUTERS.get(type(module).__name__, ((), None))
+    if describe is None or module in _hooked or not all(hasattr(module, a) for a in attributes):
         return None
     _hooked.add(module)
     owner_ref = weakref.ref(owner)

@@ -1,4 +1,4 @@
-"""DeepSpeed MoE layers (deepspeed.moe.layer.MoE), experts split over all ranks (ep_size = the world), two Adam steps each.
+"""DeepSpeed MoE layers (deepspeed.moe.layer.MoE), experts over all ranks (ep_size = the world), two Adam steps each.
 
     deepspeed_moe.py ROUTE   (router: the gate's own choice; balanced; worst:R: every rank routes to rank R)
 
