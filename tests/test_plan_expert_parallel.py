@@ -165,6 +165,10 @@ def test_a_registered_router_chooses_the_assumed_experts_in_its_own_buffers(rout
     assert experts.tolist() == top.indices.tolist() == expected
     assert torch.equal(top.values, scores.gather(-1, top.indices))  # the values of the assumed choice
     assert torch.equal(first, torch.topk(x, k=3, dim=0).indices)
+    # To autograd the results are the operator's: its backward reaches the gate through the chosen scores.
+    top, _, _ = owner.router(x)
+    top.values.sum().backward()
+    assert owner.router.gate.weight.grad.abs().sum() > 0
     assert moe_routing.summary()["routers"]["TokenChoiceTopKRouter"] >= 1
     unregistered = TokenChoiceTopKRouter()  # a router no module registered keeps its own choice
     assert torch.equal(unregistered(x)[1], torch.topk(torch.softmax(unregistered.gate(x), -1), 2).indices)

@@ -18,9 +18,10 @@ states an assumption and applies it at the router's choice:
 The choice is made by the router's own top-k (`torch.topk`) or arg-max (`torch.argmax`, DeepSpeed's
 top-1 and top-2 gates: the n-th call is route n) over the expert dimension: the operator runs as in
 the program (its results are allocated as the program's are), then its indices are overwritten in
-place with the assumed experts and a top-k's values gathered from its input into their own buffer
-(without autograd: a router that backpropagates through the top-k's values, rather than gathering
-its scores anew as torchtitan's and DeepSpeed's do, would find them changed in place).
+place with the assumed experts and a top-k's values gathered from its input into their own buffer,
+keeping their version counters: to autograd and to selective activation checkpointing (which caches
+a top-k's results and refuses them mutated) they are the operator's results, so a top-k's backward
+sends its gradients to the scores of the experts chosen.
 Everything after it, counts, the exchange of counts, splits and capacity, comes from the program's
 own code. Routers are recognised by their class, when a module registers them as a submodule
 (a module registration hook: no patch of any package): DeepSpeed's `TopKGate` and torchtitan's
@@ -146,8 +147,13 @@ class _AssumedChoice(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        with torch.no_grad():  # the choice is not differentiable; its buffers are the operator's own
+        outputs = [t for t in (result if isinstance(result, tuple) else (result,)) if isinstance(t, torch.Tensor)]
+        outputs += [_local(t) for t in outputs if _local(t) is not t]
+        versions = [t._version for t in outputs]
+        with torch.no_grad():
             self._assume(func, args, kwargs, result)
+        # As if the operator had produced the assumed choice (see above).
+        torch._C._autograd._unsafe_set_version_counter(tuple(outputs), tuple(versions))
         return result
 
     def _assume(self, func, args, kwargs, result) -> None:
