@@ -34,8 +34,7 @@ def build(world_size: int, cards_per_host: int, script: str, args, records: Dict
           moe_routing: str = "balanced") -> dict:
     ranks = {str(rank): dict(record, failed=record["failure"] is not None) for rank, record in sorted(records.items())}
     return {"world_size": world_size, "cards_per_host": cards_per_host, "mode": mode, "moe_routing": moe_routing,
-            "script": script,
-            "args": list(args),
+            "script": script, "args": list(args),
             "capacity": max(r["capacity"] for r in records.values()),
             "ranks": ranks, "largest": {key: _largest(ranks, key) for key in ("peak_allocated", "peak_reserved")}}
 
