@@ -8,7 +8,7 @@ whose router is forced to the same routing, run as N torchrun processes recorded
 SUPA_PLAN_RECORD: DeepSpeed's MoE layer (top-1 and top-2 gates without dropping tokens, and top-1
 with its fixed capacity; tests/data/plan/deepspeed_moe.py) and a token-choice MoE in torchtitan's
 style (top-2, counts exchanged, uneven all_to_all_single; tests/data/plan/moe_token_choice.py), at
-EP = 2 and 4, planned in both modes: each played rank's peak allocated and reserved bytes equal the
+EP = 2, 4 and 8, planned in both modes: each played rank's peak allocated and reserved bytes equal the
 real rank's to the byte, per section, and its collective lists are equal.
 """
 
@@ -20,7 +20,7 @@ from supa_emu.plan import moe_routing, report
 from supa_emu.plan.__main__ import main as plan_main
 
 SCRIPTS_BY_NAME = {"deepspeed": SCRIPTS / "deepspeed_moe.py", "token_choice": SCRIPTS / "moe_token_choice.py"}
-WORLDS = (2, 4)
+WORLDS = (2, 4, 8)
 
 pytestmark = pytest.mark.emulation_only
 
