@@ -1,7 +1,7 @@
 """torchtitan 0.3.0 configs for torch 2.13 on SUPA cards: pass as `--module torchtitan_supa`.
 
 torchtitan 0.3.0 is built against a PyTorch nightly; two of its defaults need what torch 2.13
-does not have. Everything else is torchtitan's own llama3 config of the same name.
+does not have. Everything else is torchtitan's own llama3 (or deepseek_v3) config of the same name.
 
 The `*_sdpa` configs also replace flex attention (block-causal, under torch.compile) with
 torchtitan's ScaledDotProductAttention (causal over the whole sequence, eager): a model change,
@@ -16,6 +16,7 @@ import dataclasses
 
 import torch.distributed as dist
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.deepseek_v3 import config_registry as _deepseek_v3
 from torchtitan.models.llama3 import config_registry as _titan
 from torchtitan.trainer import Trainer
 
@@ -59,7 +60,8 @@ def _for_torch_2_13(config):
 
 
 def _with_sdpa(config):
-    # The trainer builds no attention mask for a maskless backend; SDPA then runs with is_causal.
+    # The trainer builds no attention mask for a maskless backend; SDPA then runs with is_causal
+    # (DeepSeek-V3's latent attention too: its inner attention is the same kind of module).
     for layer in config.model_spec.model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return config
@@ -87,3 +89,9 @@ def llama3_8b_sdpa():
 
 def llama3_70b_sdpa():
     return _with_sdpa(llama3_70b())
+
+
+def deepseek_v3_debugmodel_sdpa():
+    # An MoE model (8 experts, top-3): with --parallelism.expert-parallel-degree, expert parallelism
+    # (docs/planner.md, "Expert parallelism").
+    return _with_sdpa(_for_torch_2_13(_deepseek_v3.deepseek_v3_debugmodel()))

@@ -1,5 +1,6 @@
 """`python -m supa_emu.plan --world-size N [--rank R[,R...]|all-stages]... [--cards-per-host K] [--mode compute|shapes]
-[--card NAME|FILE.toml] [--nic-gbps G] [--host-op-us US] [--json OUT] [--plot OUT] [--trace OUT.json] -- SCRIPT [ARGS...]`
+[--moe-routing balanced|worst|router] [--card NAME|FILE.toml] [--nic-gbps G] [--host-op-us US] [--json OUT]
+[--plot OUT] [--trace OUT.json] -- SCRIPT [ARGS...]`
 (or `-- -m MODULE [ARGS...]`, run as `python -m MODULE` would run it)
 
 Runs SCRIPT once per requested rank (rank N-1 unless told) and for rank 0, each in its own process
@@ -23,7 +24,7 @@ import tempfile
 
 from supa_emu import card_profiles
 from supa_emu.config import PLAN_MODES
-from supa_emu.plan import play_order, plot, report, time_model, trace
+from supa_emu.plan import moe_routing, play_order, plot, report, time_model, trace
 
 MAX_CARDS_PER_HOST = 64  # SUPA_EMU_DEVICE_COUNT's limit
 ALL_STAGES = "all-stages"
@@ -44,6 +45,10 @@ def parse(argv):
     parser.add_argument("--mode", default="compute",
                         help="compute (default): run every operator's kernel; shapes: take results from PyTorch's "
                              "shape rules without running kernels (same memory figures, no FLOPs)")
+    parser.add_argument("--moe-routing", default=moe_routing.BALANCED,
+                        help="the routing MoE routers are assumed to choose: balanced (default: every expert gets an "
+                             "even share of the tokens), worst (every rank routes to this rank's experts, as far as "
+                             "the capacity allows), router (the program's router decides; compute mode only)")
     parser.add_argument("--card", help=f"the card whose time (and, given, memory) is planned: "
                                        f"{', '.join(card_profiles.PROFILES)}, or a profile file (.toml); "
                                        f"default the emulated card (SUPA_EMU_PROFILE)")
@@ -72,6 +77,11 @@ def parse(argv):
     args.cards_per_host = args.cards_per_host or min(n, 8)
     if args.mode not in PLAN_MODES:
         raise UsageError(f"--mode {args.mode}: accepted values: {', '.join(PLAN_MODES)}")
+    if args.moe_routing not in moe_routing.ROUTINGS:
+        raise UsageError(f"--moe-routing {args.moe_routing}: accepted values: {', '.join(moe_routing.ROUTINGS)}")
+    if args.moe_routing == moe_routing.ROUTER and args.mode == "shapes":
+        raise UsageError("--moe-routing router needs --mode compute: in shapes mode the router's scores are not "
+                         "computed, so its choice would be made on zeros; assume balanced or worst routing instead")
     if not 1 <= args.cards_per_host <= MAX_CARDS_PER_HOST:
         raise UsageError(f"--cards-per-host {args.cards_per_host}: accepted 1 to {MAX_CARDS_PER_HOST}")
     if args.plot and not args.plot.endswith(plot.SUFFIXES):
@@ -164,7 +174,7 @@ def start_rank(rank: int, args, shared: str) -> subprocess.Popen:
     print(f"plan: rank {rank} of {args.world_size} ({args.mode} mode): {args.script} "
           f"{' '.join(args.script_args)}", flush=True)
     command = [sys.executable, "-m", "supa_emu.plan.rank_process", _record_path(shared, rank), shared,
-               timing_settings(rank, args), *args.target, *args.script_args]
+               timing_settings(rank, args), args.moe_routing, *args.target, *args.script_args]
     memory = args.profile.memory_bytes if args.card else None
     return subprocess.Popen(command, env=rank_environment(rank, args.world_size, args.cards_per_host, args.mode,
                                                           memory))
@@ -192,7 +202,8 @@ def main(argv=None) -> int:
         records = play_order.play(args.ranks, args.all_stages, shared, lambda rank: start_rank(rank, args, shared),
                                   lambda rank, code: collect_rank(rank, code, shared))
     traces = [records[rank].pop("trace", None) or [] for rank in sorted(records)]
-    full = report.build(args.world_size, args.cards_per_host, args.script, args.script_args, records, args.mode)
+    full = report.build(args.world_size, args.cards_per_host, args.script, args.script_args, records, args.mode,
+                        args.moe_routing)
     print(report.text(full), flush=True)
     if args.json:
         with open(args.json, "w") as out:

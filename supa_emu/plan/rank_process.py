@@ -1,5 +1,5 @@
-"""The process that plays one rank: `python -m supa_emu.plan.rank_process RECORD SHARED TIMING SCRIPT [ARGS...]`
-(or `... TIMING -m MODULE [ARGS...]`).
+"""The process that plays one rank: `python -m supa_emu.plan.rank_process RECORD SHARED TIMING ROUTING SCRIPT [ARGS...]`
+(or `... ROUTING -m MODULE [ARGS...]`).
 
 Started by the planner with the environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK,
 ...) plus SUPA_PLAN_SIMULATE=1, under which activation installed the uniform transport for its
@@ -12,7 +12,8 @@ this rank's record (with the failure, if the script failed) to RECORD as JSON. S
 plan's directory shared by its ranks: the small values roots broadcast, written by the first rank
 played and read by the others (world.root_value), and the point-to-point messages of the played
 ranks (p2p_messages.py). TIMING is the time model's settings as JSON (op_stream.start): the card's
-profile, the NIC, the host's time per launch, whether to keep a trace.
+profile, the NIC, the host's time per launch, whether to keep a trace. ROUTING is the MoE routing
+the plan assumes (moe_routing.py).
 
 What a planned rank cannot do fails at once with one line: starting other ranks
 (torch.multiprocessing.spawn), and holding more host tensors than the host can give it (a model
@@ -84,13 +85,13 @@ def _available_host_memory() -> int:
 
 
 def main(argv) -> int:
-    record_path, shared, timing, *command = argv
+    record_path, shared, timing, routing, *command = argv
     target, args = (command[:2], command[2:]) if command[0] == "-m" else (command[:1], command[1:])
     import torch  # noqa: F401  (activates the emulator: SUPA_EMULATE=1 is in the environment)
     import torch.distributed as dist
 
     from supa_emu import process_state
-    from supa_emu.plan import call_record, gloo_groups, op_stream, p2p_messages, rank_record, world
+    from supa_emu.plan import call_record, gloo_groups, moe_routing, op_stream, p2p_messages, rank_record, world
 
     host_memory = process_state.config().plan_host_memory
     process_state.core()._limit_host_tensors(host_memory or _available_host_memory())
@@ -104,6 +105,7 @@ def main(argv) -> int:
     p2p_messages.open_log(shared, rank)
     gloo_groups.install()
     call_record.flag_object_collectives()
+    moe_routing.install(routing)
 
     failure = None
     rank_record.start(None, rank)
@@ -126,6 +128,7 @@ def main(argv) -> int:
                             f"deepspeed.init_distributed()); there is no world to plan", "traceback": None}
     world.save_root_values()
     record = rank_record.record(failure)
+    record["moe_routing"] = moe_routing.summary()
     record["time"] = op_stream.finish()
     if settings.get("trace"):
         record["trace"] = op_stream.trace_events()

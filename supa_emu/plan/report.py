@@ -1,6 +1,7 @@
 """The planner's report: the ranks' records put together, as JSON and as a table for people.
 
-JSON keys: world_size, cards_per_host, mode ("compute" or "shapes"), script, args, capacity,
+JSON keys: world_size, cards_per_host, mode ("compute" or "shapes"), moe_routing (the routing assumed for
+MoE routers: moe_routing.py), script, args, capacity,
 ranks -> "R" -> {mode, peak_allocated, peak_reserved, peak_phase, peak_location, capacity, oom,
 oom_events ([{requested_bytes, allocated, reserved, time_s, phase, location}]), timeline ([event
 index, seconds since recording started, allocated, reserved] points), collectives ([{op,
@@ -8,7 +9,8 @@ group_size, dtype, bytes, count}]), value_dependent ([{what, count, site}]), no_
 mode's operators that ran their kernels for want of a shape rule, [{what, count, site}]),
 sections ([{name, peak_allocated, peak_reserved, collectives}], see rank_record.section), failure
 ({error, traceback} or null), failed (true when the rank did not run to the end: its figures are
-those up to its failure), time (the card's time, time_model.Schedule.report: card, steps
+those up to its failure), moe_routing ({assumed, routers: {class: forward calls that chose the assumed
+experts}}), time (the card's time, time_model.Schedule.report: card, steps
 [{step, seconds, flops, mfu, split, tokens}], step_seconds, tokens_per_s, mfu, top_ops, untimed_collectives; null where
 no step was recorded)}, largest -> peak_allocated / peak_reserved -> {rank, bytes, failed}: the
 largest figure over the played ranks and the rank that holds it.
@@ -28,10 +30,11 @@ def lost_rank(rank: int, returncode: int) -> dict:
                         "traceback": None}}
 
 
-def build(world_size: int, cards_per_host: int, script: str, args, records: Dict[int, dict], mode: str) -> dict:
+def build(world_size: int, cards_per_host: int, script: str, args, records: Dict[int, dict], mode: str,
+          moe_routing: str = "balanced") -> dict:
     ranks = {str(rank): dict(record, failed=record["failure"] is not None) for rank, record in sorted(records.items())}
-    return {"world_size": world_size, "cards_per_host": cards_per_host, "mode": mode, "script": script,
-            "args": list(args),
+    return {"world_size": world_size, "cards_per_host": cards_per_host, "mode": mode, "moe_routing": moe_routing,
+            "script": script, "args": list(args),
             "capacity": max(r["capacity"] for r in records.values()),
             "ranks": ranks, "largest": {key: _largest(ranks, key) for key in ("peak_allocated", "peak_reserved")}}
 
@@ -58,6 +61,7 @@ def text(report: dict) -> str:
         lines.append(f"largest: {_size(allocated['bytes'])} allocated on rank {allocated['rank']}"
                      f"{' (FAILED)' if allocated['failed'] else ''}, {_size(reserved['bytes'])} reserved on rank "
                      f"{reserved['rank']}{' (FAILED)' if reserved['failed'] else ''}")
+    lines.extend(_routing_lines(report))
     for rank, r in report["ranks"].items():
         lines.extend(time_lines(rank, r.get("time")))
     for rank, r in report["ranks"].items():
@@ -74,6 +78,17 @@ def text(report: dict) -> str:
         for note in r.get("no_shape_rule", []):
             lines.append(f"rank {rank}: ran a kernel ({note['count']}x): {note['what']} at {note['site']}")
     return "\n".join(lines)
+
+
+def _routing_lines(report: dict) -> list:
+    """The MoE routing the plan assumed, where a rank ran a router (a plan without MoE says nothing)."""
+    routed = {rank: (r.get("moe_routing") or {}).get("routers") for rank, r in report["ranks"].items()}
+    routed = {rank: routers for rank, routers in routed.items() if routers}
+    if not routed:
+        return []
+    calls = "; ".join(f"rank {rank}: " + ", ".join(f"{kind} {count}x" for kind, count in routers.items())
+                      for rank, routers in routed.items())
+    return [f"MoE routing assumed: {report['moe_routing']} (routers that chose by it: {calls})"]
 
 
 def _seconds(s: float) -> str:

@@ -73,9 +73,10 @@ def uniform_sources(sent: List[int], received: List[int], rank: int, operation: 
     sizes say otherwise but every rank sends as this one does, shifted by its rank (a permutation:
     ring attention passes its key/value shard to the next rank), rank j sends here what this rank
     sends to the rank as far after it as j is before it. Other splits depend on every rank's own
-    data (MoE routing): flagged, and each chunk takes this rank's own where the sizes allow."""
+    data (MoE routing): flagged, and each chunk takes this rank's own where the sizes allow. An
+    empty chunk guesses nothing (a routing the plan assumed sends this rank nothing from there)."""
     size = len(sent)
-    if all(count == sent[rank] for count in received):
+    if all(count in (sent[rank], 0) for count in received):
         return [rank] * size
     shifted = [(2 * rank - source) % size for source in range(size)]
     if all(received[source] == sent[shifted[source]] for source in range(size)):
