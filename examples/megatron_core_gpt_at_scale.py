@@ -48,8 +48,6 @@ def parse_args():
     p.add_argument("--global-batch", type=int, help="sequences per step over the job (default: the table's)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=131072)
-    p.add_argument("--separate-p2p", action="store_true",
-                   help="pipeline sends and receives one by one (batch_p2p_comm=False), not batch_isend_irecv")
     for name in ("layers", "hidden", "heads", "tp", "pp"):
         p.add_argument(f"--{name}", type=int, help="override the table's row (small real runs)")
     return p.parse_args()
@@ -107,7 +105,7 @@ def build(args, shape):
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,  # FFN 4 x hidden, GELU, LayerNorm
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,  # no sequence parallelism: torch LayerNorm refuses it
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        attention_dropout=0.0, hidden_dropout=0.0, batch_p2p_comm=not args.separate_p2p,
+        attention_dropout=0.0, hidden_dropout=0.0,
     )
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(), vocab_size=args.vocab,
@@ -145,7 +143,8 @@ def forward_step(data_iterator, model):
 
     def loss_func(output):
         loss = output.float().mean()
-        return loss, {"lm loss": loss}
+        # The schedule divides the returned loss by the micro-batch count in place: log a copy.
+        return loss, {"lm loss": loss.detach().clone()}
 
     return per_token_loss, loss_func
 
