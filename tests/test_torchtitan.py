@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 import pytest
-from harness import launch, run, torchrun_command
+from harness import PORT, fresh_process, torchrun_command
 
 # Found, not imported: importing torchtitan costs seconds and imports triton.
 for _package in ("torchtitan", "triton", "tokenizers"):
@@ -56,13 +56,13 @@ def test_debug_model_with_flex_attention_compile_and_selective_ac_plans_as_the_r
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     records = tmp_path / "real"
-    launch(lambda port: torchrun_command(*train, nproc=2, port=port),
-           env={**env, "SUPA_PLAN_RECORD": str(records)}, timeout=1200).require_success()
+    fresh_process(torchrun_command(*train, nproc=2, port=PORT), env={**env, "SUPA_PLAN_RECORD": str(records)},
+                  timeout=1200)
     real = {rank: json.loads((records / f"rank-{rank}.json").read_text()) for rank in range(2)}
     for mode in MODES:
         out = tmp_path / f"{mode}.json"
-        run([sys.executable, "-m", "supa_emu.plan", "--world-size", "2", "--mode", mode, "--no-time", "--json", out,
-             "--", *train], env=env, timeout=1200, check=True)
+        fresh_process([sys.executable, "-m", "supa_emu.plan", "--world-size", "2", "--mode", mode, "--no-time",
+                       "--json", out, "--", *train], env=env, timeout=1200)
         planned = json.loads(out.read_text())["ranks"]
         assert sorted(planned) == ["0", "1"], mode
         for rank, figures in planned.items():
