@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from harness import fresh_process
 
 pytest.importorskip("torch.supa", reason="needs the supa device (SUPA_EMULATE=1 or a real card)")
 from memory_fixtures import (  # noqa: F401  (fixtures)
@@ -123,40 +124,47 @@ def test_context_levels_decide_which_stacks_the_trace_keeps():
         assert all(frames == [] for frames in _alloc_then_free(context).values())
 
 
-def test_empty_cache_gives_its_stack_to_the_segments_it_frees_at_context_all():
-    def freed_segment_frames(context):
+def _freed_segment_frames(context):
+    """The frames of the segment_free events of one tensor's segment, made and freed on the last card."""
+    torch.supa.empty_cache()
+    torch.supa.memory._record_memory_history("all", context=context, stacks="python")
+    try:
+        t = torch.empty(3000, device=f"supa:{last_device()}")
+        del t
         torch.supa.empty_cache()
-        torch.supa.memory._record_memory_history("all", context=context, stacks="python")
-        try:
-            t = torch.empty(3000, device=f"supa:{last_device()}")
-            del t
-            torch.supa.empty_cache()
-            trace = torch.supa.memory._snapshot()["device_traces"][last_device()]
-            return [[f["name"] for f in e["frames"]] for e in trace if e["action"] == "segment_free"]
-        finally:
-            torch.supa.memory._record_memory_history(None)
+        trace = torch.supa.memory._snapshot()["device_traces"][last_device()]
+        return [[f["name"] for f in e["frames"]] for e in trace if e["action"] == "segment_free"]
+    finally:
+        torch.supa.memory._record_memory_history(None)
 
-    [frames] = freed_segment_frames("all")
+
+def _traced_actions(skipped):
+    torch.supa.empty_cache()
+    torch.supa.memory._record_memory_history(context="all", stacks="python", skip_actions=skipped)
+    try:
+        with torch.supa.device(last_device()):
+            _make_and_free_tensor()
+        torch.supa.empty_cache()
+        return sorted({e["action"] for trace in torch.supa.memory._snapshot()["device_traces"] for e in trace})
+    finally:
+        torch.supa.memory._record_memory_history(None)
+
+
+# Both run in a fresh process: the tensor must get a segment of its own, which a block another test
+# file left on the same card (a cached segment it still uses) would take away.
+def test_empty_cache_gives_its_stack_to_the_segments_it_frees_at_context_all():
+    [frames] = fresh_process(_freed_segment_frames, "all").value
     assert "empty_cache" in frames
     # Below "all", a freed segment shows the stack of the request that reserved it.
-    [frames] = freed_segment_frames("alloc")
-    assert "freed_segment_frames" in frames and "empty_cache" not in frames
-    assert freed_segment_frames("state") == [[]]
+    [frames] = fresh_process(_freed_segment_frames, "alloc").value
+    assert "_freed_segment_frames" in frames and "empty_cache" not in frames
+    assert fresh_process(_freed_segment_frames, "state").value == [[]]
 
 
 @pytest.mark.parametrize("skipped", [["free_requested"], ["alloc"], ["segment_alloc", "segment_free"], []])
 def test_skip_actions_leave_those_actions_out_of_the_trace(skipped):
-    torch.supa.empty_cache()
-    torch.supa.memory._record_memory_history(context="all", stacks="python", skip_actions=skipped)
-    try:
-        with torch.supa.device(last_device()):  # a card no other test file left blocks on: a segment of its own
-            _make_and_free_tensor()
-        torch.supa.empty_cache()
-        actions = {e["action"] for trace in torch.supa.memory._snapshot()["device_traces"] for e in trace}
-        expected = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free"}
-        assert actions == expected - set(skipped)
-    finally:
-        torch.supa.memory._record_memory_history(None)
+    expected = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free"}
+    assert fresh_process(_traced_actions, skipped).value == sorted(expected - set(skipped))
 
 
 def test_skip_actions_names_are_checked():
