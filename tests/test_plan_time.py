@@ -206,6 +206,76 @@ def test_the_host_bounds_a_step_of_small_launches():
 
 
 # ------------------------------------------------------------------------------------------------
+# Collectives on their communicator's stream
+# ------------------------------------------------------------------------------------------------
+BIG = ([t("BFloat16", 4096, 4096), t("BFloat16", 4096, 4096)], [t("BFloat16", 4096, 4096)])
+GRADIENTS = 1 << 28  # 256 MiB all-reduced in a group of 8 in one host
+
+
+def _mark(index, stream=0):
+    return (time_model.MARK, -1, 0, stream, index, [], [])
+
+
+def _play(entries, records):
+    schedule = _schedule()
+    schedule.feed(entries + [_mark(time_model.STEP_MARK)], ["aten::mm"], records)
+    return schedule
+
+
+def _all_reduce_seconds():
+    return collective_time.seconds("all_reduce", GRADIENTS, 8, 1, H100, 400)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_an_async_collective_overlaps_compute_until_its_wait(asynchronous):
+    # all_reduce(async_op=...), then a product that does not need it, then work.wait()
+    records = [time_model.Collective("all_reduce", GRADIENTS, 8, 1, "dp", asynchronous), time_model.Waited(0)]
+    schedule = _play([_mark(0), _op(0, 0, *BIG), _mark(1)], records)
+    product, reduce = max(schedule.seconds(op_costs.cost("aten::mm", *BIG))), _all_reduce_seconds()
+    assert reduce > product  # so the wait finds it running
+    step = schedule.steps[0]
+    assert step["seconds"] == pytest.approx(max(product, reduce) if asynchronous else product + reduce)
+    # exposed: what the stream waited for (the collective beyond the product), or all of it
+    assert step["split"]["communication"] == pytest.approx(reduce - product if asynchronous else reduce)
+    assert step["split"]["compute"] == pytest.approx(product)
+
+
+def test_a_wait_holds_the_stream_that_waits():
+    # async all_reduce, wait, then the product: it cannot start before the collective ends
+    records = [time_model.Collective("all_reduce", GRADIENTS, 8, 1, "dp", True), time_model.Waited(0)]
+    schedule = _play([_mark(0), _mark(1), _op(0, 0, *BIG)], records)
+    product = max(schedule.seconds(op_costs.cost("aten::mm", *BIG)))
+    assert schedule.steps[0]["seconds"] == pytest.approx(_all_reduce_seconds() + product)
+
+
+@pytest.mark.parametrize("communicators", [("dp", "dp"), ("dp", "tp")])
+def test_collectives_of_one_communicator_run_one_after_another(communicators):
+    records = [time_model.Collective("all_reduce", GRADIENTS, 8, 1, c, True) for c in communicators]
+    schedule = _play([_mark(0), _mark(1, stream=3)], records)  # issued from two streams
+    reduce = _all_reduce_seconds()
+    one_communicator = communicators[0] == communicators[1]
+    assert schedule.steps[0]["seconds"] == pytest.approx(2 * reduce if one_communicator else reduce)
+    # nobody waited: the host waits for them at the step's end, which counts as exposed
+    assert schedule.steps[0]["split"]["communication"] == pytest.approx(schedule.steps[0]["seconds"])
+
+
+def test_a_synchronous_collective_waits_for_its_communicator():
+    # an async all_reduce on the data-parallel communicator, then a synchronous one on it from another stream
+    records = [time_model.Collective("all_reduce", GRADIENTS, 8, 1, "dp", True),
+               time_model.Collective("all_reduce", GRADIENTS, 8, 1, "dp", False)]
+    schedule = _play([_mark(0), _mark(1, stream=2), _op(0, 2, *BIG)], records)
+    product, reduce = max(schedule.seconds(op_costs.cost("aten::mm", *BIG))), _all_reduce_seconds()
+    assert schedule.steps[0]["seconds"] == pytest.approx(2 * reduce + product)
+
+
+def test_a_barrier_wait_holds_the_host():
+    records = [time_model.Collective("barrier", 4, 8, 1, "world", True), time_model.Waited(0, host=True)]
+    schedule = _play([_mark(0), _mark(1)], records)
+    barrier = collective_time.seconds("barrier", 4, 8, 1, H100, 400)
+    assert schedule.host == pytest.approx(barrier) and barrier > 0
+
+
+# ------------------------------------------------------------------------------------------------
 # The recorded stream: both modes, the report, the trace
 # ------------------------------------------------------------------------------------------------
 def _launched_flops():
@@ -325,5 +395,5 @@ def test_the_trace_has_a_track_per_stream(plans):
 def test_a_collective_without_a_cost_is_named_not_guessed():
     schedule = _schedule()
     schedule.feed([(time_model.MARK, -1, 0, 0, 0, [], []), (time_model.MARK, -1, 0, 0, time_model.STEP_MARK, [], [])],
-                  [], [("teleport", 1 << 20, 8, 1)])
+                  [], [time_model.Collective("teleport", 1 << 20, 8, 1)])
     assert schedule.report()["untimed_collectives"] == [{"op": "teleport", "count": 1}]

@@ -46,8 +46,9 @@ class Watcher:
     def group_created(self, rank: int) -> None:
         """A bccl group is about to be created by c10d, with this process as `rank`."""
 
-    def collective_issued(self, group: "ProcessGroupBCCL", call: Collective) -> None:
-        """`group`'s transport started `call` (`group.kind` says which kind of group it is)."""
+    def collective_issued(self, group: "ProcessGroupBCCL", call: Collective, work: BCCLWork) -> None:
+        """`group`'s transport started `call` (`group.kind` says which kind of group it is); `work` is
+        the handle the caller gets (`work.when_waited` tells where the program waits for it)."""
 
 
 _transport: Optional[Factory] = None
@@ -140,7 +141,7 @@ class ProcessGroupBCCL(FixedIdentity, C10dBackend, dist.ProcessGroup):
         if sanitizer is not None:
             sanitizer.collective_issued(work, self._label, call.accesses(), call.operation.method)
         for watcher in _watchers:
-            watcher.collective_issued(self, call)
+            watcher.collective_issued(self, call, work)
         return work
 
     # ---- reductions -----------------------------------------------------------------------------

@@ -16,6 +16,11 @@ or asked for its future keeps itself alive (`__del__`) until one of those happen
 recent `_Orphans.LIMIT` such works (a program that never waits for its async collectives must not
 keep their tensors forever).
 
+Whoever must know where the program waits for a collective (the planner's time model: from there
+the stream that waits is behind the collective) registers a callback with `when_waited`; it runs
+in the waiting thread at each wait() (synchronize() too), and where the future is asked for: a
+future's own wait is C++'s (DDP's reducer), which no one here sees.
+
 A transport whose parts need more (the gloo transport checks its peers' signatures and hands its
 parts back to gloo's keeper: gloo/work.py) subclasses this handle through its three hooks.
 """
@@ -74,6 +79,7 @@ class BCCLWork(dist.Work):
         self._error: Optional[BaseException] = None
         self._future: Optional[torch.futures.Future] = None
         self._waited = False
+        self._waiters: List[Callable[[], None]] = []
 
     @property
     def parts(self) -> List[dist.Work]:
@@ -84,6 +90,14 @@ class BCCLWork(dist.Work):
         # Python finalises an object once: a work adopted here is freed for good when released.
         if not getattr(self, "_waited", True) and self._future is None and _orphans is not None:
             _orphans.adopt(self)
+
+    def when_waited(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (in the waiting thread) each time this work is waited for (see the module)."""
+        self._waiters.append(callback)
+
+    def _tell_waiters(self) -> None:
+        for callback in self._waiters:
+            callback()
 
     def _complete(self) -> List[torch.Tensor]:
         """Run the epilogue once all parts have finished; later calls report the same outcome."""
@@ -124,6 +138,7 @@ class BCCLWork(dist.Work):
     # ---- c10d's Work -----------------------------------------------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self._waited = True  # an orphan stays adopted: a C++ holder may ask for the future next
+        self._tell_waiters()
         if self._done and self._error is not None:
             raise self._error
         # A positive timeout bounds this call's waits, as NCCL's wait(timeout) does; zero means the group's.
@@ -174,6 +189,7 @@ class BCCLWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         # From here the future's callback holds this work until it completes.
         _orphans.release(self)
+        self._tell_waiters()
         with self._lock:
             if self._future is not None:
                 return self._future

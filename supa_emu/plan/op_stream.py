@@ -3,7 +3,8 @@
 The native core records every operator launched on the card (csrc/runtime/op_trace.h: the
 dispatcher's observer hook, in both planner modes), the event records and waits of the program's
 streams and its synchronisations. This module adds, in the same order, a mark for each bccl
-collective (with its bytes, group size and the hosts its ranks span) and one at the end of each
+collective (with its bytes, group size, the hosts its ranks span, its communicator and whether it
+was issued with async_op), one where the program waits for a collective's work, and one at the end of each
 training step: the end of an optimizer's `step` (torch.optim's global hooks, the outermost one
 where optimizers nest), so DeepSpeed's, FSDP's and torchtitan's loops need no change. At each
 step's end the stream recorded so far goes to the time model (time_model.py), so the record
@@ -30,7 +31,7 @@ _optimizer_depth = 0
 
 
 class _CollectiveMarks(distributed.Watcher):
-    def collective_issued(self, group, call) -> None:
+    def collective_issued(self, group, call, work) -> None:
         if group.kind.device_type != DEVICE_TYPE:
             return  # a host (gloo) group's call: the card takes no part in it
         read = written = 0
@@ -38,11 +39,38 @@ class _CollectiveMarks(distributed.Watcher):
             size = tensor.numel() * tensor.element_size()
             read += size if reads else 0
             written += size if writes else 0
-        _collectives.append((call.op, max(read, written), group.size(), _hosts(group)))
         cards = [tensor.device for tensor, _, _ in call.accesses() if tensor.device.type == "supa"]
-        # on the current stream of the card the collective's tensors are on
-        with torch.supa.device(cards[0] if cards else torch.supa.current_device()):
-            process_state.core()._op_trace_mark(len(_collectives) - 1)
+        card = cards[0] if cards else torch.device("supa", torch.supa.current_device())
+        mark = _mark(card, time_model.Collective(call.op, max(read, written), group.size(), _hosts(group),
+                                                 _communicator(group, call, card), _asynchronous(call)))
+        barrier = call.op == "barrier"  # the callback keeps no tensor of the call
+        work.when_waited(lambda: _mark(card, time_model.Waited(mark, barrier)))
+
+
+def _mark(card: torch.device, record) -> int:
+    """Marks `record` (a collective, or a wait for one) on the current stream of `card`: its index."""
+    _collectives.append(record)
+    with torch.supa.device(card):
+        process_state.core()._op_trace_mark(len(_collectives) - 1)
+    return len(_collectives) - 1
+
+
+def _communicator(group, call, card: torch.device) -> str:
+    """The communicator `call` runs on, as c10d's NCCL group keys them: the group's on a card, or for
+    point-to-point the pair of peers' own (one stream each)."""
+    name = f"{getattr(group, 'group_name', None) or id(group)}:{card.index}"
+    if call.op in ("send", "recv"):
+        peer = "any" if call.peer is None else call.peer
+        low, high = sorted((group.rank(), peer)) if peer != "any" else (group.rank(), peer)
+        return f"group {name} p2p {low}:{high}"
+    return f"group {name}"
+
+
+def _asynchronous(call) -> bool:
+    """Whether `call` runs on its communicator's stream: c10d passes async_op as the options' asyncOp
+    (its default, true, for callers that pass no options: DDP's reducer); point-to-point has none
+    and always does."""
+    return bool(getattr(call.options, "asyncOp", True))
 
 
 def _hosts(group) -> int:

@@ -47,7 +47,7 @@ class _Recording(distributed.Watcher):
     def group_created(self, rank: int) -> None:
         _begin(self._directory, rank)
 
-    def collective_issued(self, group, call) -> None:
+    def collective_issued(self, group, call, work) -> None:
         if group.kind.device_type == DEVICE_TYPE:
             call_record.note_call(group.size(), call)
 

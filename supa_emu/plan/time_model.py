@@ -7,20 +7,31 @@ card's launch latency plus the longer of its arithmetic time (FLOPs over the dty
 the family's efficiency at that size, efficiency.py) and its memory time (bytes over the memory
 bandwidth times the memory curve). Copies between host and card take the host link; a copy to the
 host (and `.item()`) makes the host wait for it, as do stream, event and device synchronisations.
-An event completes when the work its stream had when it was recorded does. A collective runs on
-the stream it was issued on, for the time collective_time.py gives. So overlap is what the
+An event completes when the work its stream had when it was recorded does. So overlap is what the
 program's own streams and events allow.
+
+Collectives run as c10d's NCCL process group runs them (PyTorch 2.8 on; bccl the same): those of
+one communicator (a process group's, on one card; point-to-point: one per pair of peers) one
+after another, NCCL ordering each launch after the communicator's previous one whatever stream it
+is issued on. A synchronous call (async_op=False) runs on the issuing stream itself. An
+asynchronous one runs on the communicator's own stream, after the work the issuing stream had
+when it was issued; the issuing stream goes on, and a stream waits for it only where the program
+waits for its work (`wait()`: the stream current then; a barrier's wait holds the host too). Each
+takes the time collective_time.py gives. Exposed communication is only what a stream or the host
+was held up by: a synchronous collective, and a wait that found its collective still running; an
+asynchronous collective nobody waits for runs beside the rest.
 
 A step ends at each step mark (op_stream.py); its time is from the previous step's end (the
 moment all work issued before it completes) to its own. The split tells, for each moment of the
 step, the highest of: a compute-bound kernel running, a memory-bound one, a host-link copy, a
 collective (exposed communication), a launch's latency, the host issuing while the card waits
-(host-bound), and nothing (idle).
+(host-bound), and nothing (idle). Whatever the host is still waiting for on a communicator's
+stream at a step's end (or a device synchronisation) is exposed communication too.
 """
 
 import collections
 import statistics
-from typing import Dict, List
+from typing import Dict, List, NamedTuple
 
 from supa_emu import card_profiles
 from supa_emu.plan import collective_time, efficiency, op_costs
@@ -37,6 +48,29 @@ SPLIT = ("compute", "memory", "host_link", "communication", "launch", "host", "i
 _PRIORITY = {name: i for i, name in enumerate(SPLIT)}
 TOP_OPS = 10
 MEMORY_POINTS = 600
+
+
+class Collective(NamedTuple):
+    """A collective as op_stream.py marks it: its cost's inputs and where it runs."""
+
+    op: str
+    nbytes: int
+    group_size: int
+    hosts: int
+    communicator: str = "default"  # the collectives of one communicator run one after another
+    asynchronous: bool = False  # async_op=True: on the communicator's stream, waited for only by wait()
+
+
+class Waited(NamedTuple):
+    """The program waited for the work of the collective marked `collective` (its index)."""
+
+    collective: int
+    host: bool = False  # a barrier: the host waits for it too
+
+
+def communicator_stream(communicator: str) -> str:
+    """The stream key (beside the card's stream numbers) of a communicator's own stream."""
+    return f"bccl {communicator}"
 
 
 def launch_seconds(p: card_profiles.CardProfile, c: op_costs.OpCost) -> tuple:
@@ -70,6 +104,8 @@ class Schedule:
         self._memory: list = []
         self._cost_cache: dict = {}
         self.untimed: Dict[str, int] = {}  # collectives without a time model: op -> calls
+        self._communicator_free: Dict[str, float] = {}  # communicator -> when its last collective ends
+        self._collective_ends: Dict[int, float] = {}  # collective mark -> when it ends
 
     @classmethod
     def from_settings(cls, settings: dict) -> "Schedule":
@@ -91,11 +127,13 @@ class Schedule:
             elif kind == EVENT_SYNC:
                 self.host = max(self.host, self.events.get(aux, 0.0))
             elif kind == DEVICE_SYNC:
-                self.host = max([self.host] + [t for (d, _), t in self.ready.items() if d == device])
+                self.host = self._all_done(device)
             elif kind == MARK and aux == STEP_MARK:
                 self._end_step()
+            elif kind == MARK and isinstance(collectives[aux], Waited):
+                self._waited(collectives[aux], key)
             elif kind == MARK:
-                self._collective(collectives[aux], key)
+                self._collective(aux, collectives[aux], key)
 
     def _cost(self, name: str, ins, outs) -> op_costs.OpCost:
         signature = (name, repr(ins), repr(outs))
@@ -141,26 +179,52 @@ class Schedule:
         if self._keep_trace:
             self._trace.append((key, name, start, end, category, c.flops, c.bytes))
 
-    def _collective(self, described: tuple, key: tuple) -> None:
-        op, nbytes, group_size, hosts = described
-        start = max(self._issue(), self.ready.get(key, 0.0))
+    def _collective(self, mark: int, c: Collective, key: tuple) -> None:
+        issued = max(self._issue(), self.ready.get(key, 0.0))  # the issuing stream's work so far is done
+        start = max(issued, self._communicator_free.get(c.communicator, 0.0))
         try:
-            end = start + collective_time.seconds(op, nbytes, group_size, hosts, self.profile, self.nic_gbps)
+            end = start + collective_time.seconds(c.op, c.nbytes, c.group_size, c.hosts, self.profile, self.nic_gbps)
         except ValueError:  # a collective the model has no cost for: named in the report, not guessed
-            self.untimed[op] = self.untimed.get(op, 0) + 1
+            self.untimed[c.op] = self.untimed.get(c.op, 0) + 1
             end = start
-        self.ready[key] = end
-        self._intervals.append((start, end, "communication"))
-        name = f"bccl:{op}"
+        self._communicator_free[c.communicator] = self._collective_ends[mark] = end
+        runs_on = (key[0], communicator_stream(c.communicator)) if c.asynchronous else key
+        self.ready[runs_on] = end
+        if not c.asynchronous:  # the issuing stream is held from its own work's end to the collective's
+            self._intervals.append((issued, end, "communication"))
+        name = f"bccl:{c.op}"
         totals = self._ops[name]
         totals[0] += end - start
         totals[1] += 1
         if self._keep_trace:
-            self._trace.append((key, name, start, end, "communication", 0.0, nbytes))
+            self._trace.append((runs_on, name, start, end, "communication", 0.0, c.nbytes))
+
+    def _waited(self, waited: Waited, key: tuple) -> None:
+        """The current stream (and for a barrier the host) waits for a collective's end."""
+        end = self._collective_ends.get(waited.collective)
+        if end is None:  # issued before the recording began
+            return
+        held_from = max(self.ready.get(key, 0.0), self.host)
+        if end > held_from:
+            self._intervals.append((held_from, end, "communication"))
+        self.ready[key] = max(self.ready.get(key, 0.0), end)
+        if waited.host and end > self.host:
+            self._intervals.append((self.host, end, "communication"))
+            self.host = end
+
+    def _all_done(self, device=None) -> float:
+        """When the host, waiting for all streams (of `device`, or of every card), is through: where
+        a communicator's stream is the last, the wait for it is exposed communication."""
+        mine = [(stream, t) for (d, stream), t in self.ready.items() if device is None or d == device]
+        own = max([self.host] + [t for stream, t in mine if not isinstance(stream, str)])
+        communication = max([0.0] + [t for stream, t in mine if isinstance(stream, str)])
+        if communication > own:
+            self._intervals.append((own, communication, "communication"))
+        return max(own, communication)
 
     # ---- steps -------------------------------------------------------------------------------
     def _end_step(self) -> None:
-        end = max([self.host] + list(self.ready.values()))
+        end = self._all_done()
         begin = self.step_start
         split = self._split(begin, end)
         flops = sum(self._step_flops.values())

@@ -1,7 +1,8 @@
 """The planned steps as a Chrome trace (the JSON Perfetto and chrome://tracing open): `--trace OUT.json`.
 
 One process per played rank; in it one track per stream of the card, with its kernels and
-collectives as complete events ("X", microseconds), the step ends as instant events on a track
+synchronous collectives, and one per communicator that ran asynchronous collectives on its own
+stream, as complete events ("X", microseconds), the step ends as instant events on a track
 of their own, and the card's allocated bytes as a counter track.
 """
 
@@ -24,7 +25,10 @@ def events(rank: int, launches: list, memory: list) -> list:
         if key not in tracks:
             tracks[key] = len(tracks) + 1
             device, stream = key
-            label = f"supa:{device} stream {stream}" + (" (default)" if stream == 0 else "")
+            if isinstance(stream, str):  # a communicator's own stream (time_model.communicator_stream)
+                label = f"supa:{device} {stream} (communicator)"
+            else:
+                label = f"supa:{device} stream {stream}" + (" (default)" if stream == 0 else "")
             out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tracks[key], "args": {"name": label}})
         out.append({"ph": "X", "name": name, "cat": category, "pid": rank, "tid": tracks[key], "ts": start * 1e6,
                     "dur": (end - start) * 1e6, "args": {"flops": flops, "bytes": nbytes}})
