@@ -384,7 +384,9 @@ def test_the_trace_has_a_track_per_stream(plans):
     assert kernels and all({"name", "ts", "dur", "pid", "tid"} <= set(e) for e in kernels)
     named = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     streams = {(e["pid"], e["tid"]) for e in kernels}
-    assert streams <= set(named) and len({tid for pid, tid in streams if pid == 0}) == 2  # default + copies
+    # the default stream, the copies' and the communicator's own (the gradients' async all_reduces)
+    assert streams <= set(named) and len({tid for pid, tid in streams if pid == 0}) == 3
+    assert sum(named[stream].endswith("(communicator)") for stream in streams if stream[0] == 0) == 1
     assert any(e["ph"] == "C" and e["name"] == "card memory" for e in events)
     # the HTML page charts the memory over the planned time too, and tabulates the step time
     page = plans["compute"][2]
@@ -397,3 +399,27 @@ def test_a_collective_without_a_cost_is_named_not_guessed():
     schedule.feed([(time_model.MARK, -1, 0, 0, 0, [], []), (time_model.MARK, -1, 0, 0, time_model.STEP_MARK, [], [])],
                   [], [time_model.Collective("teleport", 1 << 20, 8, 1)])
     assert schedule.report()["untimed_collectives"] == [{"op": "teleport", "count": 1}]
+
+
+@pytest.mark.slow
+@pytest.mark.emulation_only
+def test_a_planned_async_all_reduce_overlaps_the_products_beside_it(tmp_path):
+    steps = {}
+    for flag in ("", "--sync"):
+        out, trace = tmp_path / f"plan{flag}.json", tmp_path / f"plan{flag}.trace.json"
+        fresh_process([sys.executable, "-m", "supa_emu.plan", "--world-size", "2", "--rank", "0", "--mode", "shapes",
+                       "--card", "H200", "--json", str(out), "--trace", str(trace), "--",
+                       str(SCRIPTS / "async_overlap.py"), *([flag] if flag else [])], timeout=600)
+        timed = json.loads(out.read_text())["ranks"]["0"]["time"]
+        ops = {op["op"]: op["seconds"] / 3 for op in timed["top_ops"]}  # a step's share of each
+        tracks = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
+                  if e["ph"] == "M" and e["name"] == "thread_name"}
+        steps[flag] = (timed["step_seconds"], ops.pop("aten::mm"), ops.pop("bccl:all_reduce"), sum(ops.values()),
+                       tracks)
+    (overlapped, products, reduce, rest, tracks), (serial, *_, sync_tracks) = steps[""], steps["--sync"]
+    assert reduce > 0.5 * products and products > 0.5 * reduce  # comparable, so the overlap shows
+    # the rest (the sum and the update after the wait) runs after both either way
+    assert overlapped == pytest.approx(max(products, reduce) + rest, rel=0.03)
+    assert serial == pytest.approx(products + reduce + rest, rel=0.03)
+    assert any(name.endswith("(communicator)") for name in tracks)  # the async all_reduce's own track
+    assert not any(name.endswith("(communicator)") for name in sync_tracks)

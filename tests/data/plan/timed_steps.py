@@ -1,7 +1,7 @@
 """A small causal-attention model trained three steps with AdamW, gradients averaged by all_reduce, and
 each step's batch copied to the card on a side stream that the default stream waits for (an event):
-the planner's time model has matrix products, attention, element-wise work, a host copy, a
-collective and two streams to time. Says its tokens per step (supa_emu.plan.tokens).
+the planner's time model has matrix products, attention, element-wise work, a host copy,
+asynchronous collectives (on their communicator's stream until their waits) and two streams to time. Says its tokens per step (supa_emu.plan.tokens).
 
     timed_steps.py
 """
@@ -40,8 +40,9 @@ for step in range(STEPS):
     out = proj(attended.transpose(1, 2).reshape(BATCH, SEQ, DIM))
     loss = (out.float() ** 2).mean()
     loss.backward()
-    for p in params:
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    works = [dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, async_op=True) for p in params]
+    for work in works:
+        work.wait()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 dist.destroy_process_group()
