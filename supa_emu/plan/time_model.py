@@ -10,7 +10,7 @@ host (and `.item()`) makes the host wait for it, as do stream, event and device 
 An event completes when the work its stream had when it was recorded does. So overlap is what the
 program's own streams and events allow.
 
-Collectives run as c10d's NCCL process group runs them (PyTorch 2.8 on; bccl the same): those of
+Collectives run as c10d's NCCL process group of recent PyTorch runs them (bccl the same): those of
 one communicator (a process group's, on one card; point-to-point: one per pair of peers) one
 after another, NCCL ordering each launch after the communicator's previous one whatever stream it
 is issued on. A synchronous call (async_op=False) runs on the issuing stream itself. An
