@@ -49,7 +49,8 @@ class CardAllocator {
   // One in the table (or displaced: in none), placed as a request made now by operator call `call`:
   // the card's block (in the table in its place), at `ptr` when it is the block placing hands out,
   // else with the bytes moved there. Blocks of the call set aside meanwhile whose addresses the
-  // card handed on go to `displaced`, the calling thread's (as `block` does, if placing raises).
+  // card handed on go to `displaced`, for the calling thread to hold (as `block` does, if placing
+  // raises).
   CardBlock* commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack,
                     std::vector<DisplacedBlock>& displaced);
 

@@ -38,25 +38,43 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 namespace supa {
 namespace {
 
 std::atomic<uint64_t> g_operator_calls{0};
 thread_local uint64_t t_operator_call = 0;
-// This thread's displaced blocks (provisional_blocks.h): a few at most, for the rest of its call.
-thread_local std::vector<DisplacedBlock> t_displaced;
+// This thread's displaced blocks (provisional_blocks.h), a few at most for the rest of its call;
+// null while it has none: a plain pointer, so that the check on every free and commit costs no
+// thread-local initialisation.
+thread_local std::vector<DisplacedBlock>* t_displaced = nullptr;
 
 // The displaced block of this thread at `ptr`, out of its list; null when none is.
 ProvisionalBlock* take_displaced(const void* ptr) {
-  for (auto it = t_displaced.begin(); it != t_displaced.end(); ++it) {
+  if (t_displaced == nullptr) {
+    return nullptr;
+  }
+  for (auto it = t_displaced->begin(); it != t_displaced->end(); ++it) {
     if (it->ptr == ptr) {
       ProvisionalBlock* block = it->block;
-      t_displaced.erase(it);
+      t_displaced->erase(it);
+      if (t_displaced->empty()) {
+        delete std::exchange(t_displaced, nullptr);
+      }
       return block;
     }
   }
   return nullptr;
+}
+
+void keep_displaced(const std::vector<DisplacedBlock>& displaced) {
+  if (!displaced.empty()) {
+    if (t_displaced == nullptr) {
+      t_displaced = new std::vector<DisplacedBlock>();
+    }
+    t_displaced->insert(t_displaced->end(), displaced.begin(), displaced.end());
+  }
 }
 
 // Host memory of small provisional blocks (a kernel's scratch: a wrapped scalar's copy, a reduction's
@@ -113,7 +131,7 @@ void* allocate_provisional(size_t nbytes, c10::DeviceIndex device, bool from_car
 }
 
 bool drop_provisional(void* ptr) {
-  ProvisionalBlock* block = t_displaced.empty() ? nullptr : take_displaced(ptr);
+  ProvisionalBlock* block = take_displaced(ptr);
   if (block == nullptr) {
     block = block_table().remove_provisional(ptr);
   }
@@ -133,9 +151,9 @@ void delete_provisional(void* ptr) {
 
 void* commit_block(void* ptr, c10::DeviceIndex device) {
   // Only its holder commits or frees a provisional block: found here, it stays this caller's.
-  ProvisionalBlock* block = t_displaced.empty() ? nullptr : take_displaced(ptr);
+  ProvisionalBlock* block = take_displaced(ptr);
   if (block != nullptr && block->device != device) {
-    t_displaced.push_back({ptr, block});
+    keep_displaced({{ptr, block}});
     return nullptr;
   }
   if (block == nullptr) {
@@ -144,8 +162,15 @@ void* commit_block(void* ptr, c10::DeviceIndex device) {
   if (block == nullptr || block->device != device) {
     return nullptr;
   }
-  CardBlock* committed =
-      card_allocator(device).commit(block, ptr, t_operator_call, memory_event_stack(), t_displaced);
+  std::vector<DisplacedBlock> displaced;
+  CardBlock* committed = nullptr;
+  try {
+    committed = card_allocator(device).commit(block, ptr, t_operator_call, memory_event_stack(), displaced);
+  } catch (...) {
+    keep_displaced(displaced);
+    throw;
+  }
+  keep_displaced(displaced);
   report_block_to_gpu_trace(committed->ptr, true);
   return committed->ptr;
 }
