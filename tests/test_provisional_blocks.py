@@ -3,7 +3,8 @@ uses the same card: an operator whose first result must be placed anew sets its 
 aside until it hands them back, and another thread's takes, placements and frees meanwhile never
 meet them. Run in an interpreter of its own under the memory checker (the GPU trace the test
 hooks into stays on for the rest of a process). And an operator whose results do not fit the card:
-an out-of-memory error, after which the process goes on."""
+an out-of-memory error, after which the process goes on. And set-aside blocks whose addresses
+the card gave away while another result of their call was placed."""
 
 import threading
 
@@ -119,3 +120,76 @@ def test_results_that_do_not_fit_the_card_raise_out_of_memory(mode):
     assert outcome["shapes"] == [[4 << 20], [2 << 20], "torch.int64"]
     if mode == "compute":
         assert outcome["values"] == [0.0, 1.0, (2 << 20) - 2]
+
+
+def _set_aside_address_released_to_a_second_thread(rounds: int) -> dict:
+    # native_batch_norm's CPU kernel allocates its output (4 MiB, the large pool: no free block
+    # fits, so host memory) before save_mean and save_invstd (1 KiB each, taken from the free small
+    # page 0). Handing the output back places it first: the two small blocks go aside, and the
+    # card, full, unmaps the free small page to map a large one for it, so the two cannot take
+    # their addresses back. Right after (the output's block reported on this thread), the second
+    # thread frees a large page and maps small page 0 again: its blocks land where the two were.
+    # Until their commit the two are their call's alone, found by the pointer their storage holds,
+    # with no claim on an address the card gave away (once, their table entries stayed there, and
+    # the second thread's kernel taking that address failed an internal assert).
+    from supa_emu.supa import _gpu_trace
+
+    assert torch.supa._memcheck.memory_checker.enabled
+    mib = 1 << 20
+    device = torch.device("supa", 0)
+    here = threading.get_ident()
+    state = {"armed": False, "errors": [], "landed": []}
+    held = {}
+
+    def second_thread():
+        try:
+            del held["page"]
+            torch.supa.empty_cache()  # the large page goes back: room for small page 0 again
+            a = torch.ones(256, device=device)
+            b = a * 2  # its kernel's result is taken at the second 1 KiB of small page 0
+            state["landed"].append(bool(torch.equal(b.cpu(), torch.full((256,), 2.0))))
+        except Exception as error:  # noqa: BLE001  (reported by the test)
+            state["errors"].append(repr(error))
+
+    def after_allocation(address: int) -> None:
+        if state["armed"] and threading.get_ident() == here:
+            state["armed"] = False
+            other = threading.Thread(target=second_thread)
+            other.start()
+            other.join(60)
+
+    _gpu_trace.register_callback_for_memory_allocation(after_allocation)
+    wrong, retries = 0, 0
+    for _ in range(rounds):
+        host = torch.randn(64, 256, 8, 8)
+        expected = torch.ops.aten.native_batch_norm(host, None, None, None, None, True, 0.1, 1e-5)
+        x = host.to(device)  # 4 MiB of large page 0
+        fill = torch.empty(20 * mib - x.nbytes, dtype=torch.uint8, device=device)  # the rest of it
+        held["page"] = torch.empty(20 * mib, dtype=torch.uint8, device=device)  # large page 1
+        small = [torch.empty(mib, dtype=torch.uint8, device=device) for _ in range(4)]  # small pages 0, 1
+        del small[:2]  # page 0 free, page 1 (full) keeps the small range; 18 MiB of 62 left
+        before = torch.supa.memory_stats(device)["num_alloc_retries"]
+        state["armed"] = True
+        try:
+            results = torch.ops.aten.native_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)
+        except Exception as error:  # noqa: BLE001  (reported by the test)
+            state["errors"].append(repr(error))
+            results = ()
+        retries += torch.supa.memory_stats(device)["num_alloc_retries"] - before
+        wrong += sum(not torch.allclose(got.cpu(), want) for got, want in zip(results, expected))
+        del results, x, fill, small
+        held.clear()
+        torch.supa.empty_cache()
+    return {"errors": state["errors"], "landed": state["landed"], "wrong": wrong, "retries": retries,
+            "allocated": torch.supa.memory_allocated(device)}
+
+
+def test_set_aside_blocks_do_not_claim_an_address_the_card_gave_away():
+    env = {"SUPA_EMU_SANITIZE": "memory", "SUPA_EMU_MEMORY": "62MiB", "SUPA_EMU_DEVICE_COUNT": "1",
+           "PYTORCH_SUPA_ALLOC_CONF": "expandable_segments:True"}
+    outcome = fresh_process(_set_aside_address_released_to_a_second_thread, 3, env=env).value
+    assert outcome["errors"] == []
+    assert outcome["retries"] == 3, "the output's placement did not unmap the small page"
+    assert outcome["landed"] == [True] * 3
+    assert outcome["wrong"] == 0
+    assert outcome["allocated"] == 0

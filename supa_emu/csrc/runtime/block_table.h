@@ -4,9 +4,10 @@
 // blocks; the cards' state is each card's own (card_allocator.h).
 //
 // An address has at most one counted block and at most one provisional block (an operator
-// kernel's, provisional_blocks.cpp): a provisional block set aside while its operator's results
-// are placed keeps its address until it is committed or dropped, and only that operator's own
-// result may be placed over it meanwhile. Which one a free means is said by its deleter.
+// kernel's, provisional_blocks.cpp): a provisional block is here while the address is its own; set
+// aside while another result of its operator is placed, it leaves and comes back with its address,
+// or, where the card handed that on, stays out (DisplacedBlock). Which one a free means is said by
+// its deleter.
 #pragma once
 
 #include <array>

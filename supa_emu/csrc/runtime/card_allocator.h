@@ -46,10 +46,13 @@ class CardAllocator {
   void* take_provisional(size_t nbytes, bool from_card, const PoolId& pool, c10::StreamId stream, uint64_t call);
   // One the table gave up, freed before it was committed: back where it came from.
   void drop_provisional(ProvisionalBlock* block, void* ptr);
-  // One in the table, placed as a request made now by operator call `call`: the card's block (in
-  // the table in its place), at `ptr` when it is the block placing hands out, else with the bytes
-  // moved there.
-  CardBlock* commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack);
+  // One in the table (or displaced: in none), placed as a request made now by operator call `call`:
+  // the card's block (in the table in its place), at `ptr` when it is the block placing hands out,
+  // else with the bytes moved there. Blocks of the call set aside meanwhile whose addresses the
+  // card handed on go to `displaced`, for the calling thread to hold (as `block` does, if placing
+  // raises).
+  CardBlock* commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack,
+                    std::vector<DisplacedBlock>& displaced);
 
   // A graph begins (ends) capturing on the card (freed_blocks.cpp).
   void capture_begin(c10::StreamId stream);
@@ -102,7 +105,7 @@ class CardAllocator {
     size_t size;  // of the block it held
   };
   std::vector<SetAside> set_aside_taken(const ProvisionalBlock* keep, uint64_t call);
-  void take_again(const std::vector<SetAside>& set_aside);
+  void take_again(const std::vector<SetAside>& set_aside, std::vector<DisplacedBlock>& displaced);
   void forget_taken(const ProvisionalBlock* block);
 
   std::mutex mutex_;

@@ -10,12 +10,16 @@
 //   has not changed since it was taken (no place, cache or release), every block taken before it
 //   since then was committed in place, in order, and none of those was given back.
 // - Otherwise its request is placed, and before that the other blocks its operator call still
-//   holds taken go aside (their bytes to the host, their blocks back to the card), so that the
-//   card holds nothing of that call uncounted while it places; the bytes then move in. Those set
-//   aside are taken again at their addresses once it is placed, where it did not land on them:
-//   an address stays its provisional block's until that is committed or dropped, so no other
-//   thread is handed it meanwhile (only the result just placed may cover it, and the table tells
-//   the two apart: block_table.h).
+//   holds taken go aside (their bytes to the host, their blocks back to the card, their addresses
+//   out of the table), so that the card holds nothing of that call uncounted while it places; the
+//   bytes then move in. Those set aside take their addresses again once it is placed, where the
+//   card still has them free, so no other thread is handed them before they are committed or
+//   dropped. Where it does not (the result landed on one, or placing gave its memory back to the
+//   host: an out-of-memory retry, a released expandable page), the address is the card's to hand
+//   on, and the block, displaced, keeps its bytes aside in no table: the thread of its call holds
+//   it (DisplacedBlock), found by the pointer its storage holds, which may meanwhile be another
+//   thread's block (once, its table entry stayed there, and a kernel of another thread taking
+//   that address failed).
 //
 // The free blocks of split segments ("inactive_split") are counted as the card holds them, taken
 // blocks included: a take and a give-back change them at once. The state is the card's
@@ -34,12 +38,44 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 namespace supa {
 namespace {
 
 std::atomic<uint64_t> g_operator_calls{0};
 thread_local uint64_t t_operator_call = 0;
+// This thread's displaced blocks (provisional_blocks.h), a few at most for the rest of its call;
+// null while it has none: a plain pointer, so that the check on every free and commit costs no
+// thread-local initialisation.
+thread_local std::vector<DisplacedBlock>* t_displaced = nullptr;
+
+// The displaced block of this thread at `ptr`, out of its list; null when none is.
+ProvisionalBlock* take_displaced(const void* ptr) {
+  if (t_displaced == nullptr) {
+    return nullptr;
+  }
+  for (auto it = t_displaced->begin(); it != t_displaced->end(); ++it) {
+    if (it->ptr == ptr) {
+      ProvisionalBlock* block = it->block;
+      t_displaced->erase(it);
+      if (t_displaced->empty()) {
+        delete std::exchange(t_displaced, nullptr);
+      }
+      return block;
+    }
+  }
+  return nullptr;
+}
+
+void keep_displaced(const std::vector<DisplacedBlock>& displaced) {
+  if (!displaced.empty()) {
+    if (t_displaced == nullptr) {
+      t_displaced = new std::vector<DisplacedBlock>();
+    }
+    t_displaced->insert(t_displaced->end(), displaced.begin(), displaced.end());
+  }
+}
 
 // Host memory of small provisional blocks (a kernel's scratch: a wrapped scalar's copy, a reduction's
 // buffer), kept for the next call: a 512-byte-aligned allocation takes the heap's slow path (no
@@ -95,7 +131,10 @@ void* allocate_provisional(size_t nbytes, c10::DeviceIndex device, bool from_car
 }
 
 bool drop_provisional(void* ptr) {
-  ProvisionalBlock* block = block_table().remove_provisional(ptr);
+  ProvisionalBlock* block = take_displaced(ptr);
+  if (block == nullptr) {
+    block = block_table().remove_provisional(ptr);
+  }
   if (block == nullptr) {
     return false;
   }
@@ -112,11 +151,26 @@ void delete_provisional(void* ptr) {
 
 void* commit_block(void* ptr, c10::DeviceIndex device) {
   // Only its holder commits or frees a provisional block: found here, it stays this caller's.
-  ProvisionalBlock* block = block_table().find_provisional(ptr);
+  ProvisionalBlock* block = take_displaced(ptr);
+  if (block != nullptr && block->device != device) {
+    keep_displaced({{ptr, block}});
+    return nullptr;
+  }
+  if (block == nullptr) {
+    block = block_table().find_provisional(ptr);
+  }
   if (block == nullptr || block->device != device) {
     return nullptr;
   }
-  CardBlock* committed = card_allocator(device).commit(block, ptr, t_operator_call, memory_event_stack());
+  std::vector<DisplacedBlock> displaced;
+  CardBlock* committed = nullptr;
+  try {
+    committed = card_allocator(device).commit(block, ptr, t_operator_call, memory_event_stack(), displaced);
+  } catch (...) {
+    keep_displaced(displaced);
+    throw;
+  }
+  keep_displaced(displaced);
   report_block_to_gpu_trace(committed->ptr, true);
   return committed->ptr;
 }
@@ -197,6 +251,7 @@ std::vector<CardAllocator::SetAside> CardAllocator::set_aside_taken(const Provis
       continue;
     }
     void* ptr = block->taken->ptr;
+    table_.remove_provisional(ptr);
     set_aside.push_back({block, ptr, block->taken->size});
     block->aside.assign(static_cast<const char*>(ptr), static_cast<const char*>(ptr) + block->requested);
     give_back_taken(*block);
@@ -207,13 +262,15 @@ std::vector<CardAllocator::SetAside> CardAllocator::set_aside_taken(const Provis
   return set_aside;
 }
 
-// After the placement: each block set aside takes its address again where the placed block left
-// it free (its bytes back in it: under reserved backing the given-back pages were dropped). It is
-// no longer what placing would hand out: committing it places it anew.
-void CardAllocator::take_again(const std::vector<SetAside>& set_aside) {
+// After the placement: each block set aside takes its address again where the card has it free
+// (its bytes back in it: under reserved backing the given-back pages were dropped), back in the
+// table; it is no longer what placing would hand out: committing it places it anew. Elsewhere it
+// is displaced, its bytes aside.
+void CardAllocator::take_again(const std::vector<SetAside>& set_aside, std::vector<DisplacedBlock>& displaced) {
   for (const SetAside& entry : set_aside) {
     const Placement taken = card_.take_at(entry.ptr, entry.size, policy_);
     if (taken.block == nullptr) {
+      displaced.push_back({entry.ptr, entry.block});
       continue;
     }
     ProvisionalBlock& block = *entry.block;
@@ -224,10 +281,12 @@ void CardAllocator::take_again(const std::vector<SetAside>& set_aside) {
     block.taken = taken.block;
     block.changes = ~uint64_t{0};
     taken_.push_back(&block);
+    table_.add_provisional(entry.ptr, &block);
   }
 }
 
-CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack) {
+CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack,
+                                 std::vector<DisplacedBlock>& displaced) {
   std::unique_ptr<ProvisionalBlock> provisional(block);
   std::lock_guard<std::mutex> lock(mutex_);
   if (block->taken != nullptr) {
@@ -239,7 +298,10 @@ CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t ca
       return count_placed(in_place, block->requested, stack, /*split_counted=*/true, /*in_table=*/true);
     }
   }
-  table_.remove_provisional(ptr);
+  const bool was_displaced = block->taken == nullptr && !block->aside.empty();
+  if (!was_displaced) {
+    table_.remove_provisional(ptr);
+  }
   const PoolId pool = allocation_pool(device_);
   const c10::StreamId stream = current_stream_id(device_);
   std::vector<SetAside> set_aside = set_aside_taken(block, call);
@@ -274,11 +336,15 @@ CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t ca
       committed = place_block(block->requested, pool, stream, stack);
     } catch (...) {
       // Out of memory: the block stays provisional, for its holder to free.
+      provisional.release();
       if (taken_size != 0) {
         set_aside.push_back({block, ptr, taken_size});
+      } else if (host_memory) {
+        table_.add_provisional(ptr, block);
+      } else {
+        displaced.push_back({ptr, block});
       }
-      take_again(set_aside);
-      table_.add_provisional(ptr, provisional.release());
+      take_again(set_aside, displaced);
       throw;
     }
     std::memcpy(committed->ptr, host_memory ? ptr : block->aside.data(), block->requested);
@@ -286,7 +352,7 @@ CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t ca
       g_host_scratch.give(ptr, block->size, card_.backing());
     }
   }
-  take_again(set_aside);
+  take_again(set_aside, displaced);
   return committed;
 }
 

@@ -47,4 +47,13 @@ struct ProvisionalBlock {
   std::vector<char> aside;
 };
 
+// A provisional block set aside whose address the card handed on while another result of its call
+// was placed (provisional_blocks.cpp): no address is its own any more, so it is in no table; the
+// thread of its operator call, which alone commits or frees it, holds it by the pointer its storage
+// still holds.
+struct DisplacedBlock {
+  const void* ptr;
+  ProvisionalBlock* block;
+};
+
 }  // namespace supa
