@@ -1,6 +1,8 @@
 """A small Megatron-core GPT over a pipeline (Megatron's own schedules), two steps per schedule.
 
-    megatron_pipeline.py PP HIDDEN SEQ SCHEDULE [SCHEDULE...]   (1f1b; interleaved: 2 virtual stages per rank)
+    megatron_pipeline.py PP HIDDEN SEQ SCHEDULE [SCHEDULE...]
+        1f1b; interleaved: 2 virtual stages per rank; 1f1b_variable: 1F1B with variable_seq_lengths
+        (the stages send each message's shape, int64, before it)
 
 The model, its optimizer and its data are examples/megatron_core_gpt_at_scale.py's (bf16, Megatron's
 DDP and distributed optimizer, SDPA attention), shrunk: 8 layers, 4 heads, vocabulary 128, micro-batches
@@ -27,7 +29,7 @@ import megatron_core_gpt_at_scale as gpt  # noqa: E402  (the example's model, op
 from supa_emu.plan import section  # noqa: E402
 
 LAYERS, HEADS, GLOBAL_BATCH = 8, 4, 8
-VIRTUAL_STAGES = {"1f1b": None, "interleaved": 2}
+VIRTUAL_STAGES = {"1f1b": None, "interleaved": 2, "1f1b_variable": None}
 pp, hidden, seq = (int(value) for value in sys.argv[1:4])
 args = SimpleNamespace(vocab=128, seq=seq, micro_batch=1)
 
@@ -43,6 +45,7 @@ def train(name: str) -> None:
     model_parallel_cuda_manual_seed(1234)
     model, optimizer = gpt.build(args, (HEADS, hidden, LAYERS, 1, pp), vpp)
     chunks = model if vpp else [model]
+    chunks[0].config.variable_seq_lengths = name == "1f1b_variable"  # the schedule reads the model's config
     data = [gpt.batches(args) for _ in chunks]
     forward_backward = get_forward_backward_func()
     for step in range(2):
