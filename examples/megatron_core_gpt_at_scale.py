@@ -99,34 +99,44 @@ def as_cuda_type_names(model):
         p.type = type_name
 
 
-def build(args, shape):
+def build(args, shape, vpp=None):
+    """The model and Megatron's optimizer; with `vpp` (virtual pipeline stages per rank, interleaved
+    1F1B) the model is the list of this rank's `vpp` chunks, as Megatron's schedule takes it."""
     heads, hidden, layers, tp, pp = shape
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,  # FFN 4 x hidden, GELU, LayerNorm
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,  # no sequence parallelism: torch LayerNorm refuses it
+        virtual_pipeline_model_parallel_size=vpp,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         attention_dropout=0.0, hidden_dropout=0.0,
     )
-    model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(), vocab_size=args.vocab,
-        max_sequence_length=args.seq, share_embeddings_and_output_weights=False,  # untied, as the sizes count
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-    )
-    model.cuda()
-    model = Float16Module(config, model)
-    as_cuda_type_names(model)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    config.no_sync_func = model.no_sync  # reduce the grads once a step, not per micro-batch
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = None if vpp is None else vp_stage
+        model = GPTModel(
+            config=config, transformer_layer_spec=layer_spec(), vocab_size=args.vocab,
+            max_sequence_length=args.seq, share_embeddings_and_output_weights=False,  # untied, as the sizes count
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage), vp_stage=stage,
+        )
+        model.cuda()
+        model = Float16Module(config, model)
+        as_cuda_type_names(model)
+        # Chunks after the first reduce their grads in one bucket each, as Megatron-LM's trainer builds them.
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                              disable_bucketing=vp_stage > 0))
+    no_sync = [chunk.no_sync for chunk in chunks]
+    config.no_sync_func = no_sync if vpp else no_sync[0]  # reduce the grads once a step, not per micro-batch
     config.finalize_model_grads_func = finalize_model_grads
     # clip_grad=0: Megatron's clipping asserts grad.type() == "torch.cuda.FloatTensor" on its fp32 grads.
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True, clip_grad=0.0),
-        [model],
+        chunks,
     )
-    return model, optimizer
+    return (chunks if vpp else chunks[0]), optimizer
 
 
 def batches(args):

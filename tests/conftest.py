@@ -122,7 +122,7 @@ def _emulated() -> bool:
 # nothing but when a file starts. test_op_builders.py is quick once DeepSpeed's host ops are built,
 # and builds four of them (3.5 min, one after the other) on a machine that has none yet: third.
 # test_torchtitan.py takes 11 min where torchtitan is installed (skipped elsewhere): first.
-LONGEST_FIRST = ("test_torchtitan.py", "test_plan.py", "test_op_builders.py", "test_plan_pipeline.py",
+LONGEST_FIRST = ("test_torchtitan.py", "test_plan_megatron_pipeline.py", "test_plan.py", "test_op_builders.py", "test_plan_pipeline.py",
                  "test_deepspeed_training.py", "test_compile.py", "test_fidelity.py", "test_torch_distributed.py",
                  "test_hf_trainer.py", "test_two_hosts.py", "test_native_build.py", "test_shapes.py",
                  "test_activation.py", "test_sanitizer.py", "test_memcheck.py", "test_bccl.py",

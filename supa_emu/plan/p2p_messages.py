@@ -14,6 +14,10 @@ played rank's recv from a played peer takes the message its peer sent:
 - a recv from a played peer whose message is not there yet waits for it: the planner starts the
   peer if it has not started (rank 0 runs alone until it waits, so stages that send both ways,
   as pipelining's warm-up and metadata exchange do, run side by side; see play_order.py);
+- with all-stages, any send to or recv from a peer asks the planner to play that peer, whether
+  or not its message is kept: a pipeline whose stages exchange only large activations and
+  gradients (Megatron-core's, at a fixed sequence length) never waits for a message, and its
+  next stage must be played all the same;
 - a recv from a rank the plan does not play keeps its buffer for float data (flagged, as before),
   and fails the rank with the call site for data a program reads as sizes or objects: guessing
   those would read left-over card memory as a size.
@@ -39,6 +43,7 @@ _rank: Optional[int] = None
 _played = None  # the set of ranks the plan plays, or None: any peer may be played (all-stages)
 _counts: Dict[Tuple, int] = {}
 _planner: Optional[int] = None  # the planner's process id: a rank stops waiting when it is gone
+_met = set()  # the peers this rank asked the planner to play (all-stages)
 
 
 def open_log(directory: str, rank: int) -> None:
@@ -63,6 +68,7 @@ def _numbered(group: str, source: int, destination: int, tag: int, direction: st
 def send(group: str, source: int, destination: int, tag: int, host: torch.Tensor) -> None:
     """Logs the message `host` (the sent tensor's host memory) for its receiver, if it is kept."""
     name = _numbered(group, source, destination, tag, "sent")
+    _meet(destination)
     if _directory is not None and carried(host):
         _directory.write_atomically(_directory.message(name), lambda path: torch.save(host.clone(), path))
 
@@ -75,6 +81,7 @@ def receive(group: str, source: Optional[int], destination: int, tag: int,
     if source is None:
         return _unknown(like, "a receive from any source")
     name = _numbered(group, source, destination, tag, "received")
+    _meet(source)
     if not carried(like):
         call_record.flag("recv: a large float message (activations, gradients) keeps the buffer's contents; "
                          "memory does not depend on them")
@@ -90,6 +97,15 @@ def receive(group: str, source: Optional[int], destination: int, tag: int,
         return sent
 
     return message
+
+
+def _meet(peer: int) -> None:
+    """With all-stages, asks the planner (once) to play `peer`, which this rank exchanges messages with."""
+    if _directory is None or _played is not None or peer == _rank or peer in _met:
+        return
+    world.save_root_values()  # the peer may start now: give it the broadcasts made so far
+    _directory.want(peer)
+    _met.add(peer)
 
 
 def _dtype(tensor: torch.Tensor) -> str:

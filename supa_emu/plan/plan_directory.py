@@ -6,9 +6,9 @@ p2p_messages.py) and says which message it waits for. No torch here: the planner
 imports it.
 
 Files: `played.json` (the ranks played, or all-stages), `p2p/NAME` (one message), `want-P` (a
-rank waits for rank P), `waiting-R` (rank R waits for the message named inside), `ended-R` (rank
-R's process ended), `stalled` (every running rank waits for a message no one can send). A file
-appears whole (written under a hidden name, then renamed).
+played rank exchanges messages with rank P, or waits for it), `waiting-R` (rank R waits for the
+message named inside), `ended-R` (rank R's process ended), `stalled` (every running rank waits for
+a message no one can send). A file appears whole (written under a hidden name, then renamed).
 """
 
 import json
@@ -63,7 +63,11 @@ class PlanDirectory:
     def wait_for(self, rank: int, name: str, source: int) -> None:
         """Rank `rank` waits for message `name` from rank `source` (which the planner starts if it can)."""
         self._write_text(f"waiting-{rank}", name)
-        self._write_text(f"want-{source}")
+        self.want(source)
+
+    def want(self, peer: int) -> None:
+        """A played rank exchanges messages with rank `peer`: with all-stages, the planner plays it too."""
+        self._write_text(f"want-{peer}")
 
     def done_waiting(self, rank: int) -> None:
         os.remove(self._file(f"waiting-{rank}"))

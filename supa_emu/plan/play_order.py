@@ -9,10 +9,12 @@ of activations forward, their results and the gradients' shapes backward), so no
 one-at-a-time plays could give every stage its messages.
 
 `--rank all-stages` plays rank 0 and whichever ranks the played ones exchange messages with, as
-they ask for them: one rank per pipeline stage of rank 0's pipeline, whatever the script's mesh
-layout (with "pp" the outermost mesh dimension, as torchtitan's, rank 0's pipeline is ranks 0,
-N/PP, 2N/PP, ...). Under the uniform-rank rule the other ranks of a stage (its data, tensor and
-context parallel peers) hold what the played one holds.
+they ask for them (at their first send to or recv from the rank, whether or not they wait for
+it: Megatron-core's stages exchange only activations and gradients, which no rank waits for): one
+rank per pipeline stage of rank 0's pipeline, whatever the script's layout (with "pp" the outermost
+mesh dimension, as torchtitan's and Megatron's tp-dp-pp order, rank 0's pipeline is ranks 0, N/PP,
+2N/PP, ...). Under the uniform-rank rule the other ranks of a stage (its data, tensor and context
+parallel peers) hold what the played one holds.
 
 When every running rank waits for a message no running rank can send any more (the program's
 sends and receives do not match), the planner says so to them (they fail with the call site)
