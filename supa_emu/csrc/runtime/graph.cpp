@@ -25,6 +25,7 @@
 #include "stream_timeline.h"
 
 #include <ATen/core/GraphImplInterface.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -46,7 +47,6 @@ struct RecordedCall {
 };
 
 class SupaGraph;
-class GraphReplay;
 std::atomic<SupaGraph*> g_capturing{nullptr};
 std::mutex g_record_mutex;
 thread_local bool t_replaying = false;
@@ -151,7 +151,7 @@ class SupaGraph final : public at::GraphImplInterface {
  public:
   explicit SupaGraph(const at::GraphImplArgs& args) : keep_graph_(args.keep_graph) {}
   ~SupaGraph() override {
-    run_queued_replays_before_change();  // none may still read this graph's calls
+    run_queued_replays_in_destructor();  // none may still read this graph's calls
     SupaGraph* self = this;
     if (g_capturing.compare_exchange_strong(self, nullptr)) {
       notify_capture_ended(device_);
@@ -236,7 +236,7 @@ class SupaGraph final : public at::GraphImplInterface {
       }
     }
     if (queued) {
-      queue_replay(device_, stream, queued_replay());  // runs alongside the other streams' replays
+      queue_replay(device_, stream, queued_replay(stream));  // runs alongside the other streams' replays
       return;
     }
     RunningReplaysScope no_draining;  // this replay's own kernels run the queued ones no earlier
@@ -329,9 +329,9 @@ class SupaGraph final : public at::GraphImplInterface {
   }
 
  private:
-  std::unique_ptr<QueuedReplay> queued_replay();
+  std::unique_ptr<QueuedReplay> queued_replay(c10::StreamId stream);
 
-  static void run_queued_replays_before_change() noexcept {
+  static void run_queued_replays_in_destructor() noexcept {
     try {
       run_queued_replays();
     } catch (const std::exception& e) {
@@ -379,13 +379,14 @@ class SupaGraph final : public at::GraphImplInterface {
 // A replay queued on a busy stream: runs the graph's kernels one per call.
 class GraphReplay final : public QueuedReplay {
  public:
-  explicit GraphReplay(SupaGraph* graph) : graph_(graph) {}
+  GraphReplay(SupaGraph* graph, c10::StreamId stream) : graph_(graph), stream_(stream) {}
   bool run_next() override {
     if (next_ >= graph_->launches()) {
       return false;
     }
     ReplayScope replaying;
-    CurrentDeviceScope on_card(graph_->device());  // whichever thread runs it,
+    // On the stream it was launched on, whichever thread runs it,
+    c10::StreamGuard on_stream(c10::Stream(c10::Stream::UNSAFE, c10::Device(kSupa, graph_->device()), stream_));
     DeviceOutputScope top_level(-1);  // from within whichever kernel observed first
     std::lock_guard<std::mutex> lock(graph_->replay_mutex());
     graph_->run_launch(next_++);
@@ -394,11 +395,12 @@ class GraphReplay final : public QueuedReplay {
 
  private:
   SupaGraph* graph_;  // lives until its queued replays ran: its reset and deletion run them first
+  c10::StreamId stream_;
   size_t next_ = 0;
 };
 
-std::unique_ptr<QueuedReplay> SupaGraph::queued_replay() {
-  return std::make_unique<GraphReplay>(this);
+std::unique_ptr<QueuedReplay> SupaGraph::queued_replay(c10::StreamId stream) {
+  return std::make_unique<GraphReplay>(this, stream);
 }
 
 }  // namespace
