@@ -81,7 +81,7 @@ def _register() -> None:
     from supa_emu.supa import _allocator_config
 
     if cfg.allocator_conf:
-        _allocator_config.apply(cfg.allocator_conf, source="PYTORCH_SUPA_ALLOC_CONF")
+        _allocator_config.apply(cfg.allocator_conf, source=cfg.allocator_conf_source)
     _allocator_config.install_accelerator_hook()
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_storage=True,

@@ -39,7 +39,8 @@ class EmulatorConfig:
     cache_dir: pathlib.Path
     cache_dir_from_env: bool  # SUPA_EMU_CACHE_DIR chose it (error texts name the variable then)
     deepspeed_accelerator: str  # 'project' | 'builtin'
-    allocator_conf: str  # PYTORCH_SUPA_ALLOC_CONF, validated; applied when the devices are created
+    allocator_conf: str  # the first set of ALLOCATOR_CONF_VARIABLES, validated; applied when the devices are created
+    allocator_conf_source: str  # the variable allocator_conf came from ("" when none is set)
     sanitize: str  # 'off' or comma-joined: 'streams' | 'streams-report', 'memory' | 'memory-strict'
     autograd_device_threads: bool  # backward on autograd's per-device threads (as on a card), not the caller's
     plan_record: pathlib.Path | None  # SUPA_PLAN_RECORD: write this rank's memory and collectives to DIR/rank-R.json
@@ -163,13 +164,21 @@ def deepspeed_accelerator() -> str:
     return _choice("SUPA_DS_ACCELERATOR", "project", ("project", "builtin"))
 
 
-def _allocator_conf() -> str:
-    raw = os.environ.get("PYTORCH_SUPA_ALLOC_CONF", "")
+# The variables that configure the caching allocator, first set wins: SUPA's own, then the
+# device-generic one and CUDA's, which torch 2.13's AcceleratorAllocatorConfig reads in this order
+# and which the real stack's out-of-memory message tells users to set.
+ALLOCATOR_CONF_VARIABLES = ("PYTORCH_SUPA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def _allocator_conf() -> tuple[str, str]:
+    """(the settings string, the variable it came from); ("", "") when none is set."""
+    source = next((name for name in ALLOCATOR_CONF_VARIABLES if name in os.environ), "")
+    raw = os.environ.get(source, "") if source else ""
     try:
         allocator_settings.parse(raw)
     except ValueError as exc:
-        raise ConfigError(f"PYTORCH_SUPA_ALLOC_CONF={raw!r}: {exc}") from None
-    return raw
+        raise ConfigError(f"{source}={raw!r}: {exc}") from None
+    return raw, source
 
 
 SANITIZE_MODES = ("off", "streams", "streams-report")
@@ -259,6 +268,7 @@ def load() -> EmulatorConfig:
     count = _device_count()
     cache = os.environ.get("SUPA_EMU_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "supa_emu")
+    allocator_conf, allocator_conf_source = _allocator_conf()
     return EmulatorConfig(
         emulate=emulation_requested(),
         device_count=count,
@@ -273,7 +283,8 @@ def load() -> EmulatorConfig:
         cache_dir=pathlib.Path(cache),
         cache_dir_from_env=bool(os.environ.get("SUPA_EMU_CACHE_DIR")),
         deepspeed_accelerator=deepspeed_accelerator(),
-        allocator_conf=_allocator_conf(),
+        allocator_conf=allocator_conf,
+        allocator_conf_source=allocator_conf_source,
         sanitize=sanitize_mode(),
         autograd_device_threads=_flag("SUPA_EMU_AUTOGRAD_DEVICE_THREADS"),
         plan_record=_plan_record(),

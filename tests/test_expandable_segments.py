@@ -269,3 +269,28 @@ def test_a_no_split_mem_pool_keeps_a_segment_per_block(expandable):
         a, b = empty(4), empty(4)
     segments = segments_of(a, b)
     assert [(seg["is_expandable"], len(seg["blocks"])) for seg in segments] == [(False, 1), (False, 1)]
+
+
+def test_nested_mem_pools_each_grow_one_range_as_pytorchs_allocator_does(expandable):
+    # PyTorch's test_nested_mempool under expandable segments: a pool's second 20 MiB request maps
+    # the page after its first, so `memory_snapshot(pool.id)` shows one segment of two blocks where
+    # the test (written for one cudaMalloc per request) expects two; CUDA's allocator does the
+    # same (docs/cuda_conformance.md#with-expandable-segments).
+    pools = [torch.supa.MemPool() for _ in range(3)]
+    data = []
+    with torch.supa.use_mem_pool(pools[0]):
+        data.append(empty(20))
+        with torch.supa.use_mem_pool(pools[1]):
+            data.append(empty(20))
+            with torch.supa.use_mem_pool(pools[2]):
+                data.append(empty(20))
+            data.append(empty(20))
+        data.append(empty(20))
+    layouts = []
+    for pool in pools:
+        segments = torch.supa.memory.memory_snapshot(pool.id)
+        layouts.append([(seg["is_expandable"], seg["total_size"], [blk["size"] for blk in seg["blocks"]])
+                        for seg in segments])
+    assert layouts == [[(True, 2 * PAGE, [PAGE, PAGE])], [(True, 2 * PAGE, [PAGE, PAGE])], [(True, PAGE, [PAGE])]]
+    # each pool has a range of its own
+    assert len({seg["address"] for pool in pools for seg in torch.supa.memory.memory_snapshot(pool.id)}) == 3

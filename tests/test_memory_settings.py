@@ -1,4 +1,5 @@
-"""The caching allocator's settings (PYTORCH_SUPA_ALLOC_CONF, torch.supa.memory._set_allocator_settings)
+"""The caching allocator's settings (PYTORCH_SUPA_ALLOC_CONF, PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF,
+torch.supa.memory._set_allocator_settings)
 and what they change in the accounting."""
 
 import re
@@ -192,6 +193,38 @@ def test_allocator_conf_variable_applies_at_start_and_is_validated():
                         check=False)
     assert bad.returncode != 0
     assert "PYTORCH_SUPA_ALLOC_CONF='max_split_size_mb:lots': invalid value 'lots' for max_split_size_mb" in bad.stderr
+
+
+def _settings_at_start() -> list:
+    torch.empty(1, device="supa")
+    settings = torch.supa.memory._snapshot()["allocator_settings"]
+    return [settings["expandable_segments"], settings["max_split_size"]]
+
+
+NO_ALLOC_CONF = dict.fromkeys(("PYTORCH_SUPA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+
+
+@pytest.mark.emulation_only
+@pytest.mark.parametrize("variables, expected", [
+    # CUDA's variable alone, as the OOM message and PyTorch's test helpers have it
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, [True, -1]),
+    # the device-generic one before CUDA's, SUPA's before both: the first set wins, whole
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+     [False, 64 * MiB]),
+    ({"PYTORCH_SUPA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+     [True, -1]),
+], ids=["cuda", "generic-over-cuda", "supa-over-generic"])
+def test_allocator_conf_variables_first_set_wins(variables, expected):
+    result = fresh_process(_settings_at_start, env={**NO_ALLOC_CONF, **variables}, torch_first=False)
+    assert result.value == expected
+
+
+@pytest.mark.emulation_only
+def test_a_bad_allocator_conf_names_the_variable_it_came_from():
+    bad = fresh_process(_settings_at_start, env={**NO_ALLOC_CONF, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:maybe"},
+                        check=False, torch_first=False)
+    assert bad.returncode != 0
+    assert "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:maybe': invalid value 'maybe' for expandable_segments" in bad.stderr
 
 
 @pytest.mark.emulation_only

@@ -13,6 +13,7 @@
 #include "gpu_trace.h"
 #include "graph.h"
 #include "op_trace.h"
+#include "replay_queue.h"
 #include "stream_timeline.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -97,6 +98,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
               const c10::EventFlag flag) const override {
     TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "Event device index ",
                 device_index, " does not match recording stream's device index ", stream.device_index(), ".");
+    run_queued_replays();  // an event orders work: the replays launched before it run first
     auto* e = static_cast<HostEvent*>(*event);
     if (e == nullptr) {
       e = new HostEvent{stream.device_index(), false, flag == c10::EventFlag::BACKEND_DEFAULT};
@@ -115,6 +117,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     });
   }
   void block(void* event, const c10::Stream& stream) const override {
+    run_queued_replays();
     if (event != nullptr) {
       stream_wait_until(stream.device_index(), stream.id(), static_cast<HostEvent*>(event)->time_ns);
       op_trace_event(TraceKind::kEventWait, reinterpret_cast<uintptr_t>(event), stream.device_index(), stream.id());
@@ -125,6 +128,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
   }
   bool queryEvent(void* event) const override {
+    run_queued_replays();
     return event == nullptr || static_cast<HostEvent*>(event)->time_ns <= now_ns();
   }
   void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
@@ -136,9 +140,11 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     delete static_cast<HostEvent*>(event);
   }
   bool queryStream(const c10::Stream& stream) const override {
+    run_queued_replays();
     return stream_ready_ns(stream.device_index(), stream.id()) <= now_ns();
   }
   void synchronizeStream(const c10::Stream& stream) const override {
+    run_queued_replays();
     wait_until_ns(stream_ready_ns(stream.device_index(), stream.id()));
     op_trace_event(TraceKind::kStreamSync, 0, stream.device_index(), stream.id());
     report_to_gpu_trace([&](const auto& trace) {
@@ -146,6 +152,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     });
   }
   void synchronizeEvent(void* event) const override {
+    run_queued_replays();
     if (event != nullptr) {
       wait_until_ns(static_cast<HostEvent*>(event)->time_ns);
       op_trace_event(TraceKind::kEventSync, reinterpret_cast<uintptr_t>(event), static_cast<HostEvent*>(event)->device, 0);
@@ -156,6 +163,7 @@ struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     check_device_index(device_index);
+    run_queued_replays();
     wait_until_ns(device_ready_ns(device_index));
     op_trace_event(TraceKind::kDeviceSync, 0, device_index, 0);
     report_to_gpu_trace([](const auto& trace) { trace->trace_gpu_device_synchronization(kSupa); });

@@ -19,10 +19,13 @@
 #include "freed_blocks.h"
 #include "generator.h"
 #include "host_alias.h"
+#include "host_routing_allocator.h"
 #include "mem_pool.h"
+#include "replay_queue.h"
 #include "stream_timeline.h"
 
 #include <ATen/core/GraphImplInterface.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -148,6 +151,7 @@ class SupaGraph final : public at::GraphImplInterface {
  public:
   explicit SupaGraph(const at::GraphImplArgs& args) : keep_graph_(args.keep_graph) {}
   ~SupaGraph() override {
+    run_queued_replays_in_destructor();  // none may still read this graph's calls
     SupaGraph* self = this;
     if (g_capturing.compare_exchange_strong(self, nullptr)) {
       notify_capture_ended(device_);
@@ -164,6 +168,7 @@ class SupaGraph final : public at::GraphImplInterface {
     TORCH_CHECK(current_stream_id(current_device()) != 0,
                 "SUPA graphs must be captured on a non-default stream. (However, after capture, it's ok to "
                 "replay them on the default stream.)");
+    run_queued_replays();  // a capture starts after the launched work (it may reuse its pool's blocks)
     give_up_pool();
     pool_ = (pool.first != 0 || pool.second != 0) ? pool : new_graph_pool_id();
     retain_pool(pool_);  // its segments stay while a graph may replay into them
@@ -189,6 +194,7 @@ class SupaGraph final : public at::GraphImplInterface {
       TORCH_CHECK(false, "SUPA error: operation failed due to a previous error during capture");
     }
     captured_ = true;
+    draws_ = std::any_of(calls_.begin(), calls_.end(), [](const RecordedCall& call) { return !call.draws.empty(); });
     if (calls_.empty()) {
       TORCH_WARN("The SUPA Graph is empty. This usually means that the graph was attempted to be captured on "
                  "wrong device or stream.");
@@ -208,30 +214,66 @@ class SupaGraph final : public at::GraphImplInterface {
     if (!instantiated_) {
       instantiate();  // keep_graph=True and not instantiated yet: the first replay does it, as on CUDA
     }
-    for (auto& [state, increment] : generator_states_) {
-      replay_prologue(*state, increment);
+    const c10::StreamId stream = current_stream_id(device_);
+    const bool queued = g_capturing.load() == nullptr && !draws_ &&
+                        (replays_pending() || stream_ready_ns(device_, stream) > now_ns());
+    if (!queued) {
+      run_queued_replays();  // launched before this one
     }
+    {
+      // The launch itself observes nothing: the generator offsets it writes are read by random
+      // kernels only, whose graphs run at launch.
+      RunningReplaysScope launching;
+      for (auto& [state, increment] : generator_states_) {
+        replay_prologue(*state, increment);
+      }
+      // A replay launches on the current stream (the stream replay() is called on), as on a card:
+      // its `_sleep`s queue their time there now.
+      for (const auto& call : calls_) {
+        if (!call.op) {
+          queue_stream_work(device_, stream, call.stream_work_ns);
+        }
+      }
+    }
+    if (queued) {
+      queue_replay(device_, stream, queued_replay(stream));  // runs alongside the other streams' replays
+      return;
+    }
+    RunningReplaysScope no_draining;  // this replay's own kernels run the queued ones no earlier
     ReplayScope replaying;
     // One replay at a time: the recorded stacks are shared, and a card runs a graph's launches in order.
     std::lock_guard<std::mutex> lock(replay_mutex_);
-    for (const auto& call : calls_) {
-      if (!call.op) {
-        // A replay launches on the current stream (the stream replay() is called on), as on a card.
-        queue_stream_work(device_, current_stream_id(device_), call.stream_work_ns);
-        continue;
-      }
-      std::vector<c10::IValue> stack = with_own_lists(call.inputs);
-      std::optional<ReplayedDraws> draws;
-      if (!call.draws.empty()) {
-        draws.emplace(call.draws);
-      }
-      call.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), &stack);
-      for (size_t i = 0; i < call.outputs.size() && i < stack.size(); ++i) {
-        write_into(call.outputs[i], stack[i]);
-      }
+    for (size_t i = 0; i < calls_.size(); ++i) {
+      run_launch(i);
     }
   }
+  // Runs launch `i` of the graph if it is a kernel (a `_sleep` queued its time at launch).
+  void run_launch(size_t i) {
+    const RecordedCall& call = calls_[i];
+    if (!call.op) {
+      return;
+    }
+    std::vector<c10::IValue> stack = with_own_lists(call.inputs);
+    std::optional<ReplayedDraws> draws;
+    if (!call.draws.empty()) {
+      draws.emplace(call.draws);
+    }
+    call.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), &stack);
+    for (size_t j = 0; j < call.outputs.size() && j < stack.size(); ++j) {
+      write_into(call.outputs[j], stack[j]);
+    }
+  }
+  c10::DeviceIndex device() const {
+    return device_;
+  }
+  size_t launches() const {
+    return calls_.size();
+  }
+  std::mutex& replay_mutex() {
+    return replay_mutex_;
+  }
   void reset() override {
+    run_queued_replays();  // none may still read the calls
     calls_.clear();
     captured_ = false;
     instantiated_ = false;
@@ -287,6 +329,16 @@ class SupaGraph final : public at::GraphImplInterface {
   }
 
  private:
+  std::unique_ptr<QueuedReplay> queued_replay(c10::StreamId stream);
+
+  static void run_queued_replays_in_destructor() noexcept {
+    try {
+      run_queued_replays();
+    } catch (const std::exception& e) {
+      TORCH_WARN("a queued SUPA graph replay failed: ", e.what());
+    }
+  }
+
   void release_generator_states() {
     for (auto& [state, increment] : generator_states_) {
       unregister_graph(*state);
@@ -319,9 +371,37 @@ class SupaGraph final : public at::GraphImplInterface {
   bool holds_pool_ = false;
   bool captured_ = false;
   bool instantiated_ = false;
+  bool draws_ = false;  // a call draws random numbers: replays run at launch, when their offsets are set
   std::atomic<bool> invalidated_{false};
   std::mutex replay_mutex_;
 };
+
+// A replay queued on a busy stream: runs the graph's kernels one per call.
+class GraphReplay final : public QueuedReplay {
+ public:
+  GraphReplay(SupaGraph* graph, c10::StreamId stream) : graph_(graph), stream_(stream) {}
+  bool run_next() override {
+    if (next_ >= graph_->launches()) {
+      return false;
+    }
+    ReplayScope replaying;
+    // On the stream it was launched on, whichever thread runs it,
+    c10::StreamGuard on_stream(c10::Stream(c10::Stream::UNSAFE, c10::Device(kSupa, graph_->device()), stream_));
+    DeviceOutputScope top_level(-1);  // from within whichever kernel observed first
+    std::lock_guard<std::mutex> lock(graph_->replay_mutex());
+    graph_->run_launch(next_++);
+    return true;
+  }
+
+ private:
+  SupaGraph* graph_;  // lives until its queued replays ran: its reset and deletion run them first
+  c10::StreamId stream_;
+  size_t next_ = 0;
+};
+
+std::unique_ptr<QueuedReplay> SupaGraph::queued_replay(c10::StreamId stream) {
+  return std::make_unique<GraphReplay>(this, stream);
+}
 
 }  // namespace
 

@@ -6,6 +6,7 @@
 #include "caching_allocator.h"
 #include "devices.h"
 #include "host_routing_allocator.h"
+#include "replay_queue.h"
 
 #include <ATen/SparseCsrTensorImpl.h>
 #include <ATen/SparseTensorImpl.h>
@@ -29,6 +30,7 @@ void release_device_storage(void* ctx) {
 }  // namespace
 
 c10::Storage host_alias_storage(const c10::Storage& device_storage) {
+  run_queued_replays();  // the host is about to read or write card memory: launched work first
   void* data = const_cast<void*>(device_storage.data());
   auto keep = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(device_storage.unsafeGetStorageImpl());
   c10::DataPtr ptr(data, keep.release(), &release_device_storage,
