@@ -58,7 +58,10 @@ class CachingAllocator final : public c10::DeviceAllocator {
     }
   }
   CardAllocator& card(c10::DeviceIndex device) {
-    check_device_index(device);
+    if (device >= 0 && static_cast<size_t>(device) < cards_.size()) {  // every allocation and free asks
+      return *cards_[device];
+    }
+    check_device_index(device);  // raises as the runtime does
     return *cards_.at(device);
   }
   BlockTable& table() { return table_; }

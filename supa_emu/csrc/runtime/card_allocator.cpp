@@ -20,14 +20,16 @@ using c10::CachingAllocator::Stat;
 using c10::CachingAllocator::StatArray;
 using c10::CachingDeviceAllocator::DeviceStats;
 
-// A statistic moves in "all" and in the pool (small or large) of the block or segment.
-void update(StatArray& stat, bool small, int64_t amount) {
-  if (amount == 0) {  // moves nothing (not even a peak)
-    return;
-  }
-  const size_t pool = small ? 1 : 2;
-  for (size_t i : {size_t{0}, pool}) {
-    amount >= 0 ? stat[i].increase(static_cast<size_t>(amount)) : stat[i].decrease(static_cast<size_t>(-amount));
+// A statistic moves in "all" and in the pool (small or large) of the block or segment (written
+// out, not looped: every allocation and free moves a dozen of them).
+inline void update(StatArray& stat, bool small, int64_t amount) {
+  Stat& pool = stat[small ? 1 : 2];
+  if (amount > 0) {
+    stat[0].increase(static_cast<size_t>(amount));
+    pool.increase(static_cast<size_t>(amount));
+  } else if (amount < 0) {  // 0 moves nothing (not even a peak)
+    stat[0].decrease(static_cast<size_t>(-amount));
+    pool.decrease(static_cast<size_t>(-amount));
   }
 }
 

@@ -30,6 +30,9 @@ struct PoolRules {
   bool no_split = false;
 };
 std::map<c10::MempoolId_t, PoolRules> g_rules;  // under g_use_mutex; only pools with a rule set
+// How many pools have a rule (g_rules' size, stored under g_use_mutex): a card asks about every
+// block it splits, and without rules the answer needs no lock.
+std::atomic<size_t> g_ruled_pools{0};
 thread_local c10::MempoolId_t t_active_pool{0, 0};
 
 }  // namespace
@@ -47,6 +50,7 @@ int64_t release_pool(c10::MempoolId_t pool) {
   if (left == 0) {
     g_use_counts.erase(it);
     g_rules.erase(pool);
+    g_ruled_pools.store(g_rules.size());
   }
   return left;
 }
@@ -64,6 +68,7 @@ void set_pool_rules(c10::MempoolId_t pool, bool use_on_oom, bool no_split) {
   } else {
     g_rules.erase(pool);
   }
+  g_ruled_pools.store(g_rules.size());
 }
 
 bool pool_use_on_oom(c10::MempoolId_t pool) {
@@ -73,6 +78,9 @@ bool pool_use_on_oom(c10::MempoolId_t pool) {
 }
 
 bool pool_no_split(c10::MempoolId_t pool) {
+  if (g_ruled_pools.load(std::memory_order_acquire) == 0) {
+    return false;
+  }
   std::lock_guard<std::mutex> lock(g_use_mutex);
   auto it = g_rules.find(pool);
   return it != g_rules.end() && it->second.no_split;
