@@ -14,6 +14,7 @@ torchtitan's own `tps` counts them; in a run that is not planned the marker does
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3 import config_registry as _deepseek_v3
@@ -50,6 +51,26 @@ class PlannedTrainer(Trainer):
             training = config.training
             per_step = training.local_batch_size * training.seq_len * self.gradient_accumulation_steps
             _plan.tokens(per_step // self.parallel_dims.non_data_parallel_size)
+
+    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
+        # torchtitan 0.3.0 hands Schedule.step its microbatches already split (arg_mbs=, target_mbs=);
+        # torch 2.13's step takes the whole batch (positional inputs, target=) and splits it into the
+        # schedule's microbatches itself, and would pass arg_mbs= to the model. So: the microbatches
+        # prepared as torchtitan prepares them, joined again along the batch, then torch 2.13's call.
+        prepared = [self.post_dataloading_process(inputs, labels) for inputs, labels in zip(input_dict_mbs, label_mbs,
+                                                                                          strict=True)]
+        inputs = torch.cat([mb[0] for mb in prepared])
+        labels = torch.cat([mb[1] for mb in prepared])
+        extra = {key: torch.cat([mb[2][key] for mb in prepared]) for key in prepared[0][2]}
+        losses = [] if self.pp_has_last_stage else None
+        with self.train_context():
+            self.pp_schedule.step(*((inputs,) if self.pp_has_first_stage else ()),
+                                  target=labels if self.pp_has_last_stage else None, losses=losses,
+                                  loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False,
+                                  **extra)
+        if self.pp_has_last_stage:
+            return torch.sum(torch.stack(losses)).to(self.device)
+        return torch.tensor([-1.0], device=self.device)
 
 
 def _for_torch_2_13(config):
