@@ -16,9 +16,12 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torchtitan.components.optimizer import default_adamw
+from torchtitan.config import CompileConfig
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3 import config_registry as _deepseek_v3
 from torchtitan.models.llama3 import config_registry as _titan
+from torchtitan.models.llama3 import model_registry as _llama3_model
 from torchtitan.trainer import Trainer
 
 try:
@@ -100,6 +103,25 @@ def llama3_70b():
     return _for_torch_2_13(_titan.llama3_70b())
 
 
+def llama3_405b():
+    # torchtitan's llama3_405b as its published 3D table ran it, in bf16: its own builds a float8
+    # converter (torchao), so this is its llama3_70b (the same loss, vocabulary, TP 8, full activation
+    # checkpointing) with the 405B model and llama3_405b's optimizer, warm-up and local batch, and no
+    # compile (--compile.enable compiles, as for the others). PP: --parallelism.pipeline-parallel-degree.
+    config = _titan.llama3_70b()
+    config.model_spec = _llama3_model("405B")
+    config.hf_assets_path = "./assets/hf/Llama-3.1-405B"
+    config.optimizer = default_adamw(lr=8e-5)
+    config.lr_scheduler.warmup_steps = 600
+    config.training.local_batch_size = 2
+    config.compile = CompileConfig()
+    return _for_torch_2_13(config)
+
+
+def llama3_405b_sdpa():
+    return _with_sdpa(llama3_405b())
+
+
 def llama3_debugmodel_sdpa():
     return _with_sdpa(llama3_debugmodel())
 
@@ -116,3 +138,11 @@ def deepseek_v3_debugmodel_sdpa():
     # An MoE model (8 experts, top-3): with --parallelism.expert-parallel-degree, expert parallelism
     # (docs/planner.md, "Expert parallelism").
     return _with_sdpa(_for_torch_2_13(_deepseek_v3.deepseek_v3_debugmodel()))
+
+
+def deepseek_v3_671b_sdpa():
+    # torchtitan's DeepSeek-V3 671B (256 routed experts, top-8, 61 layers; selective activation
+    # checkpointing) with SDPA, not compiling its loss (--compile.enable compiles).
+    config = _for_torch_2_13(_deepseek_v3.deepseek_v3_671b())
+    config.compile = CompileConfig()
+    return _with_sdpa(config)
