@@ -140,9 +140,11 @@ def deepseek_v3_debugmodel_sdpa():
     return _with_sdpa(_for_torch_2_13(_deepseek_v3.deepseek_v3_debugmodel()))
 
 
-def deepseek_v3_671b_sdpa():
-    # torchtitan's DeepSeek-V3 671B (256 routed experts, top-8, 61 layers; selective activation
-    # checkpointing) with SDPA, not compiling its loss (--compile.enable compiles).
+def deepseek_v3_671b():
+    # torchtitan's DeepSeek-V3 671B (256 routed experts, top-8, 61 layers; flex attention, selective
+    # activation checkpointing), not compiling its loss (--compile.enable compiles). No *_sdpa here:
+    # latent attention's keys are wider than its values, and SDPA on such heads is the math kernel,
+    # which holds the L x L scores (32 GiB per layer at local batch 4, sequence 4096).
     config = _for_torch_2_13(_deepseek_v3.deepseek_v3_671b())
     config.compile = CompileConfig()
-    return _with_sdpa(config)
+    return config
