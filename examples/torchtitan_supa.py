@@ -9,7 +9,9 @@ for plans that must not compile (docs/frameworks.md says where).
 
 Every config builds `PlannedTrainer`, torchtitan's Trainer that also tells the planner the tokens
 each step trains per card (`supa_emu.plan.tokens`), so a plan reports tokens/s per card the way
-torchtitan's own `tps` counts them; in a run that is not planned the marker does nothing.
+torchtitan's own `tps` counts them; in a run that is not planned the marker does nothing. It also
+drives pipeline schedules the way torch 2.13 takes them, so `--parallelism.pipeline-parallel-degree`
+trains (docs/planner.md, "Pipeline parallelism").
 """
 
 import dataclasses
