@@ -60,13 +60,13 @@ class PlannedTrainer(Trainer):
     def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
         # torchtitan 0.3.0 hands Schedule.step its microbatches already split (arg_mbs=, target_mbs=);
         # torch 2.13's step takes the whole batch (positional inputs, target=) and splits it into the
-        # schedule's microbatches itself, and would pass arg_mbs= to the model. So: the microbatches
-        # prepared as torchtitan prepares them, joined again along the batch, then torch 2.13's call.
-        prepared = [self.post_dataloading_process(inputs, labels) for inputs, labels in zip(input_dict_mbs, label_mbs,
-                                                                                          strict=True)]
-        inputs = torch.cat([mb[0] for mb in prepared])
-        labels = torch.cat([mb[1] for mb in prepared])
-        extra = {key: torch.cat([mb[2][key] for mb in prepared]) for key in prepared[0][2]}
+        # schedule's microbatches itself (flex attention's BlockMask too), and would pass arg_mbs= to
+        # the model. So: the microbatches joined again along the batch, prepared as torchtitan
+        # prepares a batch (its attention masks built for the whole), then torch 2.13's call.
+        first = input_dict_mbs[0]
+        joined = {key: torch.cat([mb[key] for mb in input_dict_mbs]) if isinstance(value, torch.Tensor) else value
+                  for key, value in first.items()}
+        inputs, labels, extra = self.post_dataloading_process(joined, torch.cat(label_mbs))
         losses = [] if self.pp_has_last_stage else None
         with self.train_context():
             self.pp_schedule.step(*((inputs,) if self.pp_has_first_stage else ()),
