@@ -1,0 +1,68 @@
+"""torchtitan 0.3.0's pipeline parallelism on emulated cards, and its plan with `--rank all-stages`.
+
+torchtitan's trainer hands torch's schedules microbatches already split, which torch 2.13's
+`Schedule.step` does not take; `examples/torchtitan_supa.py`'s trainer drives the same schedule the
+way torch 2.13 takes it (the whole batch and its target). Its debug model (SDPA) trains with 1F1B at
+PP=2 and with interleaved 1F1B at PP=2 x TP=2 (the real torchrun job: the loss falls), and the plan
+of every stage equals the recorded real job to the byte in both modes (docs/planner.md, "Pipeline
+parallelism"). Skipped where torchtitan is not installed.
+"""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+from harness import PORT, fresh_process, torchrun_command
+from test_torchtitan import MODES, ROOT, _tokenizer_and_data
+
+# name -> (cards, torchtitan's options for it)
+JOBS = {
+    "1f1b_pp2": (2, ["--parallelism.pipeline-parallel-schedule", "1F1B"]),
+    "interleaved_pp2_tp2": (4, ["--parallelism.pipeline-parallel-schedule", "Interleaved1F1B",
+                                "--parallelism.tensor-parallel-degree", "2"]),
+}
+LOSS = re.compile(r"step: +\d+ +\S*?loss: +(-?[\d.]+)")  # the log colours its fields
+
+pytestmark = [pytest.mark.emulation_only, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_torchtitan_pipeline_trains_and_every_stage_plans_as_the_real_job(tmp_path, name):
+    cards, options = JOBS[name]
+    assets, data = _tokenizer_and_data(tmp_path)
+    train = ["-m", "torchtitan.train", "--module", "torchtitan_supa", "--config", "llama3_debugmodel_sdpa",
+             "--hf-assets-path", str(assets), "--dataloader.dataset", "c4_test", "--dataloader.dataset-path", str(data),
+             "--dump-folder", str(tmp_path / "outputs"), "--training.steps", "4", "--training.seq-len", "64",
+             "--training.local-batch-size", "4", "--training.disable-cuda-graphs",
+             "--parallelism.pipeline-parallel-degree", "2", *options]
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    records = tmp_path / "real"
+    job = fresh_process(torchrun_command(*train, nproc=cards, port=PORT), env={**env, "SUPA_PLAN_RECORD": str(records)},
+                        timeout=1200)
+    # The last stage's ranks log the loss (the others log -1, torchtitan's "not here").
+    losses = [float(x) for x in LOSS.findall(job.stdout + job.stderr) if float(x) >= 0]
+    assert len(losses) == 4 * (cards // 2), losses
+    assert losses[-1] < losses[0], losses  # it trains: step 4's loss below step 1's
+    real = {rank: json.loads((records / f"rank-{rank}.json").read_text()) for rank in range(cards)}
+    for mode in MODES:
+        out = tmp_path / f"{mode}.json"
+        fresh_process([sys.executable, "-m", "supa_emu.plan", "--world-size", str(cards), "--rank", "all-stages",
+                       "--mode", mode, "--no-time", "--json", out, "--", *train], env=env, timeout=1200)
+        planned = json.loads(out.read_text())
+        # "pp" is torchtitan's outermost mesh dimension: rank 0's pipeline is ranks 0 and cards / 2.
+        assert list(planned["ranks"]) == ["0", str(cards // 2)], mode
+        for rank, figures in planned["ranks"].items():
+            actual = real[int(rank)]
+            assert figures["failure"] is None and not figures["failed"], (mode, rank, figures["failure"])
+            for figure in ("peak_allocated", "peak_reserved", "collectives"):
+                assert figures[figure] == actual[figure], (mode, rank, figure)
+            assert {"send", "recv"} <= {c["op"] for c in figures["collectives"]}, (mode, rank)
+            assert figures["no_shape_rule"] == [], (mode, rank)
+            if mode == "compute":  # every message a stage read is the one the other stage sent
+                assert figures["value_dependent"] == [], (mode, rank)
+        peaks = {int(rank): figures["peak_allocated"] for rank, figures in planned["ranks"].items()}
+        assert len(set(peaks.values())) == 2  # the stages hold different memory ...
+        largest = planned["largest"]["peak_allocated"]
+        assert largest["bytes"] == max(peaks.values()) == peaks[largest["rank"]]  # ... and the largest is named
