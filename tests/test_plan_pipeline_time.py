@@ -1,6 +1,6 @@
 """The pipeline's bubble in the planned step time: a point-to-point transfer between two played ranks
 starts no earlier than both sides posted it (supa_emu/plan/p2p_time.py, time_model.py; the rules in
-docs/time_on_the_card.md, "Point-to-point between played ranks").
+docs/time_on_the_card.md, "The model": point-to-point between played ranks).
 
 Two schedules play their ranks' streams side by side (threads here, rank processes in a plan) and
 exchange their posts through a plan directory; the expected times are worked out by hand from the

@@ -3,8 +3,8 @@
 A send and its receive are one transfer. Where the plan plays both ranks, each side publishes when
 it posted its side (its issuing stream's earlier work done) and the transfer starts at the later
 of the two posts, after the previous transfer of its channel, as NCCL's rendezvous does: a stage
-idles until the stage before it sends. docs/time_on_the_card.md ("Point-to-point between played
-ranks") gives the rules; in short:
+idles until the stage before it sends. docs/time_on_the_card.md, "The model" (point-to-point
+between played ranks), gives the rules; in short:
 
 - transfers are numbered per channel (group, sending global rank, receiving global rank) in
   program order on each side, as NCCL matches a pair's calls in order (op_stream.py numbers them);
