@@ -4,7 +4,8 @@ The native core records every operator launched on the card (csrc/runtime/op_tra
 dispatcher's observer hook, in both planner modes), the event records and waits of the program's
 streams and its synchronisations. This module adds, in the same order, a mark for each bccl
 collective (with its bytes, group size, the hosts its ranks span, its communicator and whether it
-was issued with async_op), one where the program waits for a collective's work, and one at the end of each
+was issued with async_op; for a send or recv, the peer's global rank and the transfer's number on
+its channel, p2p_time.py), one where the program waits for a collective's work, and one at the end of each
 training step: the end of an optimizer's `step` (torch.optim's global hooks, the outermost one
 where optimizers nest), so DeepSpeed's, FSDP's and torchtitan's loops need no change. At each
 step's end the stream recorded so far goes to the time model (time_model.py), so the record
@@ -19,7 +20,7 @@ import torch
 
 from supa_emu import distributed, process_state
 from supa_emu.device_type import DEVICE_TYPE
-from supa_emu.plan import time_model
+from supa_emu.plan import p2p_messages, p2p_time, time_model
 
 STEP_MARK = -1
 
@@ -28,6 +29,7 @@ _collectives: list = []
 _hosts_of_group: dict = {}
 _cards_per_host = 8
 _optimizer_depth = 0
+_transfers: dict = {}  # (group, global source, global destination) -> transfers issued on it
 
 
 class _CollectiveMarks(distributed.Watcher):
@@ -41,8 +43,10 @@ class _CollectiveMarks(distributed.Watcher):
             written += size if writes else 0
         cards = [tensor.device for tensor, _, _ in call.accesses() if tensor.device.type == "supa"]
         card = cards[0] if cards else torch.device("supa", torch.supa.current_device())
-        mark = _mark(card, time_model.Collective(call.op, max(read, written), group.size(), _hosts(group),
-                                                 _communicator(group, call, card), _asynchronous(call)))
+        transfer = _transfer(group, call)
+        size, hosts = (group.size(), _hosts(group)) if transfer is None else (2, _pair_hosts(transfer))
+        mark = _mark(card, time_model.Collective(call.op, max(read, written), size, hosts,
+                                                 _communicator(group, call, card), _asynchronous(call), transfer))
         barrier = call.op == "barrier"  # the callback keeps no tensor of the call
         work.when_waited(lambda: _mark(card, time_model.Waited(mark, barrier)))
 
@@ -64,6 +68,24 @@ def _communicator(group, call, card: torch.device) -> str:
         low, high = sorted((group.rank(), peer)) if peer != "any" else (group.rank(), peer)
         return f"group {name} p2p {low}:{high}"
     return f"group {name}"
+
+
+def _transfer(group, call) -> Optional[p2p_time.Transfer]:
+    """A send's or a recv's channel (group, global sender, global receiver) and its number on it, counted
+    in program order as NCCL matches a pair's calls; None for other calls and a recv from any source."""
+    if call.op not in ("send", "recv") or call.peer is None:
+        return None
+    ranks = group.options.global_ranks_in_group or range(group.size())
+    me, peer = ranks[group.rank()], ranks[call.peer]
+    source, destination = (me, peer) if call.op == "send" else (peer, me)
+    channel = (str(group.group_name), source, destination)
+    _transfers[channel] = _transfers.get(channel, 0) + 1
+    return p2p_time.Transfer(*channel, _transfers[channel], call.op == "send")
+
+
+def _pair_hosts(transfer: p2p_time.Transfer) -> int:
+    """How many hosts a transfer's two ranks span: it takes their link, whatever group it is on."""
+    return len({transfer.source // _cards_per_host, transfer.destination // _cards_per_host})
 
 
 def _asynchronous(call) -> bool:
@@ -103,7 +125,7 @@ def start(settings: dict) -> None:
     """Records this rank's launches and times them with `settings` (time_model.Schedule's)."""
     global _schedule, _cards_per_host
     _cards_per_host = settings["cards_per_host"]
-    _schedule = time_model.Schedule.from_settings(settings)
+    _schedule = time_model.Schedule.from_settings(settings, p2p_messages.peer_posts())
     distributed.watch(_CollectiveMarks())
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 

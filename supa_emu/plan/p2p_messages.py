@@ -33,7 +33,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from supa_emu.plan import call_record, rank_record, world
+from supa_emu.plan import call_record, p2p_time, rank_record, world
 from supa_emu.plan.plan_directory import PlanDirectory
 
 _POLL_S = (0.0005, 0.01)  # the first and the longest pause between looks for a message
@@ -53,6 +53,14 @@ def open_log(directory: str, rank: int) -> None:
     _played = _directory.played()
 
 
+def peer_posts():
+    """This rank's p2p_time.PeerPosts (its side of each transfer's time, through the same directory), or
+    None outside a plan."""
+    if _directory is None:
+        return None
+    return p2p_time.PeerPosts(_directory.path, _rank, _played, _planner, world.save_root_values)
+
+
 def carried(tensor: torch.Tensor) -> bool:
     """Whether a message of `tensor`'s kind is kept for its receiver (see above)."""
     return (not (tensor.is_floating_point() or tensor.is_complex())
@@ -63,6 +71,11 @@ def _numbered(group: str, source: int, destination: int, tag: int, direction: st
     key = (group, source, destination, tag, direction)
     _counts[key] = _counts.get(key, 0) + 1
     return f"{re.sub(r'[^A-Za-z0-9_-]', '_', group)}.{source}-{destination}.{tag}.{_counts[key]}.pt"
+
+
+def sender(name: str) -> int:
+    """The global rank that sends the message `name` (_numbered's: GROUP.SOURCE-DESTINATION.TAG.N.pt)."""
+    return int(name.split(".")[1].split("-")[0])
 
 
 def send(group: str, source: int, destination: int, tag: int, host: torch.Tensor) -> None:

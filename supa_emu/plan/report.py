@@ -11,8 +11,8 @@ sections ([{name, peak_allocated, peak_reserved, collectives}], see rank_record.
 ({error, traceback} or null), failed (true when the rank did not run to the end: its figures are
 those up to its failure), moe_routing ({assumed, routers: {class: forward calls that chose the assumed
 experts}}), time (the card's time, time_model.Schedule.report: card, steps
-[{step, seconds, flops, mfu, split, tokens}], step_seconds, tokens_per_s, mfu, top_ops, untimed_collectives; null where
-no step was recorded)}, largest -> peak_allocated / peak_reserved -> {rank, bytes, failed}: the
+[{step, seconds, flops, mfu, split, tokens}], step_seconds, tokens_per_s, mfu, top_ops, untimed_collectives,
+point_to_point ({timed_with_peer, timed_alone: {why: transfers}}, p2p_time.py); null where no step was recorded)}, largest -> peak_allocated / peak_reserved -> {rank, bytes, failed}: the
 largest figure over the played ranks and the rank that holds it.
 """
 
@@ -113,4 +113,19 @@ def time_lines(rank, time) -> list:
     for untimed in time.get("untimed_collectives", []):
         lines.append(f"rank {rank}: no time model for the collective {untimed['op']} ({untimed['count']}x): "
                      f"counted as taking no time")
+    return lines + transfer_lines(rank, time.get("point_to_point") or {})
+
+
+def transfer_lines(rank, transfers: dict) -> list:
+    """What the point-to-point transfers timed without their peer leave out (p2p_time.py)."""
+    alone = transfers.get("timed_alone", {})
+    lines = []
+    if alone.get("peer not played"):
+        lines.append(f"rank {rank}: {alone['peer not played']} point-to-point transfers with ranks the plan does not "
+                     f"play are timed from this rank's side alone: the pipeline's waits (its bubble) are not "
+                     f"modelled; play every stage (--rank all-stages) for them")
+    others = {why: n for why, n in alone.items() if why != "peer not played"}
+    if others:
+        lines.append(f"rank {rank}: point-to-point transfers timed without their peer's side: " + ", ".join(
+            f"{n} ({why})" for why, n in others.items()) + f"; {transfers.get('timed_with_peer', 0)} with it")
     return lines

@@ -27,14 +27,18 @@ step, the highest of: a compute-bound kernel running, a memory-bound one, a host
 collective (exposed communication), a launch's latency, the host issuing while the card waits
 (host-bound), and nothing (idle). Whatever the host is still waiting for on a communicator's
 stream at a step's end (or a device synchronisation) is exposed communication too.
+
+A send or receive whose peer the plan plays too waits for the peer's side (p2p_time.py): it
+starts no earlier than both sides posted it, and the time a stream or the host waits for the peer
+to post is idle, not communication (a later pipeline stage waiting for the earlier one's forward).
 """
 
 import collections
 import statistics
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional
 
 from supa_emu import card_profiles
-from supa_emu.plan import collective_time, efficiency, op_costs
+from supa_emu.plan import collective_time, efficiency, op_costs, p2p_time
 
 OP, EVENT_RECORD, EVENT_WAIT, STREAM_SYNC, EVENT_SYNC, DEVICE_SYNC, MARK = range(7)
 STEP_MARK = -1
@@ -59,6 +63,7 @@ class Collective(NamedTuple):
     hosts: int
     communicator: str = "default"  # the collectives of one communicator run one after another
     asynchronous: bool = False  # async_op=True: on the communicator's stream, waited for only by wait()
+    transfer: Optional[p2p_time.Transfer] = None  # a send or recv to a known peer: its channel and number
 
 
 class Waited(NamedTuple):
@@ -87,7 +92,8 @@ class Schedule:
     """Plays launches on the card's streams and keeps each step's figures."""
 
     def __init__(self, profile: card_profiles.CardProfile, nic_gbps: float = 400.0,
-                 host_op_s: float = HOST_OP_SECONDS, rank: int = 0, keep_trace: bool = False):
+                 host_op_s: float = HOST_OP_SECONDS, rank: int = 0, keep_trace: bool = False,
+                 peers: Optional[p2p_time.PeerPosts] = None):
         self.profile, self.nic_gbps, self.host_op_s, self.rank = profile, nic_gbps, host_op_s, rank
         self.tokens_per_step = None
         self.host = 0.0
@@ -105,12 +111,14 @@ class Schedule:
         self._cost_cache: dict = {}
         self.untimed: Dict[str, int] = {}  # collectives without a time model: op -> calls
         self._communicator_free: Dict[str, float] = {}  # communicator -> when its last collective ends
-        self._collective_ends: Dict[int, float] = {}  # collective mark -> when it ends
+        self._collective_ends: Dict[int, object] = {}  # collective mark -> when it ends (or its p2p_time.Pending)
+        self._busy_from: Dict[tuple, float] = {}  # communicator stream -> when its last transfer started
+        self.transfers = p2p_time.Transfers(peers, self._transfer_resolved)
 
     @classmethod
-    def from_settings(cls, settings: dict) -> "Schedule":
+    def from_settings(cls, settings: dict, peers: Optional[p2p_time.PeerPosts] = None) -> "Schedule":
         return cls(card_profiles.from_fields(settings["card"], "card profile"), settings["nic_gbps"],
-                   settings["host_op_s"], settings["rank"], settings.get("trace", False))
+                   settings["host_op_s"], settings["rank"], settings.get("trace", False), peers)
 
     # ---- playing the stream ------------------------------------------------------------------
     def feed(self, entries, names: List[str], collectives: list) -> None:
@@ -181,6 +189,9 @@ class Schedule:
 
     def _collective(self, mark: int, c: Collective, key: tuple) -> None:
         issued = max(self._issue(), self.ready.get(key, 0.0))  # the issuing stream's work so far is done
+        if c.op in ("send", "recv") and self.transfers.matched(c.transfer):
+            self._transfer(mark, c, key, issued)
+            return
         start = max(issued, self._communicator_free.get(c.communicator, 0.0))
         try:
             end = start + collective_time.seconds(c.op, c.nbytes, c.group_size, c.hosts, self.profile, self.nic_gbps)
@@ -190,6 +201,7 @@ class Schedule:
         self._communicator_free[c.communicator] = self._collective_ends[mark] = end
         runs_on = (key[0], communicator_stream(c.communicator)) if c.asynchronous else key
         self.ready[runs_on] = end
+        self._busy_from.pop(runs_on, None)
         if not c.asynchronous:  # the issuing stream is held from its own work's end to the collective's
             self._intervals.append((issued, end, "communication"))
         name = f"bccl:{c.op}"
@@ -199,12 +211,36 @@ class Schedule:
         if self._keep_trace:
             self._trace.append((runs_on, name, start, end, "communication", 0.0, c.nbytes))
 
+    def _transfer(self, mark: int, c: Collective, key: tuple, issued: float) -> None:
+        """A send or receive with a played peer: its end is resolved where needed (p2p_time.Transfers)."""
+        seconds = collective_time.seconds(c.op, c.nbytes, c.group_size, c.hosts, self.profile, self.nic_gbps)
+        runs_on = (key[0], communicator_stream(c.communicator)) if c.asynchronous else key
+        pending = self.transfers.issue(c.transfer, issued, seconds, runs_on, f"bccl:{c.op}", c.nbytes)
+        self._collective_ends[mark] = pending
+        totals = self._ops[pending.name]
+        totals[0] += seconds
+        totals[1] += 1
+        if not c.asynchronous:  # the issuing stream is held until it ends; the wait for the peer is idle
+            end = self.transfers.end(pending)
+            self._intervals.append((max(issued, pending.start), end, "communication"))
+
+    def _transfer_resolved(self, pending: p2p_time.Pending) -> None:
+        self.ready[pending.runs_on] = max(self.ready.get(pending.runs_on, 0.0), pending.end)
+        self._busy_from[pending.runs_on] = pending.start
+        if self._keep_trace:
+            self._trace.append((pending.runs_on, pending.name, pending.start, pending.end, "communication", 0.0,
+                                pending.nbytes))
+
     def _waited(self, waited: Waited, key: tuple) -> None:
         """The current stream (and for a barrier the host) waits for a collective's end."""
         end = self._collective_ends.get(waited.collective)
         if end is None:  # issued before the recording began
             return
         held_from = max(self.ready.get(key, 0.0), self.host)
+        if isinstance(end, p2p_time.Pending):  # until the transfer starts, the stream waits for the peer: idle
+            pending = end
+            end = self.transfers.end(pending)
+            held_from = max(held_from, pending.start)
         if end > held_from:
             self._intervals.append((held_from, end, "communication"))
         self.ready[key] = max(self.ready.get(key, 0.0), end)
@@ -214,13 +250,15 @@ class Schedule:
 
     def _all_done(self, device=None) -> float:
         """When the host, waiting for all streams (of `device`, or of every card), is through: where
-        a communicator's stream is the last, the wait for it is exposed communication."""
-        mine = [(stream, t) for (d, stream), t in self.ready.items() if device is None or d == device]
-        own = max([self.host] + [t for stream, t in mine if not isinstance(stream, str)])
-        communication = max([0.0] + [t for stream, t in mine if isinstance(stream, str)])
-        if communication > own:
-            self._intervals.append((own, communication, "communication"))
-        return max(own, communication)
+        a communicator's stream is the last, the wait for it is exposed communication (a transfer's wait
+        for its peer to post is idle)."""
+        self.transfers.resolve_all()
+        mine = [((d, stream), t) for (d, stream), t in self.ready.items() if device is None or d == device]
+        own = max([self.host] + [t for (d, stream), t in mine if not isinstance(stream, str)])
+        communication = [(key, t) for key, t in mine if isinstance(key[1], str) and t > own]
+        for key, t in communication:
+            self._intervals.append((max(own, self._busy_from.get(key, own)), t, "communication"))
+        return max([own] + [t for key, t in communication])
 
     # ---- steps -------------------------------------------------------------------------------
     def _end_step(self) -> None:
@@ -277,6 +315,7 @@ class Schedule:
                 "tokens_per_s": tokens / step_seconds if tokens and step_seconds else None, "mfu": mfu,
                 "top_ops": [{"op": name, "seconds": t, "count": n, "flops": f} for name, (t, n, f) in ranked],
                 "untimed_collectives": [{"op": op, "count": n} for op, n in self.untimed.items()],
+                "point_to_point": self.transfers.report(),
                 "memory": self._memory_points()}
 
     def _memory_points(self) -> list:
