@@ -78,6 +78,12 @@ def communicator_stream(communicator: str) -> str:
     return f"bccl {communicator}"
 
 
+def is_communicator_stream(stream) -> bool:
+    """Whether a stream key (the second half of a (device, stream) key) is a communicator's own stream:
+    card streams are numbers, communicator_stream's keys are names."""
+    return isinstance(stream, str)
+
+
 def launch_seconds(p: card_profiles.CardProfile, c: op_costs.OpCost) -> tuple:
     """(arithmetic seconds, memory seconds) of a launch of cost `c` on `p`'s card (launch latency apart);
     the profiler's card track (supa_emu/card_time.py) times a running program's launches with it too."""
@@ -254,8 +260,8 @@ class Schedule:
         for its peer to post is idle)."""
         self.transfers.resolve_all()
         mine = [((d, stream), t) for (d, stream), t in self.ready.items() if device is None or d == device]
-        own = max([self.host] + [t for (d, stream), t in mine if not isinstance(stream, str)])
-        communication = [(key, t) for key, t in mine if isinstance(key[1], str) and t > own]
+        own = max([self.host] + [t for (d, stream), t in mine if not is_communicator_stream(stream)])
+        communication = [(key, t) for key, t in mine if is_communicator_stream(key[1]) and t > own]
         for key, t in communication:
             self._intervals.append((max(own, self._busy_from.get(key, own)), t, "communication"))
         return max([own] + [t for key, t in communication])

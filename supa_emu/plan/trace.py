@@ -9,6 +9,8 @@ of their own, and the card's allocated bytes as a counter track.
 import json
 from typing import Dict, List
 
+from supa_emu.plan.time_model import is_communicator_stream
+
 STEPS_TRACK = 0  # the tracks of streams follow
 
 
@@ -25,7 +27,7 @@ def events(rank: int, launches: list, memory: list) -> list:
         if key not in tracks:
             tracks[key] = len(tracks) + 1
             device, stream = key
-            if isinstance(stream, str):  # a communicator's own stream (time_model.communicator_stream)
+            if is_communicator_stream(stream):
                 label = f"supa:{device} {stream} (communicator)"
             else:
                 label = f"supa:{device} stream {stream}" + (" (default)" if stream == 0 else "")
