@@ -36,6 +36,7 @@ JOBS = {"pp2_dp2": (2, 1, 256, 256, ["1f1b", "interleaved", "1f1b_variable"]),
         "pp4": (4, 1, 64, 32, ["1f1b", "interleaved"]),
         "pp2_tp2": (2, 2, 128, 256, ["1f1b", "interleaved", "1f1b_variable"])}
 WORLD = 4
+SEGMENT = 2 << 20  # the caching allocator's large-pool segment
 LARGE_RECV = ("recv: a large float message (activations, gradients) keeps the buffer's contents; memory does not "
               "depend on them")
 GATHERED_OBJECT = "all_gather_object: every rank's object is taken to be this rank's"
@@ -74,9 +75,11 @@ def jobs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(JOBS))
 def test_every_planned_megatron_stage_matches_the_real_job(name, mode, jobs):
     (real, real_losses), (planned, stdout) = jobs(name, mode)
-    pp, _, _, _, schedules = JOBS[name]
+    pp, tp, _, _, schedules = JOBS[name]
     # Rank 0's pipeline in Megatron's tp-dp-pp order: one rank per stage, TP x DP = WORLD / PP apart,
-    # each standing for its stage's TP x DP ranks, which in the real job hold what it holds.
+    # each standing for its stage's TP x DP ranks. Its TP peers hold what it holds, to the byte; its
+    # DP peers make the same calls, and keep other shards of the distributed optimizer, which the
+    # allocator rounds otherwise: their peaks differ by less than one of its 2 MiB segments.
     per_stage = WORLD // pp
     assert list(planned["ranks"]) == [str(rank) for rank in range(0, WORLD, per_stage)]
     for stage in range(pp):
@@ -87,14 +90,14 @@ def test_every_planned_megatron_stage_matches_the_real_job(name, mode, jobs):
         assert entry["failure"] is None and not entry["failed"], entry["failure"]
         assert entry["stands_for"] == list(range(int(rank), int(rank) + per_stage)) and entry["stands_for_why"] is None
         assert entry["stage"] == int(rank) // per_stage
-        for stand_in in entry["stands_for"]:  # the played rank itself first
-            actual = real[stand_in]
-            for key in ("peak_allocated", "peak_reserved", "collectives"):
-                assert entry[key] == actual[key], f"rank {rank} for rank {stand_in}: {key}"
+        for stand_in in entry["stands_for"]:  # the played rank itself first, then its TP peers
+            actual, tp_peer = real[stand_in], stand_in - int(rank) < tp
             assert [s["name"] for s in entry["sections"]] == [s["name"] for s in actual["sections"]] == schedules
-            for mine, theirs in zip(entry["sections"], actual["sections"]):
-                for key in ("peak_allocated", "peak_reserved", "collectives"):
-                    assert mine[key] == theirs[key], f"rank {rank} for rank {stand_in}, {mine['name']}: {key}"
+            for mine, theirs in zip([entry, *entry["sections"]], [actual, *actual["sections"]]):
+                assert mine["collectives"] == theirs["collectives"], f"rank {rank} for rank {stand_in}"
+                for key in ("peak_allocated", "peak_reserved"):
+                    assert mine[key] == theirs[key] if tp_peer else abs(mine[key] - theirs[key]) <= SEGMENT, \
+                        f"rank {rank} for rank {stand_in}, {mine.get('name', 'the job')}: {key}"
         assert {"send", "recv"} <= {c["op"] for c in entry["collectives"]}
         for mine in entry["sections"]:
             if mine["name"] == "1f1b_variable":  # the shapes, carried to the played peer
