@@ -203,8 +203,9 @@ def main():
     model, optimizer = build(args, shape)
     rank = torch.distributed.get_rank()
     if rank == 0:
-        print(f"GPT {args.model}: {shape[2]} layers, hidden {shape[1]}, {shape[0]} heads, TP {tp} PP {pp} DP {dp}, "
-              f"{micro_batches} micro-batches of {args.micro_batch} x {args.seq} a step", flush=True)
+        sp = " with SP" if args.sequence_parallel else ""
+        print(f"GPT {args.model}: {shape[2]} layers, hidden {shape[1]}, {shape[0]} heads, TP {tp}{sp} PP {pp} "
+              f"DP {dp}, {micro_batches} micro-batches of {args.micro_batch} x {args.seq} a step", flush=True)
     # Tokens a step per card, as tokens/s per GPU counts them: this DP rank's sequences over the
     # TP x PP cards that share them.
     supa_emu.plan.tokens(micro_batches * args.micro_batch * args.seq // (tp * pp))
