@@ -3,6 +3,9 @@
 `--rank all-stages` plays rank 0's pipeline, one rank per stage (play_order.py). Under the
 uniform-rank rule the other ranks of a stage (its data, tensor, context and expert parallel peers)
 hold what the played one holds, so the report names, for each played rank, the ranks it stands for.
+(Tensor parallel peers hold it to the byte; data parallel peers that keep other shards of a sharded
+optimizer make the same calls, with figures that can differ by the allocator's rounding of their
+shards: docs/planner.md, "Pipeline parallelism".)
 
 The rule, for a world laid out as a mesh of ranks with a pipeline dimension of stride s (Megatron's
 tp-dp-pp order, torchtitan's DeviceMesh, DeepSpeed's pipe-data topology): rank 0's pipeline is ranks
