@@ -28,6 +28,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module, MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import supa_emu.plan
@@ -50,6 +51,8 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=131072)
     for name in ("layers", "hidden", "heads", "tp", "pp"):
         p.add_argument(f"--{name}", type=int, help="override the table's row (small real runs)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism over the TP ranks (the published runs use it)")
     return p.parse_args()
 
 
@@ -78,10 +81,32 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, hidden / TP]
 
 
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm built from Megatron's norm arguments, in place of the local spec's, which
+    refuses sequence parallelism (apex's fused norm, which allows it, is not on SUPA cards). With
+    sequence parallelism each TP rank normalizes its own part of the sequence: its weight and bias
+    are marked `sequence_parallel`, so finalize_model_grads sums their grads over the TP ranks."""
+
+    def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                 normalization="LayerNorm"):
+        if config.normalization != "LayerNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError("SequenceParallelLayerNorm: only LayerNorm without zero-centered gamma")
+        super().__init__(hidden_size, eps=eps)
+        for parameter in (self.weight, self.bias):
+            parameter.sequence_parallel = config.sequence_parallel
+
+
 def layer_spec():
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelLayerNorm
     return spec
+
+
+def block_spec(config, vp_stage):
+    """This stage's layers and the final norm (the block's default final norm is the local spec's)."""
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec()] * layers, layer_norm=SequenceParallelLayerNorm)
 
 
 def as_cuda_type_names(model):
@@ -101,11 +126,12 @@ def as_cuda_type_names(model):
 
 def build(args, shape, vpp=None):
     """The model and Megatron's optimizer; with `vpp` (virtual pipeline stages per rank, interleaved
-    1F1B) the model is the list of this rank's `vpp` chunks, as Megatron's schedule takes it."""
+    1F1B) the model is the list of this rank's `vpp` chunks, as Megatron's schedule takes it. With
+    `args.sequence_parallel` (TP > 1) the activations between the TP layers are split along the sequence."""
     heads, hidden, layers, tp, pp = shape
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,  # FFN 4 x hidden, GELU, LayerNorm
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,  # no sequence parallelism: torch LayerNorm refuses it
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=args.sequence_parallel,
         virtual_pipeline_model_parallel_size=vpp,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         attention_dropout=0.0, hidden_dropout=0.0,
@@ -117,7 +143,7 @@ def build(args, shape, vpp=None):
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage
         model = GPTModel(
-            config=config, transformer_layer_spec=layer_spec(), vocab_size=args.vocab,
+            config=config, transformer_layer_spec=block_spec(config, stage), vocab_size=args.vocab,
             max_sequence_length=args.seq, share_embeddings_and_output_weights=False,  # untied, as the sizes count
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage), vp_stage=stage,
@@ -177,8 +203,9 @@ def main():
     model, optimizer = build(args, shape)
     rank = torch.distributed.get_rank()
     if rank == 0:
-        print(f"GPT {args.model}: {shape[2]} layers, hidden {shape[1]}, {shape[0]} heads, TP {tp} PP {pp} DP {dp}, "
-              f"{micro_batches} micro-batches of {args.micro_batch} x {args.seq} a step", flush=True)
+        sp = " with SP" if args.sequence_parallel else ""
+        print(f"GPT {args.model}: {shape[2]} layers, hidden {shape[1]}, {shape[0]} heads, TP {tp}{sp} PP {pp} "
+              f"DP {dp}, {micro_batches} micro-batches of {args.micro_batch} x {args.seq} a step", flush=True)
     # Tokens a step per card, as tokens/s per GPU counts them: this DP rank's sequences over the
     # TP x PP cards that share them.
     supa_emu.plan.tokens(micro_batches * args.micro_batch * args.seq // (tp * pp))

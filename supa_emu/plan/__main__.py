@@ -203,7 +203,7 @@ def main(argv=None) -> int:
                                   lambda rank, code: collect_rank(rank, code, shared))
     traces = [records[rank].pop("trace", None) or [] for rank in sorted(records)]
     full = report.build(args.world_size, args.cards_per_host, args.script, args.script_args, records, args.mode,
-                        args.moe_routing)
+                        args.moe_routing, args.all_stages)
     print(report.text(full), flush=True)
     if args.json:
         with open(args.json, "w") as out:

@@ -14,7 +14,7 @@ it: Megatron-core's stages exchange only activations and gradients, which no ran
 rank per pipeline stage of rank 0's pipeline, whatever the script's layout (with "pp" the outermost
 mesh dimension, as torchtitan's and Megatron's tp-dp-pp order, rank 0's pipeline is ranks 0, N/PP,
 2N/PP, ...). Under the uniform-rank rule the other ranks of a stage (its data, tensor and context
-parallel peers) hold what the played one holds.
+parallel peers) hold what the played one holds; the report names them (stages.py).
 
 When every running rank waits for a message no running rank can send any more (the program's
 sends and receives do not match), the planner says so to them (they fail with the call site)

@@ -129,6 +129,7 @@ def main(argv) -> int:
     world.save_root_values()
     record = rank_record.record(failure)
     record["moe_routing"] = moe_routing.summary()
+    record["groups"] = world.memberships()
     record["time"] = op_stream.finish()
     if settings.get("trace"):
         record["trace"] = op_stream.trace_events()

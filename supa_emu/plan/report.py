@@ -9,15 +9,19 @@ group_size, dtype, bytes, count}]), value_dependent ([{what, count, site}]), no_
 mode's operators that ran their kernels for want of a shape rule, [{what, count, site}]),
 sections ([{name, peak_allocated, peak_reserved, collectives}], see rank_record.section), failure
 ({error, traceback} or null), failed (true when the rank did not run to the end: its figures are
-those up to its failure), moe_routing ({assumed, routers: {class: forward calls that chose the assumed
-experts}}), time (the card's time, time_model.Schedule.report: card, steps
+those up to its failure), with --rank all-stages: stage (its pipeline stage, null where not derived),
+stands_for (the ranks whose figures are its own under the uniform rule), stands_for_why (null, or
+why the stages were not derived: it stands for itself alone; stages.py), moe_routing ({assumed,
+routers: {class: forward calls that chose the assumed experts}}), time (the card's time, time_model.Schedule.report: card, steps
 [{step, seconds, flops, mfu, split, tokens}], step_seconds, tokens_per_s, mfu, top_ops, untimed_collectives,
-point_to_point ({timed_with_peer, timed_alone: {why: transfers}}, p2p_time.py); null where no step was recorded)}, largest -> peak_allocated / peak_reserved -> {rank, bytes, failed}: the
+point_to_point ({timed_with_peer, timed_alone: {why: transfers}}, p2p_time.py); null where no step was
+recorded)}, largest -> peak_allocated / peak_reserved -> {rank, bytes, failed}: the
 largest figure over the played ranks and the rank that holds it.
 """
 
 from typing import Dict
 
+from supa_emu.plan import stages
 from supa_emu.plan.plot import FAILED, _size
 
 
@@ -31,8 +35,13 @@ def lost_rank(rank: int, returncode: int) -> dict:
 
 
 def build(world_size: int, cards_per_host: int, script: str, args, records: Dict[int, dict], mode: str,
-          moe_routing: str = "balanced") -> dict:
+          moe_routing: str = "balanced", all_stages: bool = False) -> dict:
     ranks = {str(rank): dict(record, failed=record["failure"] is not None) for rank, record in sorted(records.items())}
+    groups = {rank: entry.pop("groups", []) for rank, entry in ranks.items()}  # the planner's own, not reported
+    if all_stages:
+        for rank, stand_in in stages.stand_ins(world_size, {int(r): g for r, g in groups.items()}).items():
+            ranks[str(rank)].update(stage=stand_in["stage"], stands_for=stand_in["stands_for"],
+                                    stands_for_why=stand_in["why"])
     return {"world_size": world_size, "cards_per_host": cards_per_host, "mode": mode, "moe_routing": moe_routing,
             "script": script, "args": list(args),
             "capacity": max(r["capacity"] for r in records.values()),
@@ -61,6 +70,9 @@ def text(report: dict) -> str:
         lines.append(f"largest: {_size(allocated['bytes'])} allocated on rank {allocated['rank']}"
                      f"{' (FAILED)' if allocated['failed'] else ''}, {_size(reserved['bytes'])} reserved on rank "
                      f"{reserved['rank']}{' (FAILED)' if reserved['failed'] else ''}")
+    played = [(rank, r) for rank, r in report["ranks"].items() if "stands_for" in r]
+    for rank, r in played:
+        lines.append(stages.describe(int(rank), r["stage"], len(played), r["stands_for"], r["stands_for_why"]))
     lines.extend(_routing_lines(report))
     for rank, r in report["ranks"].items():
         lines.extend(time_lines(rank, r.get("time")))

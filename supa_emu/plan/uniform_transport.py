@@ -97,7 +97,7 @@ class UniformTransport(Transport):
     """The peers of a planned group, replaced by the uniform-rank rule."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, options, label: str):
-        world.admit(rank, size)
+        world.admit(rank, size, options.global_ranks_in_group or range(size))
         self._rank, self._size, self._options = rank, size, options
         self._bytes_move = process_state.core()._card_bytes_move
 

@@ -7,7 +7,7 @@ groups, answers every collective from here. A process that was not started as a 
 """
 
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -17,6 +17,7 @@ from supa_emu.plan.plan_directory import write_atomically
 # Set by the planner's rank process (`play`): (rank, world size, pid).
 _played: Optional[tuple] = None
 _groups_created = 0
+_memberships: Dict[tuple, None] = {}  # the global ranks of each group this rank is in, in creation order
 
 # What the first played rank broadcast as a root, for the ranks played after it: a program that
 # broadcasts a placeholder from non-roots (DeepSpeed's "same list on every rank" checks) needs
@@ -55,8 +56,9 @@ def _load_root_values() -> None:
         _values_read = written
 
 
-def admit(group_rank: int, group_size: int) -> None:
-    """Checks that a group this process creates belongs to the planned world (raises PlanError)."""
+def admit(group_rank: int, group_size: int, members: Sequence[int]) -> None:
+    """Checks that a group this process creates belongs to the planned world (raises PlanError), and
+    notes its `members` (global ranks): which ranks a played one stands for is checked against them."""
     global _groups_created
     if _played is None or _played[2] != os.getpid():
         raise PlanError(
@@ -69,10 +71,16 @@ def admit(group_rank: int, group_size: int) -> None:
             f"but this process plays rank {rank} of {world_size}: take rank and world size from the "
             f"environment (RANK, WORLD_SIZE) as under a launcher")
     _groups_created += 1
+    _memberships[tuple(members)] = None
 
 
 def groups_created() -> int:
     return _groups_created
+
+
+def memberships() -> List[List[int]]:
+    """The global ranks of every group this rank is in (each distinct list once)."""
+    return [list(members) for members in _memberships]
 
 
 def root_value(group_name: str, host: torch.Tensor, is_root: bool) -> Optional[torch.Tensor]:

@@ -1,16 +1,17 @@
 """A small Megatron-core GPT over a pipeline (Megatron's own schedules), two steps per schedule.
 
-    megatron_pipeline.py PP HIDDEN SEQ SCHEDULE [SCHEDULE...]
+    megatron_pipeline.py PP TP HIDDEN SEQ SCHEDULE [SCHEDULE...]
         1f1b; interleaved: 2 virtual stages per rank; 1f1b_variable: 1F1B with variable_seq_lengths
         (the stages send each message's shape, int64, before it)
 
 The model, its optimizer and its data are examples/megatron_core_gpt_at_scale.py's (bf16, Megatron's
 DDP and distributed optimizer, SDPA attention), shrunk: 8 layers, 4 heads, vocabulary 128, micro-batches
 of one sequence, 8 sequences a step over the data-parallel ranks. Each schedule trains its own model
-in a planner section of its name after `initialize_model_parallel` (TP 1; DP = world / PP; Megatron's
-tp-dp-pp order, so rank 0's pipeline is ranks 0, world/PP, ...). The stages send activations of
-HIDDEN x SEQ bf16 values: above 64 KiB, messages the planner does not carry (Megatron's stages
-exchange nothing else at a fixed sequence length).
+in a planner section of its name after `initialize_model_parallel` (DP = world / (PP x TP); Megatron's
+tp-dp-pp order, so rank 0's pipeline is ranks 0, world/PP, ... and its TP peers are ranks 0 to TP-1).
+With TP > 1 the model uses Megatron's sequence parallelism, as the published runs do. The stages send
+activations of HIDDEN x SEQ / TP bf16 values: above 64 KiB, messages the planner does not carry
+(Megatron's stages exchange nothing else at a fixed sequence length).
 """
 import gc
 import os
@@ -30,8 +31,8 @@ from supa_emu.plan import section  # noqa: E402
 
 LAYERS, HEADS, GLOBAL_BATCH = 8, 4, 8
 VIRTUAL_STAGES = {"1f1b": None, "interleaved": 2, "1f1b_variable": None}
-pp, hidden, seq = (int(value) for value in sys.argv[1:4])
-args = SimpleNamespace(vocab=128, seq=seq, micro_batch=1)
+pp, tp, hidden, seq = (int(value) for value in sys.argv[1:5])
+args = SimpleNamespace(vocab=128, seq=seq, micro_batch=1, sequence_parallel=tp > 1)
 
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 torch.distributed.init_process_group("nccl")
@@ -39,11 +40,12 @@ torch.distributed.init_process_group("nccl")
 
 def train(name: str) -> None:
     vpp = VIRTUAL_STAGES[name]
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
     micro_batches = GLOBAL_BATCH // parallel_state.get_data_parallel_world_size()
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    model, optimizer = gpt.build(args, (HEADS, hidden, LAYERS, 1, pp), vpp)
+    model, optimizer = gpt.build(args, (HEADS, hidden, LAYERS, tp, pp), vpp)
     chunks = model if vpp else [model]
     chunks[0].config.variable_seq_lengths = name == "1f1b_variable"  # the schedule reads the model's config
     data = [gpt.batches(args) for _ in chunks]
@@ -65,7 +67,7 @@ def train(name: str) -> None:
     parallel_state.destroy_model_parallel()
 
 
-for schedule in sys.argv[4:]:
+for schedule in sys.argv[5:]:
     with section(schedule):
         train(schedule)
 torch.distributed.destroy_process_group()
