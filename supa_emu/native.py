@@ -52,7 +52,9 @@ def _sources() -> list[pathlib.Path]:
 # that need far heavier headers (ATen.h for the autocast policies, Python.h and pybind11 for the
 # bindings and the GPU trace's Python half) get a unit each so that they compile in parallel with
 # it. The bccl backend's files that parse c10d's headers (the bindings parse them anyway) join the
-# bindings. A new .cpp file joins "runtime".
+# bindings. A new .cpp file joins "runtime". A precompiled header of the torch headers the units
+# share does not pay with four units: GCC spends more CPU writing it than the units save by reading
+# it (bench/native_build.py --part pch; docs/measured_figures.md).
 _UNIT_FILES = {
     "bindings": ("module.cpp", "aten/shapes_bindings.cpp", "runtime/gpu_trace.cpp", "distributed/all_gather.cpp",
                  "distributed/signature_board.cpp", "distributed/reducer_timer.cpp", "runtime/op_trace_bindings.cpp",
