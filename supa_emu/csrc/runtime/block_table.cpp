@@ -3,8 +3,6 @@
 
 #include "card_memory.h"
 
-#include <c10/util/Exception.h>
-
 #include <cstdint>
 
 namespace supa {
@@ -32,6 +30,16 @@ BlockTable::Owners& BlockTable::entry(Shard& s, const void* ptr) {
   return s.owners.insert(std::move(node)).position->second;
 }
 
+void BlockTable::forget_if_unowned(Shard& s, OwnersMap::iterator it) {
+  if (it->second.block == nullptr && it->second.provisional == nullptr) {
+    if (s.spare.size() < kSpareNodes) {
+      s.spare.push_back(s.owners.extract(it));
+    } else {
+      s.owners.erase(it);
+    }
+  }
+}
+
 template <typename T>
 void BlockTable::add(const void* ptr, T* Owners::*slot, T* value) {
   Shard& s = shard(ptr);
@@ -50,13 +58,7 @@ T* BlockTable::remove(const void* ptr, T* Owners::*slot) {
     return nullptr;
   }
   T* held = std::exchange(it->second.*slot, nullptr);
-  if (it->second.block == nullptr && it->second.provisional == nullptr) {
-    if (s.spare.size() < kSpareNodes) {
-      s.spare.push_back(s.owners.extract(it));
-    } else {
-      s.owners.erase(it);
-    }
-  }
+  forget_if_unowned(s, it);
   return held;
 }
 
@@ -90,15 +92,6 @@ ProvisionalBlock* BlockTable::remove_provisional(const void* ptr) {
 
 ProvisionalBlock* BlockTable::find_provisional(const void* ptr) const {
   return find(ptr, &Owners::provisional);
-}
-
-void BlockTable::commit_in_place(CardBlock* block) {
-  Shard& s = shard(block->ptr);
-  std::lock_guard<std::mutex> lock(s.mutex);
-  Owners& owners = s.owners.at(block->ptr);
-  TORCH_INTERNAL_ASSERT(owners.block == nullptr, "supa_emu: two blocks of one kind handed out at one address");
-  owners.provisional = nullptr;
-  owners.block = block;
 }
 
 }  // namespace supa

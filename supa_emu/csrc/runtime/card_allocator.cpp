@@ -123,7 +123,9 @@ CardBlock* CardAllocator::count_placed(const Placement& placed, size_t nbytes, c
   }
   block->allocated = true;
   block->requested = nbytes;
-  in_table ? table_.commit_in_place(block) : table_.add_block(block);
+  if (!in_table) {
+    table_.add_block(block);
+  }
   count_block(stats_.allocation, small, true);
   count_block(stats_.active, small, true);
   update(stats_.allocated_bytes, small, block->size, true);
