@@ -3,6 +3,7 @@
 
 #include "card_memory.h"
 
+#include <algorithm>
 #include <cstdint>
 
 namespace supa {
@@ -31,13 +32,27 @@ BlockTable::Owners& BlockTable::entry(Shard& s, const void* ptr) {
 }
 
 void BlockTable::forget_if_unowned(Shard& s, OwnersMap::iterator it) {
-  if (it->second.block == nullptr && it->second.provisional == nullptr) {
-    if (s.spare.size() < kSpareNodes) {
-      s.spare.push_back(s.owners.extract(it));
-    } else {
-      s.owners.erase(it);
+  const auto unowned = [](const Owners& owners) { return owners.block == nullptr && owners.provisional == nullptr; };
+  if (!unowned(it->second)) {
+    return;
+  }
+  const auto kept = s.unowned.begin(), kept_end = kept + s.unowned_count;
+  if (std::find(kept, kept_end, it->first) != kept_end) {
+    return;
+  }
+  if (s.unowned_count == kKeptUnowned) {  // the oldest goes, unless something holds its address again
+    const void* oldest = s.unowned[0];
+    std::move(kept + 1, kept_end, kept);
+    --s.unowned_count;
+    if (auto old = s.owners.find(oldest); old != s.owners.end() && unowned(old->second)) {
+      if (s.spare.size() < kSpareNodes) {
+        s.spare.push_back(s.owners.extract(old));
+      } else {
+        s.owners.erase(old);
+      }
     }
   }
+  s.unowned[s.unowned_count++] = it->first;
 }
 
 template <typename T>

@@ -74,15 +74,21 @@ class BlockTable {
     ProvisionalBlock* provisional = nullptr;
   };
   using OwnersMap = std::unordered_map<const void*, Owners>;
+  static constexpr size_t kKeptUnowned = 8;  // per shard
   struct Shard {
     mutable std::mutex mutex;
     OwnersMap owners;
     // Nodes of addresses that left, reused by the next to come: an operator's result handed out
     // and freed on every call costs the heap nothing.
     std::vector<OwnersMap::node_type> spare;
+    // The last addresses left with nothing at them, oldest first: their entries stay for the next
+    // block at them (an operator's result freed and placed again at one address every call costs
+    // no removal and insertion).
+    std::array<const void*, kKeptUnowned> unowned{};
+    size_t unowned_count = 0;
   };
-  // The entry of `ptr` in `s`, made if there is none, and the entry at `it` gone if nothing holds
-  // its address any more (under the shard's lock).
+  // The entry of `ptr` in `s`, made if there is none; the entry at `it`, when nothing holds its
+  // address any more, kept among the shard's last unowned ones or gone (under the shard's lock).
   static Owners& entry(Shard& s, const void* ptr);
   static void forget_if_unowned(Shard& s, OwnersMap::iterator it);
   static constexpr size_t kShards = 16;
