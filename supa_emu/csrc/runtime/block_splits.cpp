@@ -1,12 +1,6 @@
-// How free blocks are split to serve requests and merged back when freed: CardMemory's members
-// (card_memory.h) for it, under the caller's serialisation as the rest of the card's.
-//
-// A small operator's result is split off the front of its segment's free block and merged back
-// into it on every call. Done literally (the free block out of its list, the remainder into it, and
-// back again) that costs the result most of its placing, so where the free lists' order allows, the
-// free block's list entry stays in place and is changed to the remainder, and a freed block merges
-// into its one free neighbour's entry; the blocks, their order and every figure are the same.
-#include "card_memory.h"
+// Splits and merges of the card's free blocks (block_splits.h): CardMemory's members for them, under
+// the caller's serialisation as the rest of the card's.
+#include "block_splits.h"
 
 #include <iterator>
 #include <utility>

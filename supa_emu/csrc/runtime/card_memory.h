@@ -319,7 +319,7 @@ class CardMemory {
   void delete_block(CardBlock* block) {
     spare_blocks_.size() < kSpares ? spare_blocks_.push_back(block) : void(delete block);
   }
-  // Splits and merges (block_splits.cpp).
+  // Splits and merges (block_splits.h).
   bool hand_out_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
   bool splits(const CardBlock& block, size_t size, const BlockPolicy& policy) const;
   static void count_split(bool already_split, size_t size, size_t remaining, Placement& placed);
