@@ -16,7 +16,8 @@ from supa_emu import native, native_compile
 TEST_SOURCE = pathlib.Path(__file__).parent / "cpp" / "card_memory_test.cpp"
 RUNTIME = native.SOURCE_DIR / "runtime"
 # The card model and what it is built on.
-CARD_MODEL = [RUNTIME / "card_memory.cpp", RUNTIME / "host_memory.cpp", RUNTIME / "expandable_segments.cpp"]
+CARD_MODEL = [RUNTIME / "card_memory.cpp", RUNTIME / "block_splits.cpp", RUNTIME / "host_memory.cpp",
+              RUNTIME / "expandable_segments.cpp"]
 
 # Every case main() runs; the program must report each one.
 CASES = (
@@ -39,6 +40,7 @@ CASES = (
     "host_out_of_memory",
     "taken_and_given_back",
     "taken_again_at_its_address",
+    "random_requests_take_the_best_fit",
     "reserved_address_space_backing",
     "lowest_card_address_whatever_the_host_address",
     "expandable_segments_map_and_unmap_pages",

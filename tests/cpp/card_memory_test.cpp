@@ -7,10 +7,12 @@
 #include "card_memory.h"
 #include "expandable_segments.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -129,9 +131,10 @@ void large_request_whole_block_handout() {
   CHECK(t.last.segment->size == 20 * MiB && !t.last.segment->small);
   CHECK(a->size == 20 * MiB && !a->is_split());
   CHECK(t.last.inactive_split == 0);
+  void* const start = a->ptr;
   t.card.cache(a);
   CardBlock* b = t.take(18 * MiB);  // remainder 2 MiB: split
-  REQUIRE(b == a);
+  REQUIRE(b != nullptr && b->ptr == start);
   CHECK(b->size == 18 * MiB && b->is_split() && t.last.inactive_split == 1);
   CardBlock* c = t.take(2 * MiB);  // the 2 MiB remainder: handed out whole, no new segment
   REQUIRE(c != nullptr && t.last.segment == nullptr);
@@ -365,6 +368,48 @@ void taken_and_given_back() {
   CHECK(t.card.changes() == changes + 1);
 }
 
+// Random requests, frees, takes and give-backs: each gets the best fit a search of all blocks finds,
+// the changes reported add up to the split segments' free blocks (in-place splits keep the order).
+void random_requests_take_the_best_fit() {
+  TestCard t(64 * MiB);
+  auto next = [s = uint64_t{12345}](uint64_t n) mutable { return ((s = s * 6364136223846793005ULL + 1) >> 33) % n; };
+  std::vector<CardBlock*> live;
+  int64_t reported_blocks = 0, reported_bytes = 0;
+  for (int step = 0; step < 6000; ++step) {
+    const size_t size = (next(16) + 1) * 512;
+    const CardBlock* best = nullptr;
+    int64_t blocks = 0, bytes = 0;
+    for (const auto& entry : t.card.segments()) {
+      for (const CardBlock* b : t.card.blocks_of(*entry.second)) {
+        blocks += !b->allocated && b->is_split() ? 1 : 0;
+        bytes += !b->allocated && b->is_split() ? static_cast<int64_t>(b->size) : 0;
+        best = !b->allocated && b->size >= size && (!best || supa::BlockBySize()(b, best)) ? b : best;
+      }
+    }
+    REQUIRE(blocks == reported_blocks && bytes == reported_bytes);
+    void* const expected = best != nullptr ? best->ptr : nullptr;  // (placing may change `best`)
+    supa::Release changed;  // the free blocks' change reported
+    if (!live.empty() && next(5) < 2) {
+      CardBlock* block = std::exchange(live[next(live.size())], live.back());
+      live.pop_back();
+      changed = next(2) == 0 ? t.card.cache(block) : t.card.give_back(block);
+    } else {
+      const bool take = next(2) == 0;
+      const Placement placed = take ? t.card.take_free(size, kGeneral, BlockPolicy(), 0)
+                                    : t.card.place(size, kGeneral, BlockPolicy(), 0);
+      REQUIRE(placed.block ? (expected ? placed.block->ptr == expected : !!placed.segment) : !expected && take);
+      if (placed.block != nullptr) {
+        placed.block->allocated = true;
+        live.push_back(placed.block);
+        changed = {placed.inactive_split, placed.inactive_split_bytes};
+      }
+    }
+    reported_blocks += changed.inactive_split;
+    reported_bytes += changed.inactive_split_bytes;
+  }
+  std::for_each(live.begin(), live.end(), [&t](CardBlock* block) { t.card.cache(block); });
+}
+
 // A block given back is taken again at its address (an operator's result set aside while another
 // is placed): the free memory around it stays free, the split counts as take_free's would.
 void taken_again_at_its_address() {
@@ -535,6 +580,7 @@ int main() {
       {"host_out_of_memory", host_out_of_memory},
       {"taken_and_given_back", taken_and_given_back},
       {"taken_again_at_its_address", taken_again_at_its_address},
+      {"random_requests_take_the_best_fit", random_requests_take_the_best_fit},
       {"reserved_address_space_backing", reserved_address_space_backing},
       {"lowest_card_address_whatever_the_host_address", lowest_card_address_whatever_the_host_address},
       {"expandable_segments_map_and_unmap_pages", expandable_segments_map_and_unmap_pages},

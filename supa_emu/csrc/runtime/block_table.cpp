@@ -3,8 +3,7 @@
 
 #include "card_memory.h"
 
-#include <c10/util/Exception.h>
-
+#include <algorithm>
 #include <cstdint>
 
 namespace supa {
@@ -32,6 +31,30 @@ BlockTable::Owners& BlockTable::entry(Shard& s, const void* ptr) {
   return s.owners.insert(std::move(node)).position->second;
 }
 
+void BlockTable::forget_if_unowned(Shard& s, OwnersMap::iterator it) {
+  const auto unowned = [](const Owners& owners) { return owners.block == nullptr && owners.provisional == nullptr; };
+  if (!unowned(it->second)) {
+    return;
+  }
+  const auto kept = s.unowned.begin(), kept_end = kept + s.unowned_count;
+  if (std::find(kept, kept_end, it->first) != kept_end) {
+    return;
+  }
+  if (s.unowned_count == kKeptUnowned) {  // the oldest goes, unless something holds its address again
+    const void* oldest = s.unowned[0];
+    std::move(kept + 1, kept_end, kept);
+    --s.unowned_count;
+    if (auto old = s.owners.find(oldest); old != s.owners.end() && unowned(old->second)) {
+      if (s.spare.size() < kSpareNodes) {
+        s.spare.push_back(s.owners.extract(old));
+      } else {
+        s.owners.erase(old);
+      }
+    }
+  }
+  s.unowned[s.unowned_count++] = it->first;
+}
+
 template <typename T>
 void BlockTable::add(const void* ptr, T* Owners::*slot, T* value) {
   Shard& s = shard(ptr);
@@ -50,13 +73,7 @@ T* BlockTable::remove(const void* ptr, T* Owners::*slot) {
     return nullptr;
   }
   T* held = std::exchange(it->second.*slot, nullptr);
-  if (it->second.block == nullptr && it->second.provisional == nullptr) {
-    if (s.spare.size() < kSpareNodes) {
-      s.spare.push_back(s.owners.extract(it));
-    } else {
-      s.owners.erase(it);
-    }
-  }
+  forget_if_unowned(s, it);
   return held;
 }
 
@@ -90,15 +107,6 @@ ProvisionalBlock* BlockTable::remove_provisional(const void* ptr) {
 
 ProvisionalBlock* BlockTable::find_provisional(const void* ptr) const {
   return find(ptr, &Owners::provisional);
-}
-
-void BlockTable::commit_in_place(CardBlock* block) {
-  Shard& s = shard(block->ptr);
-  std::lock_guard<std::mutex> lock(s.mutex);
-  Owners& owners = s.owners.at(block->ptr);
-  TORCH_INTERNAL_ASSERT(owners.block == nullptr, "supa_emu: two blocks of one kind handed out at one address");
-  owners.provisional = nullptr;
-  owners.block = block;
 }
 
 }  // namespace supa

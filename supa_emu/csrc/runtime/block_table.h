@@ -10,6 +10,8 @@
 // its deleter.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <array>
 #include <cstddef>
 #include <mutex>
@@ -43,8 +45,28 @@ class BlockTable {
   void add_provisional(void* ptr, ProvisionalBlock* block);
   ProvisionalBlock* remove_provisional(const void* ptr);
   ProvisionalBlock* find_provisional(const void* ptr) const;
-  // The provisional block at `block->ptr` becomes that counted block (committed where it is).
-  void commit_in_place(CardBlock* block);
+  // The provisional block at `ptr` out of the table when `claim(block, counted)`, called under the
+  // table's lock, says so, with the counted block it sets (if any) in its place (committed where it
+  // is): a commit's one look-up. Null when there is none or it is not claimed.
+  template <typename Claim>
+  ProvisionalBlock* claim_provisional(const void* ptr, Claim&& claim) {
+    Shard& s = shard(ptr);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.owners.find(ptr);
+    ProvisionalBlock* const block = it == s.owners.end() ? nullptr : it->second.provisional;
+    CardBlock* counted = nullptr;
+    if (block == nullptr || !claim(*block, counted)) {
+      return nullptr;
+    }
+    it->second.provisional = nullptr;
+    if (counted != nullptr) {
+      TORCH_INTERNAL_ASSERT(it->second.block == nullptr, "supa_emu: two blocks of one kind handed out at one address");
+      it->second.block = counted;
+    } else {
+      forget_if_unowned(s, it);
+    }
+    return block;
+  }
 
  private:
   struct Owners {
@@ -52,15 +74,23 @@ class BlockTable {
     ProvisionalBlock* provisional = nullptr;
   };
   using OwnersMap = std::unordered_map<const void*, Owners>;
+  static constexpr size_t kKeptUnowned = 8;  // per shard
   struct Shard {
     mutable std::mutex mutex;
     OwnersMap owners;
     // Nodes of addresses that left, reused by the next to come: an operator's result handed out
     // and freed on every call costs the heap nothing.
     std::vector<OwnersMap::node_type> spare;
+    // The last addresses left with nothing at them, oldest first: their entries stay for the next
+    // block at them (an operator's result freed and placed again at one address every call costs
+    // no removal and insertion).
+    std::array<const void*, kKeptUnowned> unowned{};
+    size_t unowned_count = 0;
   };
-  // The entry of `ptr` in `s`, made if there is none (under the shard's lock).
+  // The entry of `ptr` in `s`, made if there is none; the entry at `it`, when nothing holds its
+  // address any more, kept among the shard's last unowned ones or gone (under the shard's lock).
   static Owners& entry(Shard& s, const void* ptr);
+  static void forget_if_unowned(Shard& s, OwnersMap::iterator it);
   static constexpr size_t kShards = 16;
   Shard& shard(const void* ptr) const;
   template <typename T>

@@ -21,8 +21,8 @@ using c10::CachingAllocator::StatArray;
 using c10::CachingDeviceAllocator::DeviceStats;
 
 // A statistic moves in "all" and in the pool (small or large) of the block or segment (written
-// out, not looped: every allocation and free moves a dozen of them).
-inline void update(StatArray& stat, bool small, int64_t amount) {
+// out, not looped, and inlined: every allocation and free moves a dozen of them).
+C10_ALWAYS_INLINE void update(StatArray& stat, bool small, int64_t amount) {
   Stat& pool = stat[small ? 1 : 2];
   if (amount > 0) {
     stat[0].increase(static_cast<size_t>(amount));
@@ -33,12 +33,12 @@ inline void update(StatArray& stat, bool small, int64_t amount) {
   }
 }
 
-void update(StatArray& stat, bool small, size_t size, bool increase) {
+C10_ALWAYS_INLINE void update(StatArray& stat, bool small, size_t size, bool increase) {
   update(stat, small, increase ? static_cast<int64_t>(size) : -static_cast<int64_t>(size));
 }
 
 // Count statistics (allocation, segment, active) move by one per block.
-void count_block(StatArray& stat, bool small, bool increase) {
+C10_ALWAYS_INLINE void count_block(StatArray& stat, bool small, bool increase) {
   update(stat, small, increase ? 1 : -1);
 }
 
@@ -123,7 +123,9 @@ CardBlock* CardAllocator::count_placed(const Placement& placed, size_t nbytes, c
   }
   block->allocated = true;
   block->requested = nbytes;
-  in_table ? table_.commit_in_place(block) : table_.add_block(block);
+  if (!in_table) {
+    table_.add_block(block);
+  }
   count_block(stats_.allocation, small, true);
   count_block(stats_.active, small, true);
   update(stats_.allocated_bytes, small, block->size, true);

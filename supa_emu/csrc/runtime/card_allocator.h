@@ -30,6 +30,11 @@ using Stack = std::shared_ptr<torch::CapturedTraceback>;
 class CardAllocator {
  public:
   CardAllocator(c10::DeviceIndex device, int64_t capacity, Backing backing, BlockTable& table);
+  ~CardAllocator() {
+    for (ProvisionalBlock* record : spare_records_) {
+      delete record;
+    }
+  }
   CardAllocator(const CardAllocator&) = delete;
   CardAllocator& operator=(const CardAllocator&) = delete;
 
@@ -46,12 +51,12 @@ class CardAllocator {
   void* take_provisional(size_t nbytes, bool from_card, const PoolId& pool, c10::StreamId stream, uint64_t call);
   // One the table gave up, freed before it was committed: back where it came from.
   void drop_provisional(ProvisionalBlock* block, void* ptr);
-  // One in the table (or displaced: in none), placed as a request made now by operator call `call`:
-  // the card's block (in the table in its place), at `ptr` when it is the block placing hands out,
-  // else with the bytes moved there. Blocks of the call set aside meanwhile whose addresses the
-  // card handed on go to `displaced`, for the calling thread to hold (as `block` does, if placing
-  // raises).
-  CardBlock* commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack,
+  // The card's provisional block in the table at `ptr` (`held` null; none: null), or the displaced
+  // `held` (in no table), placed as a request made now by operator call `call`: the card's block (in
+  // the table in its place), at `ptr` when it is the block placing hands out, else with the bytes
+  // moved there. Blocks of the call set aside meanwhile whose addresses the card handed on go to
+  // `displaced`, for the calling thread to hold (as the block itself, if placing raises).
+  CardBlock* commit(ProvisionalBlock* held, void* ptr, uint64_t call, const Stack& stack,
                     std::vector<DisplacedBlock>& displaced);
 
   // A graph begins (ends) capturing on the card (freed_blocks.cpp).
@@ -83,7 +88,7 @@ class CardAllocator {
   void count_inactive_split(bool small, int blocks, int64_t bytes);
   // Counts a block the card handed out for a request of `nbytes` as allocated and puts it in the
   // table (`split_counted`: the free blocks' change was counted when it was taken; `in_table`: it is
-  // there as a provisional block).
+  // there already, committed in place of its provisional block).
   CardBlock* count_placed(const Placement& placed, size_t nbytes, const Stack& stack, bool split_counted = false,
                           bool in_table = false);
   CardBlock* place_block(size_t nbytes, const PoolId& pool, c10::StreamId stream, const Stack& stack);
@@ -107,6 +112,14 @@ class CardAllocator {
   std::vector<SetAside> set_aside_taken(const ProvisionalBlock* keep, uint64_t call);
   void take_again(const std::vector<SetAside>& set_aside, std::vector<DisplacedBlock>& displaced);
   void forget_taken(const ProvisionalBlock* block);
+  // Provisional blocks' records, made and deleted by every operator call that allocates, are reused.
+  ProvisionalBlock* new_record(const ProvisionalBlock& like);
+  void delete_record(ProvisionalBlock* record);
+  struct RecordDeleter {
+    CardAllocator* card;
+    void operator()(ProvisionalBlock* record) const { card->delete_record(record); }
+  };
+  std::vector<ProvisionalBlock*> spare_records_;
 
   std::mutex mutex_;
   const c10::DeviceIndex device_;

@@ -107,23 +107,6 @@ std::vector<const CardBlock*> CardMemory::blocks_of(const CardSegment& segment) 
   return blocks;
 }
 
-// The smallest free block of the pool and stream that holds `size` (then the lowest card address), if
-// the max_split_size rules let it serve the request.
-CardBlock* CardMemory::find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy) {
-  FreeBlocks& blocks = free_blocks(pool, size <= kSmallSize, stream);
-  CardBlock key{nullptr, size, 0, device_, false};
-  auto it = blocks.lower_bound(&key);
-  if (it != blocks.end() && (*it)->segment->expandable()) {
-    it = expandable_choice(blocks, it, policy);
-  }
-  if (it == blocks.end() || !policy.may_serve((*it)->size, size)) {
-    return nullptr;
-  }
-  CardBlock* block = *it;
-  erase_free(blocks, it);
-  return block;
-}
-
 // Gives a whole free segment back to the host; the block is out of the free lists already.
 void CardMemory::release(CardBlock* block) {
   CardSegment* segment = block->segment;
@@ -283,186 +266,30 @@ CardBlock* CardMemory::new_segment(size_t size, const PoolId& pool, int64_t stre
 Placement CardMemory::place(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
   ++changes_;
   Placement placed;
-  CardBlock* block = find_free(size, pool, stream, policy);
-  if (block == nullptr) {
-    collect_garbage(segment_size(size), policy);
-    block = reserve(size, pool, stream, policy, placed);
-    if (block == nullptr) {
-      return placed;
-    }
+  if (hand_out_free(size, pool, stream, policy, placed)) {
+    return placed;
   }
-  hand_out(block, size, policy, placed);
-  return placed;
-}
-
-Placement CardMemory::take_free(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
-  Placement placed;
-  if (CardBlock* block = find_free(size, pool, stream, policy)) {
+  collect_garbage(segment_size(size), policy);
+  if (CardBlock* block = reserve(size, pool, stream, policy, placed)) {
     hand_out(block, size, policy, placed);
   }
   return placed;
 }
 
-Release CardMemory::give_back(CardBlock* block) {
-  block->allocated = false;
-  block->requested = 0;
-  return merge_free(block);  // its age is the free block's it came from
+Placement CardMemory::take_free(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream) {
+  Placement placed;
+  hand_out_free(size, pool, stream, policy, placed);
+  return placed;
 }
 
 Placement CardMemory::place_after_give_back(CardBlock* taken, size_t size, const PoolId& pool,
                                             const BlockPolicy& policy, int64_t stream, Release& given_back) {
   given_back = give_back(taken);
   Placement placed;
-  if (CardBlock* block = find_free(size, pool, stream, policy)) {
+  if (hand_out_free(size, pool, stream, policy, placed)) {
     ++changes_;
-    hand_out(block, size, policy, placed);
   }
   return placed;
-}
-
-Placement CardMemory::take_at(void* ptr, size_t size, const BlockPolicy& policy) {
-  Placement placed;
-  const CardSegment* segment = segment_of(ptr);
-  char* const begin = static_cast<char*>(ptr);
-  CardBlock* block = segment == nullptr ? nullptr : segment->first;
-  while (block != nullptr && static_cast<char*>(block->ptr) + block->size <= begin) {
-    block = block->next;
-  }
-  if (block == nullptr || block->allocated || !block->mapped ||
-      static_cast<char*>(block->ptr) + block->size < begin + size) {
-    return placed;
-  }
-  FreeBlocks& blocks = free_blocks_of(*block);
-  erase_free(blocks, block);
-  if (block->is_split()) {
-    placed.inactive_split -= 1;
-    placed.inactive_split_bytes -= static_cast<int64_t>(block->size);
-  }
-  const auto carve_free = [&](void* at, size_t bytes, bool before) {
-    insert_free(blocks, carve(block, at, bytes, before));  // the free memory before or after the range
-    placed.inactive_split += 1;
-    placed.inactive_split_bytes += static_cast<int64_t>(bytes);
-  };
-  if (const size_t front = static_cast<size_t>(begin - static_cast<char*>(block->ptr)); front > 0) {
-    block->ptr = ptr;
-    block->size -= front;
-    carve_free(begin - front, front, true);
-  }
-  if (const size_t after = block->size - size; after > 0) {
-    block->size = size;
-    carve_free(begin + size, after, false);
-  }
-  block->oversize = policy.is_oversize(block->size);
-  clear(*block);
-  placed.block = block;
-  if (block->segment->expandable()) {
-    placed.inactive_split = 0;
-    placed.inactive_split_bytes = 0;
-  }
-  return placed;
-}
-
-CardBlock* CardMemory::carve(CardBlock* block, void* at, size_t bytes, bool before) {
-  CardBlock* rest = new_block(at, bytes, *block);
-  if (before) {
-    rest->prev = block->prev;
-    rest->next = block;
-    (block->prev != nullptr ? block->prev->next : block->segment->first) = rest;
-    block->prev = rest;
-  } else {
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next != nullptr) {
-      block->next->prev = rest;
-    }
-    block->next = rest;
-  }
-  return rest;
-}
-
-// Splits `block` (free, out of the free lists) to `size` where the rules allow.
-void CardMemory::hand_out(CardBlock* block, size_t size, const BlockPolicy& policy, Placement& placed) {
-  const PoolId pool = block->pool;
-  const bool already_split = block->is_split();
-  const size_t remaining = block->size - size;
-  // With expandable_segments on, blocks of the large pool split as the small pool's do (as CUDA's).
-  const bool split = !(pool_rules_.no_split && pool_rules_.no_split(pool)) &&
-                     (block->small || policy.expandable ? remaining >= kMinBlockSize
-                                                        : !policy.is_oversize(size) && remaining > kSmallSize);
-  if (split) {
-    CardBlock* rest = new_block(static_cast<char*>(block->ptr) + size, remaining, *block);
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next != nullptr) {
-      block->next->prev = rest;
-    }
-    block->next = rest;
-    block->size = size;
-    insert_free(free_blocks_of(*rest), rest);
-    if (already_split) {  // a free block of a split segment shrinks
-      placed.inactive_split_bytes -= static_cast<int64_t>(size);
-    } else {  // a segment is split: its remainder is a new free block
-      placed.inactive_split += 1;
-      placed.inactive_split_bytes += static_cast<int64_t>(remaining);
-    }
-  } else if (already_split) {  // a free block of a split segment is handed out whole
-    placed.inactive_split -= 1;
-    placed.inactive_split_bytes -= static_cast<int64_t>(block->size);
-  }
-  block->oversize = policy.is_oversize(block->size);
-  clear(*block);
-  placed.block = block;
-  if (block->segment->expandable()) {  // inactive_split leaves out expandable segments, as CUDA's
-    placed.inactive_split = 0;
-    placed.inactive_split_bytes = 0;
-  }
-}
-
-Release CardMemory::cache(CardBlock* block) {
-  ++changes_;
-  block->allocated = false;  // it keeps the size of its last request, as CUDA's free blocks do
-  block->freed_at = ++frees_;
-  return merge_free(block);
-}
-
-// Puts a block back among the free ones, merged with its free neighbours.
-Release CardMemory::merge_free(CardBlock* block) {
-  Release changed;
-  FreeBlocks& blocks = free_blocks_of(*block);
-  for (CardBlock* neighbour : {block->prev, block->next}) {
-    if (neighbour == nullptr || neighbour->allocated || !neighbour->mapped) {
-      continue;
-    }
-    erase_free(blocks, neighbour);
-    if (neighbour == block->prev) {
-      block->ptr = neighbour->ptr;
-      block->prev = neighbour->prev;
-      if (block->prev != nullptr) {
-        block->prev->next = block;
-      } else {
-        block->segment->first = block;
-      }
-    } else {
-      block->next = neighbour->next;
-      if (block->next != nullptr) {
-        block->next->prev = block;
-      }
-    }
-    block->size += neighbour->size;
-    changed.inactive_split -= 1;
-    changed.inactive_split_bytes -= static_cast<int64_t>(neighbour->size);
-    delete_block(neighbour);
-  }
-  insert_free(blocks, block);
-  drop_pages(*block);
-  if (block->segment->expandable()) {
-    return {};  // inactive_split leaves out expandable segments, as CUDA's
-  }
-  if (block->is_split()) {
-    changed.inactive_split += 1;
-    changed.inactive_split_bytes += static_cast<int64_t>(block->size);
-  }
-  return changed;
 }
 
 void CardMemory::drop_pages(const CardBlock& block) const {

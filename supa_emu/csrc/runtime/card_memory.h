@@ -86,9 +86,18 @@ size_t segment_size(size_t size);
 
 struct CardBlock;
 
+// Where a block of `size` at `card_address` sorts among free blocks (a request's search key).
+struct BlockOrder {
+  size_t size;
+  uint64_t card_address;
+};
+
 // The free blocks of one (pool, small or large, stream): the smallest first, then the lowest address.
 struct BlockBySize {
+  using is_transparent = void;  // looked up by BlockOrder too
   bool operator()(const CardBlock* a, const CardBlock* b) const;
+  bool operator()(const CardBlock* a, const BlockOrder& b) const;
+  bool operator()(const BlockOrder& a, const CardBlock* b) const;
 };
 using FreeBlocks = std::set<CardBlock*, BlockBySize>;
 
@@ -162,6 +171,12 @@ struct CardBlock {
 
 inline bool BlockBySize::operator()(const CardBlock* a, const CardBlock* b) const {
   return a->size != b->size ? a->size < b->size : a->card_address() < b->card_address();
+}
+inline bool BlockBySize::operator()(const CardBlock* a, const BlockOrder& b) const {
+  return a->size != b.size ? a->size < b.size : a->card_address() < b.card_address;
+}
+inline bool BlockBySize::operator()(const BlockOrder& a, const CardBlock* b) const {
+  return a.size != b->size ? a.size < b->size : a.card_address < b->card_address();
 }
 
 // How a request was served (CardMemory::place).
@@ -237,7 +252,7 @@ class CardMemory {
   // while the card is otherwise as it was (caching_allocator.cpp). give_back() undoes it exactly
   // under the same condition.
   Placement take_free(size_t size, const PoolId& pool, const BlockPolicy& policy, int64_t stream);
-  Release give_back(CardBlock* block);  // the free blocks' change, as cache() reports it
+  Release give_back(CardBlock* block);  // the free blocks' change, as cache() reports it (`block` may be deleted)
   // Gives back a taken block, then places a request of rounded `size` as place() would when a
   // free block fits (a change), without reserving or releasing anything: no block when none fits.
   // Under heap backing nothing writes the given-back memory, so its bytes stay readable until the
@@ -304,7 +319,13 @@ class CardMemory {
   void delete_block(CardBlock* block) {
     spare_blocks_.size() < kSpares ? spare_blocks_.push_back(block) : void(delete block);
   }
-  CardBlock* find_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy);
+  // Splits and merges (block_splits.h).
+  bool hand_out_free(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
+  bool splits(const CardBlock& block, size_t size, const BlockPolicy& policy) const;
+  static void count_split(bool already_split, size_t size, size_t remaining, Placement& placed);
+  void split_front(FreeBlocks& blocks, FreeBlocks::iterator it, size_t size, const BlockPolicy& policy,
+                   Placement& placed);
+  Release merge_freed(CardBlock* block);
   CardBlock* reserve(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
   CardBlock* new_segment(size_t size, const PoolId& pool, int64_t stream, const BlockPolicy& policy, Placement& placed);
   // A free block of `bytes` before (or after) `block`, carved from it: linked into its segment, in no list.

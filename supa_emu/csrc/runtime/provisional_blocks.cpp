@@ -151,26 +151,23 @@ void delete_provisional(void* ptr) {
 
 void* commit_block(void* ptr, c10::DeviceIndex device) {
   // Only its holder commits or frees a provisional block: found here, it stays this caller's.
-  ProvisionalBlock* block = take_displaced(ptr);
-  if (block != nullptr && block->device != device) {
-    keep_displaced({{ptr, block}});
-    return nullptr;
-  }
-  if (block == nullptr) {
-    block = block_table().find_provisional(ptr);
-  }
-  if (block == nullptr || block->device != device) {
+  ProvisionalBlock* held = take_displaced(ptr);
+  if (held != nullptr && held->device != device) {
+    keep_displaced({{ptr, held}});
     return nullptr;
   }
   std::vector<DisplacedBlock> displaced;
   CardBlock* committed = nullptr;
   try {
-    committed = card_allocator(device).commit(block, ptr, t_operator_call, memory_event_stack(), displaced);
+    committed = card_allocator(device).commit(held, ptr, t_operator_call, memory_event_stack(), displaced);
   } catch (...) {
     keep_displaced(displaced);
     throw;
   }
   keep_displaced(displaced);
+  if (committed == nullptr) {  // not a provisional block of `device`
+    return nullptr;
+  }
   report_block_to_gpu_trace(committed->ptr, true);
   return committed->ptr;
 }
@@ -188,7 +185,7 @@ void* CardAllocator::take_provisional(size_t nbytes, bool from_card, const PoolI
       if (takes_.changes != changes) {
         takes_ = TakenSinceChange{changes};
       }
-      auto* record = new ProvisionalBlock{size, nbytes, device_, call, block, changes, takes_.taken++};
+      ProvisionalBlock* record = new_record({size, nbytes, device_, call, block, changes, takes_.taken++});
       taken_.push_back(record);
       table_.add_provisional(block->ptr, record);
       return block->ptr;
@@ -207,13 +204,36 @@ void* CardAllocator::take_provisional(size_t nbytes, bool from_card, const PoolI
 }
 
 void CardAllocator::drop_provisional(ProvisionalBlock* block, void* ptr) {
-  std::unique_ptr<ProvisionalBlock> dropped(block);
   if (block->taken != nullptr) {
     std::lock_guard<std::mutex> lock(mutex_);
     forget_taken(block);
     give_back_taken(*block);
-  } else if (block->aside.empty()) {
+    delete_record(block);
+    return;
+  }
+  std::unique_ptr<ProvisionalBlock> dropped(block);
+  if (block->aside.empty()) {
     g_host_scratch.give(ptr, block->size, card_.backing());
+  }
+}
+
+ProvisionalBlock* CardAllocator::new_record(const ProvisionalBlock& like) {
+  if (spare_records_.empty()) {
+    return new ProvisionalBlock(like);
+  }
+  ProvisionalBlock* record = spare_records_.back();
+  spare_records_.pop_back();
+  *record = like;
+  return record;
+}
+
+void CardAllocator::delete_record(ProvisionalBlock* record) {
+  constexpr size_t kSpareRecords = 16;  // an operator call's results, and then some
+  if (spare_records_.size() < kSpareRecords) {
+    record->aside = std::vector<char>();
+    spare_records_.push_back(record);
+  } else {
+    delete record;
   }
 }
 
@@ -285,22 +305,36 @@ void CardAllocator::take_again(const std::vector<SetAside>& set_aside, std::vect
   }
 }
 
-CardBlock* CardAllocator::commit(ProvisionalBlock* block, void* ptr, uint64_t call, const Stack& stack,
+CardBlock* CardAllocator::commit(ProvisionalBlock* held, void* ptr, uint64_t call, const Stack& stack,
                                  std::vector<DisplacedBlock>& displaced) {
-  std::unique_ptr<ProvisionalBlock> provisional(block);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (block->taken != nullptr) {
-    forget_taken(block);
-    if (placed_as_taken(*block)) {
-      takes_.committed++;
-      Placement in_place;
-      in_place.block = block->taken;
-      return count_placed(in_place, block->requested, stack, /*split_counted=*/true, /*in_table=*/true);
+  ProvisionalBlock* block = held;
+  bool in_place = false;
+  if (block == nullptr) {  // out of the table, and the card's block in its place when committed there
+    block = table_.claim_provisional(ptr, [&](ProvisionalBlock& found, CardBlock*& counted) {
+      if (found.device != device_) {
+        return false;
+      }
+      in_place = found.taken != nullptr && placed_as_taken(found);
+      if (in_place) {
+        counted = found.taken;
+        counted->requested = found.requested;  // as readers of the table find it from now on
+      }
+      return true;
+    });
+    if (block == nullptr) {
+      return nullptr;
     }
   }
-  const bool was_displaced = block->taken == nullptr && !block->aside.empty();
-  if (!was_displaced) {
-    table_.remove_provisional(ptr);
+  std::unique_ptr<ProvisionalBlock, RecordDeleter> provisional(block, RecordDeleter{this});  // under the lock
+  if (block->taken != nullptr) {
+    forget_taken(block);
+    if (in_place) {
+      takes_.committed++;
+      Placement placed;
+      placed.block = block->taken;
+      return count_placed(placed, block->requested, stack, /*split_counted=*/true, /*in_table=*/true);
+    }
   }
   const PoolId pool = allocation_pool(device_);
   const c10::StreamId stream = current_stream_id(device_);
