@@ -76,10 +76,10 @@ def _captured(buffers, what: str) -> tuple[list, list, list]:
     """What a score_mod or mask_mod captures, split for the fused kernels: (tensors, integer
     scalars, the scalars' positions among the captures).
 
-    A captured Python int that Dynamo makes symbolic (a sequence length, a window under
-    dynamic shapes) reaches the lowering as a sympy expression; it goes to the kernel as a SymInt
-    argument, bound when the compiled code runs, as the Triton template takes it as a kernel
-    argument.
+    A captured Python int that Dynamo makes symbolic (a window or a sequence length under dynamic
+    shapes; the batch offset torch's pipelining adds to each microbatch's mask_mod) reaches the
+    lowering as a sympy expression; it goes to the kernel as a SymInt argument, bound when the
+    compiled code runs, as the Triton template takes it as a kernel argument.
     """
     tensors, scalars, positions = [], [], []
     for position, buffer in enumerate(buffers):
