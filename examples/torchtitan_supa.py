@@ -136,10 +136,16 @@ def llama3_70b_sdpa():
     return _with_sdpa(llama3_70b())
 
 
+def deepseek_v3_debugmodel():
+    # torchtitan's DeepSeek-V3 debug model as configured: flex attention (block-causal, compiled as
+    # torchtitan always compiles it) and selective activation checkpointing.
+    return _for_torch_2_13(_deepseek_v3.deepseek_v3_debugmodel())
+
+
 def deepseek_v3_debugmodel_sdpa():
     # An MoE model (8 experts, top-3): with --parallelism.expert-parallel-degree, expert parallelism
     # (docs/planner.md, "Expert parallelism").
-    return _with_sdpa(_for_torch_2_13(_deepseek_v3.deepseek_v3_debugmodel()))
+    return _with_sdpa(deepseek_v3_debugmodel())
 
 
 def deepseek_v3_671b():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 
+import sympy
 import torch
 import torch.fx
 from torch._inductor import config, ir
@@ -71,11 +72,27 @@ def _kernel(op, *args):
     return pytree.tree_map(wrap, ir.FallbackKernel.create(op, *args))
 
 
-def _tensors(buffers, what: str) -> list:
-    if not all(isinstance(b, ir.IRNode) for b in buffers):
-        raise NotImplementedError(f"flex attention on supa: the {what} captures a Python scalar that is symbolic; "
-                                  f"compile with dynamic=False, or pass it as a tensor")
-    return list(buffers)
+def _captured(buffers, what: str) -> tuple[list, list, list]:
+    """What a score_mod or mask_mod captures, split for the fused kernels: (tensors, integer
+    scalars, the scalars' positions among the captures).
+
+    A captured Python int that Dynamo makes symbolic (a window or a sequence length under dynamic
+    shapes; the batch offset torch's pipelining adds to each microbatch's mask_mod) reaches the
+    lowering as a sympy expression; it goes to the kernel as a SymInt argument, bound when the
+    compiled code runs, as the Triton template takes it as a kernel argument.
+    """
+    tensors, scalars, positions = [], [], []
+    for position, buffer in enumerate(buffers):
+        if isinstance(buffer, ir.IRNode):
+            tensors.append(buffer)
+        elif isinstance(buffer, int) or (isinstance(buffer, sympy.Expr) and buffer.is_integer):
+            scalars.append(buffer)
+            positions.append(position)
+        else:
+            raise NotImplementedError(f"flex attention on supa: the {what} captures {buffer!r} "
+                                      f"({type(buffer).__name__}); the emulator's kernels take captured tensors "
+                                      f"and integers, symbolic or not: pass it as a tensor")
+    return tensors, scalars, positions
 
 
 def _source(subgraph) -> str:
@@ -96,8 +113,8 @@ def _forward(original):
             with config.patch(cuda_backend="cpp"):
                 return lower_cpu(*args)
         return tuple(_kernel(flex_kernels.FORWARD, query, key, value,
-                             _tensors(score_mod_other_buffers, "score_mod"),
-                             _tensors(mask_mod_other_buffers, "mask_mod"),
+                             *_captured(score_mod_other_buffers, "score_mod"),
+                             *_captured(mask_mod_other_buffers, "mask_mod"),
                              float(scale), _source(subgraph), _source(block_mask[-1])))
 
     return flex_attention
@@ -120,7 +137,7 @@ def _backward(original):
         delta = lowerings[torch.ops.aten.sum.dim_IntList](product, [-1])
         grad_query, grad_key, grad_value, grads = _kernel(
             flex_kernels.BACKWARD, query, key, value, logsumexp, delta, grad_out, grad_logsumexp,
-            _tensors(score_mod_other_buffers, "score_mod"), _tensors(mask_mod_other_buffers, "mask_mod"),
+            *_captured(score_mod_other_buffers, "score_mod"), *_captured(mask_mod_other_buffers, "mask_mod"),
             float(scale), _source(fw_graph), _source(joint_graph), _source(block_mask[-1]), differentiated)
         grads = iter(grads)
         return grad_query, grad_key, grad_value, tuple(next(grads) if needed else None for needed in differentiated)

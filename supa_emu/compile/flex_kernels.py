@@ -39,12 +39,16 @@ from supa_emu.device_type import DEVICE_TYPE
 BLOCK_SCORE_BYTES = 32 << 20
 
 _LIB = torch.library.Library("supa_emu", "DEF")  # kept for the process: a Library deregisters when collected
-_LIB.define("flex_attention(Tensor query, Tensor key, Tensor value, Tensor[] score_mod_buffers, "
-            "Tensor[] mask_mod_buffers, float scale, str score_mod, str mask_mod) -> (Tensor, Tensor, Tensor)")
+# What a score_mod and a mask_mod capture: the tensors, the integers (SymInt: a captured int that
+# is symbolic in the compiled code is bound when that code runs) and the integers' positions among
+# the captures.
+_CAPTURED = ("Tensor[] score_mod_buffers, SymInt[] score_mod_scalars, int[] score_mod_scalar_positions, "
+             "Tensor[] mask_mod_buffers, SymInt[] mask_mod_scalars, int[] mask_mod_scalar_positions")
+_LIB.define(f"flex_attention(Tensor query, Tensor key, Tensor value, {_CAPTURED}, float scale, str score_mod, "
+            "str mask_mod) -> (Tensor, Tensor, Tensor)")
 _LIB.define("flex_attention_backward(Tensor query, Tensor key, Tensor value, Tensor logsumexp, Tensor delta, "
-            "Tensor grad_out, Tensor? grad_logsumexp, Tensor[] score_mod_buffers, Tensor[] mask_mod_buffers, "
-            "float scale, str score_mod, str joint, str mask_mod, bool[] differentiated) "
-            "-> (Tensor, Tensor, Tensor, Tensor[])")
+            f"Tensor grad_out, Tensor? grad_logsumexp, {_CAPTURED}, float scale, str score_mod, str joint, "
+            "str mask_mod, bool[] differentiated) -> (Tensor, Tensor, Tensor, Tensor[])")
 FORWARD = torch.ops.supa_emu.flex_attention.default
 BACKWARD = torch.ops.supa_emu.flex_attention_backward.default
 
@@ -101,14 +105,25 @@ def _buffer_grads(score_mod_buffers, differentiated) -> list:
             for b, needed in zip(score_mod_buffers, differentiated) if needed]
 
 
+def _in_order(tensors, scalars, positions) -> list:
+    """A graph's captures as it takes them: the tensors with the integers at their positions."""
+    captures = list(tensors)
+    for position, scalar in zip(positions, scalars):  # positions ascend: each lands where it belongs
+        captures.insert(position, scalar)
+    return captures
+
+
 @torch.library.register_fake("supa_emu::flex_attention", lib=_LIB)
-def _forward_fake(query, key, value, score_mod_buffers, mask_mod_buffers, scale, score_mod, mask_mod):
+def _forward_fake(query, key, value, score_mod_buffers, score_mod_scalars, score_mod_scalar_positions,
+                  mask_mod_buffers, mask_mod_scalars, mask_mod_scalar_positions, scale, score_mod, mask_mod):
     return _forward_results(query, key, value)
 
 
 @torch.library.register_fake("supa_emu::flex_attention_backward", lib=_LIB)
 def _backward_fake(query, key, value, logsumexp, delta, grad_out, grad_logsumexp, score_mod_buffers,
-                   mask_mod_buffers, scale, score_mod, joint, mask_mod, differentiated):
+                   score_mod_scalars, score_mod_scalar_positions, mask_mod_buffers, mask_mod_scalars,
+                   mask_mod_scalar_positions, scale, score_mod, joint, mask_mod, differentiated):
+    score_mod_buffers = _in_order(score_mod_buffers, score_mod_scalars, score_mod_scalar_positions)
     grad_query, grad_key, grad_value = _backward_results(query, key, value)
     if key.shape[0] != query.shape[0]:
         grad_key, grad_value = grad_key.sum(0, keepdim=True), grad_value.sum(0, keepdim=True)
@@ -118,7 +133,10 @@ def _backward_fake(query, key, value, logsumexp, delta, grad_out, grad_logsumexp
 
 
 @torch.library.impl("supa_emu::flex_attention", "PrivateUse1", lib=_LIB)
-def _forward(query, key, value, score_mod_buffers, mask_mod_buffers, scale, score_mod, mask_mod):
+def _forward(query, key, value, score_mod_buffers, score_mod_scalars, score_mod_scalar_positions, mask_mod_buffers,
+             mask_mod_scalars, mask_mod_scalar_positions, scale, score_mod, mask_mod):
+    score_mod_buffers = _in_order(score_mod_buffers, score_mod_scalars, score_mod_scalar_positions)
+    mask_mod_buffers = _in_order(mask_mod_buffers, mask_mod_scalars, mask_mod_scalar_positions)
     out, logsumexp, max_scores = _forward_results(query, key, value)
     results = [out, logsumexp, max_scores]
     if _skip(results):
@@ -143,8 +161,11 @@ def _compute_forward(query, key, value, score_mod_buffers, mask_mod_buffers, sca
 
 
 @torch.library.impl("supa_emu::flex_attention_backward", "PrivateUse1", lib=_LIB)
-def _backward(query, key, value, logsumexp, delta, grad_out, grad_logsumexp, score_mod_buffers, mask_mod_buffers,
-              scale, score_mod, joint, mask_mod, differentiated):
+def _backward(query, key, value, logsumexp, delta, grad_out, grad_logsumexp, score_mod_buffers, score_mod_scalars,
+              score_mod_scalar_positions, mask_mod_buffers, mask_mod_scalars, mask_mod_scalar_positions, scale,
+              score_mod, joint, mask_mod, differentiated):
+    score_mod_buffers = _in_order(score_mod_buffers, score_mod_scalars, score_mod_scalar_positions)
+    mask_mod_buffers = _in_order(mask_mod_buffers, mask_mod_scalars, mask_mod_scalar_positions)
     grad_query, grad_key, grad_value = _backward_results(query, key, value)
     accumulators = _buffer_grads(score_mod_buffers, differentiated)
     results = [grad_query, grad_key, grad_value, *accumulators]
@@ -217,8 +238,9 @@ def _host_work():
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor over a card tensor's memory (no copy); host tensors as they are."""
-    return process_state.core()._host_view(tensor) if tensor.device.type == DEVICE_TYPE else tensor
+    """A CPU tensor over a card tensor's memory (no copy); host tensors and integers as they are."""
+    on_card = isinstance(tensor, torch.Tensor) and tensor.device.type == DEVICE_TYPE
+    return process_state.core()._host_view(tensor) if on_card else tensor
 
 
 def _skip(results) -> bool:
@@ -246,7 +268,7 @@ class _Blocks:
         self.value = _host(value).expand(batch, *value.shape[1:]).to(self.working)
         self.group = self.heads // key.shape[1]
         self.scale = scale
-        self.score_buffers = tuple(_host(b) for b in score_mod_buffers)
+        self.score_buffers = tuple(_host(b) for b in score_mod_buffers)  # integers stay integers
         self.mask_buffers = tuple(_host(b) for b in mask_mod_buffers)
         self.score_suffix = (None,) * len(self.score_buffers)
         self.score_mod = _vmap_for_bhqkv(_function(score_mod), prefix=(0,), suffix=self.score_suffix)
