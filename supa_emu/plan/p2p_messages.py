@@ -26,7 +26,6 @@ The files are the plan's shared directory's (plan_directory.py); the planner's s
 """
 
 import os
-import re
 import time
 import traceback
 from typing import Callable, Dict, Optional, Tuple
@@ -34,7 +33,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from supa_emu.plan import call_record, p2p_time, rank_record, world
-from supa_emu.plan.plan_directory import PlanDirectory
+from supa_emu.plan.plan_directory import PlanDirectory, message_name
 
 _POLL_S = (0.0005, 0.01)  # the first and the longest pause between looks for a message
 
@@ -70,12 +69,7 @@ def carried(tensor: torch.Tensor) -> bool:
 def _numbered(group: str, source: int, destination: int, tag: int, direction: str) -> str:
     key = (group, source, destination, tag, direction)
     _counts[key] = _counts.get(key, 0) + 1
-    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', group)}.{source}-{destination}.{tag}.{_counts[key]}.pt"
-
-
-def sender(name: str) -> int:
-    """The global rank that sends the message `name` (_numbered's: GROUP.SOURCE-DESTINATION.TAG.N.pt)."""
-    return int(name.split(".")[1].split("-")[0])
+    return message_name(group, source, destination, tag, _counts[key])
 
 
 def send(group: str, source: int, destination: int, tag: int, host: torch.Tensor) -> None:

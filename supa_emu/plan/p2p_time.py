@@ -23,7 +23,7 @@ import os
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from supa_emu.plan.plan_directory import PlanDirectory, write_atomically
+from supa_emu.plan.plan_directory import PlanDirectory, message_sender, write_atomically
 
 _POLL_S = (0.0005, 0.01)  # the first and the longest pause between looks at a peer's log
 _CYCLE_S = 0.5  # how long a cycle of waiting ranks must stay before one of them goes on alone
@@ -145,9 +145,7 @@ class PeerPosts:
         message = self.directory.waits(rank)
         if message is None or self.directory.delivered(message):
             return None
-        from supa_emu.plan import p2p_messages
-
-        return p2p_messages.sender(message), False, message
+        return message_sender(message), False, message
 
     def _cycle(self) -> Optional[tuple]:
         """The waits from this rank around to itself ((rank, waits for a post), what each waits for),

@@ -13,6 +13,7 @@ a message no one can send). A file appears whole (written under a hidden name, t
 
 import json
 import os
+import re
 from typing import Callable, Optional, Set
 
 
@@ -22,6 +23,16 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
     temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # a name no reader lists
     write(temporary)
     os.replace(temporary, path)
+
+
+def message_name(group: str, source: int, destination: int, tag: int, number: int) -> str:
+    """The file name of the `number`th message of its kind: GROUP.SOURCE-DESTINATION.TAG.N.pt."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', group)}.{source}-{destination}.{tag}.{number}.pt"
+
+
+def message_sender(name: str) -> int:
+    """The global rank that sends the message `name` (message_name's)."""
+    return int(name.split(".")[1].split("-")[0])
 
 
 class PlanDirectory:

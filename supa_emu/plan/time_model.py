@@ -39,6 +39,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 from supa_emu import card_profiles
 from supa_emu.plan import collective_time, efficiency, op_costs, p2p_time
+from supa_emu.plan.stream_keys import communicator_stream, is_communicator_stream
 
 OP, EVENT_RECORD, EVENT_WAIT, STREAM_SYNC, EVENT_SYNC, DEVICE_SYNC, MARK = range(7)
 STEP_MARK = -1
@@ -71,17 +72,6 @@ class Waited(NamedTuple):
 
     collective: int
     host: bool = False  # a barrier: the host waits for it too
-
-
-def communicator_stream(communicator: str) -> str:
-    """The stream key (beside the card's stream numbers) of a communicator's own stream."""
-    return f"bccl {communicator}"
-
-
-def is_communicator_stream(stream) -> bool:
-    """Whether a stream key (the second half of a (device, stream) key) is a communicator's own stream:
-    card streams are numbers, communicator_stream's keys are names."""
-    return isinstance(stream, str)
 
 
 def launch_seconds(p: card_profiles.CardProfile, c: op_costs.OpCost) -> tuple:

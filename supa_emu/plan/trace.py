@@ -9,7 +9,7 @@ of their own, and the card's allocated bytes as a counter track.
 import json
 from typing import Dict, List
 
-from supa_emu.plan.time_model import is_communicator_stream
+from supa_emu.plan.stream_keys import is_communicator_stream
 
 STEPS_TRACK = 0  # the tracks of streams follow
 
