@@ -464,9 +464,15 @@ def test_cpp_wrapper_fails_with_an_error_that_says_it_is_unsupported():
 # ------------------------------------------------------------------------------------------------
 # The on-disk compile cache
 # ------------------------------------------------------------------------------------------------
-def _compile_a_model() -> dict:
-    """In a fresh interpreter: compiles a small model; Inductor's FX graph cache hits and misses."""
+def _compile_a_model(fingerprint: str | None = None) -> dict:
+    """In a fresh interpreter: compiles a small model; Inductor's FX graph cache hits and misses.
+    `fingerprint`: this interpreter plays another supa-emu, whose lowering or kernels differ."""
     from torch._dynamo.utils import counters
+
+    if fingerprint is not None:
+        from supa_emu.compile import inductor_config
+
+        inductor_config.emulator_fingerprint = fingerprint
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to("supa")
@@ -484,6 +490,10 @@ def test_second_process_reuses_the_on_disk_compile_cache(tmp_path):
     assert (first["hit"], first["miss"]) == (0, 1), first
     assert (second["hit"], second["miss"]) == (1, 0), second
     assert second["sum"] == first["sum"]
+    # Code compiled by another supa-emu is not served: it may call kernels whose schema changed.
+    other = fresh_process(_compile_a_model, "another emulator", env=env, torch_first=False).value
+    assert (other["hit"], other["miss"]) == (0, 1), other
+    assert other["sum"] == first["sum"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,9 +4,13 @@ backend for `supa`, each at the moment PyTorch first needs it.
 `install()` runs at activation and imports nothing of Dynamo or Inductor (they cost seconds):
 - the device interface is registered right after `torch._dynamo.device_interface` is first
   imported (an import hook), before Dynamo looks up any device;
-- the Inductor backend is imported when Inductor asks the PrivateUse1 device module for its
-  code generators (`torch.supa.Scheduling`, ... served by `codegen_class`), which is the hook
-  PyTorch provides for out-of-tree backends in `init_backend_registration`.
+- the Inductor backend is registered right after `torch._inductor.compile_fx` is first imported
+  (before Inductor compiles anything or computes a cache key), with its configuration
+  (inductor_config.py), so that Inductor's cache key sees which emulator made the code. PyTorch's
+  own hook for out-of-tree backends, `init_backend_registration` asking the PrivateUse1 device
+  module for its code generators (`torch.supa.Scheduling`, ... served by `codegen_class`), would
+  register the backend without a configuration; if it runs first, the registration here replaces
+  its entry.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from supa_emu import import_hooks
 from supa_emu.device_type import DEVICE_TYPE
 
 _DYNAMO_DEVICE_INTERFACE = "torch._dynamo.device_interface"
+_INDUCTOR_COMPILE = "torch._inductor.compile_fx"
 
 # The names Inductor's init_backend_registration looks up on the PrivateUse1 device module.
 CODEGEN_NAMES = ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
@@ -59,6 +64,17 @@ def _register_pending() -> None:
             registry.register_interface_for_device(f"{device_type}:{index}", SupaInterface)
 
 
+def _register_inductor_backend() -> None:
+    from torch._inductor.codegen.common import register_backend_for_device
+
+    from supa_emu.compile import inductor_backend, inductor_config
+
+    classes = inductor_backend.CODEGEN_CLASSES
+    register_backend_for_device(DEVICE_TYPE, *(classes[name] for name in CODEGEN_NAMES),
+                                device_custom_config=inductor_config)
+
+
 def install() -> None:
     """Called at activation: arranges the lazy registrations; imports nothing of torch._dynamo."""
     register_device_interface(DEVICE_TYPE)
+    import_hooks.call_after_import(_INDUCTOR_COMPILE, _register_inductor_backend)
