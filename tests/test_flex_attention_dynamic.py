@@ -77,3 +77,35 @@ def test_a_capture_the_fused_kernels_cannot_take_is_refused_with_what_they_take(
         _captured([sympy.Symbol("slope", real=True)], "mask_mod")
     integer = sympy.Symbol("window", integer=True)
     assert _captured([integer, 7], "score_mod") == ([], [integer, 7], [0, 1])
+
+
+def _compiled_flex_with_a_float_dynamo_does_not_specialize() -> list:
+    """In a fresh process: compiled flex attention in training whose score_mod captures a float, with
+    specialize_float off and a second value of the float; what each step did."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.specialize_float = False
+    compiled, steps = torch.compile(flex_attention), []
+    for slope in (0.5, 0.25):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score * slope
+
+        q, k, v = (torch.randn(1, 1, 128, 16, device="supa", requires_grad=True) for _ in range(3))
+        try:
+            compiled(q, k, v, score_mod=score_mod).sum().backward()
+            steps.append("trained")
+        except RuntimeError as error:
+            steps.append(str(error))
+    return steps
+
+
+@pytest.mark.slow  # compiles in a fresh process
+def test_compiled_code_called_with_fake_tensors_raises_instead_of_crashing():
+    from harness import fresh_process
+
+    # The second value makes Dynamo trace into PyTorch's flex attention autograd, which builds its
+    # graphs under FakeTensorMode; the code it compiles there then meets fake tensors. A kernel
+    # run on them would write through a null pointer (the process died with SIGSEGV).
+    first, second = fresh_process(_compiled_flex_with_a_float_dynamo_does_not_specialize).value
+    assert first == "trained"
+    assert "generated kernels with fake tensors" in second and "FakeTensorMode was active" in second, second

@@ -15,6 +15,7 @@ code compiled in one mode to a process of the other.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from supa_emu import process_state, shapes
 
@@ -25,6 +26,9 @@ _SHAPES = shapes.mode() == "shapes"
 def run(kernel, written: tuple, check: str | None, *args) -> None:
     """Calls the generated `kernel` with `args` (tensors and sizes), whose positions `written` it
     writes; `check` names the device-side check compiled into it (`torch._assert_async`), if any."""
+    for arg in args:
+        if type(arg) is FakeTensor:
+            _refuse_fake()
     if not _SHAPES:
         kernel(*args)
         return
@@ -40,3 +44,14 @@ def run(kernel, written: tuple, check: str | None, *args) -> None:
         if check is not None:
             _core._shapes_note_skipped_check(check)
     _core._shapes_note_values(outputs, unknown)
+
+
+def _refuse_fake() -> None:
+    # A fake tensor has no memory: the kernel would read and write through a null pointer and take
+    # the process down. Compiled code meets them when Dynamo compiles a frame that runs under
+    # FakeTensorMode (its buffers are then fake too), e.g. a graph break inside PyTorch's own
+    # flex attention autograd, which builds its graphs on fake tensors.
+    raise RuntimeError("compiled code on supa called one of its generated kernels with fake tensors "
+                       "(FakeTensorMode was active: torch.compile compiled a function that runs while "
+                       "tracing); a kernel needs tensors with memory. Compile the calling function "
+                       "instead, or keep the call out of torch.compile")
