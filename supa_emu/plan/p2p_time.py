@@ -58,7 +58,7 @@ class PeerPosts:
         self._log = os.open(self.directory.posts(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._read: Dict[int, Tuple[int, bytes]] = {}  # peer -> (bytes read, an unfinished line)
         self._known: Dict[tuple, float] = {}
-        self._wanted = set()
+        self._met = set()
 
     def plays(self, peer: int) -> bool:
         return self.played is None or peer in self.played
@@ -104,9 +104,9 @@ class PeerPosts:
 
     def _meet(self, peer: int) -> None:
         """Gives `peer`, which may start now, what it needs from this rank (once)."""
-        if peer not in self._wanted:
+        if peer not in self._met:
             self._before_waiting()
-            self._wanted.add(peer)
+            self._met.add(peer)
 
     def _cycle(self) -> Optional[tuple]:
         """The waits from this rank around to itself ((rank, what it waits for), ...), or None where
