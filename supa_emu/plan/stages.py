@@ -72,7 +72,7 @@ def _ranges(ranks: List[int]) -> str:
 
 
 def _shown(of: List[List[int]], limit: int = 8) -> str:
-    """Runs as `0-7, 16-23`, the first `limit` runs and a count of the ranks beyond."""
+    """Runs as `0-7, 16-23`: the first `limit` runs, then how many ranks in all where there are more."""
     shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in of[:limit])
     return shown + (f", ... ({sum(b - a + 1 for a, b in of)} ranks)" if len(of) > limit else "")
 
