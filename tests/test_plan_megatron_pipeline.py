@@ -88,9 +88,9 @@ def test_every_planned_megatron_stage_matches_the_real_job(name, mode, jobs):
             in stdout.splitlines()
     for rank, entry in planned["ranks"].items():
         assert entry["failure"] is None and not entry["failed"], entry["failure"]
-        assert entry["stands_for"] == list(range(int(rank), int(rank) + per_stage)) and entry["stands_for_why"] is None
+        assert entry["stands_for"] == [[int(rank), int(rank) + per_stage - 1]] and entry["stands_for_why"] is None
         assert entry["stage"] == int(rank) // per_stage
-        for stand_in in entry["stands_for"]:  # the played rank itself first, then its TP peers
+        for stand_in in range(int(rank), int(rank) + per_stage):  # the played rank itself first, then its TP peers
             actual, tp_peer = real[stand_in], stand_in - int(rank) < tp
             assert [s["name"] for s in entry["sections"]] == [s["name"] for s in actual["sections"]] == schedules
             for mine, theirs in zip([entry, *entry["sections"]], [actual, *actual["sections"]]):

@@ -190,23 +190,26 @@ def test_all_stages_says_which_ranks_each_played_rank_stands_for():
     # Megatron's tp-dp-pp order at TP 2 x PP 2 (rank 0's pipeline: 0 and 2; TP groups 0-1 and 2-3; the
     # model-parallel group spans both stages and holds both played ranks).
     tp_pp = {0: [[0, 1, 2, 3], [0, 1], [0, 2], [0]], 2: [[0, 1, 2, 3], [2, 3], [0, 2], [2]]}
-    assert stages.stand_ins(4, tp_pp) == {0: {"stage": 0, "stands_for": [0, 1], "why": None},
-                                          2: {"stage": 1, "stands_for": [2, 3], "why": None}}
+    assert stages.stand_ins(4, tp_pp) == {0: {"stage": 0, "stands_for": [[0, 1]], "why": None},
+                                          2: {"stage": 1, "stands_for": [[2, 3]], "why": None}}
     # "pp" innermost (stride 1): stage i is every rank r with r % PP == i.
-    assert stages.stand_ins(8, {0: [[0, 2, 4, 6]], 1: [[1, 3, 5, 7]]})[1]["stands_for"] == [1, 3, 5, 7]
+    innermost = stages.stand_ins(32, {0: [list(range(0, 32, 2))], 1: [list(range(1, 32, 2))]})[1]
+    assert innermost["stands_for"] == [[r, r] for r in range(1, 32, 2)]  # runs of one rank each
+    assert stages.describe(1, 1, 2, innermost["stands_for"], None) == \
+        "rank 1 (stage 1 of 2) stands for ranks 1, 3, 5, 7, 9, 11, 13, 15, ... (16 ranks)"
     # At scale: 768 cards, TP 8 x DP 48 x PP 2 (the 70B row): rank 384 stands for the second half.
     assert stages.stand_ins(768, {0: [list(range(8))], 384: [list(range(384, 392))]})[384]["stands_for"] == \
-        list(range(384, 768))
+        [[384, 767]]
     # A group that crosses stages without a played rank, or played ranks that are not one pipeline of a
     # mesh: not derived, and said.
     crossing = stages.stand_ins(4, {0: [[0, 3]], 2: [[2]]})
-    assert crossing[0] == {"stage": None, "stands_for": [0],
+    assert crossing[0] == {"stage": None, "stands_for": [[0, 0]],
                            "why": "rank 0's group of ranks 0, 3 holds ranks of other stages (ranks 3)"}
     assert stages.stand_ins(8, {0: [], 3: []})[3]["why"] == \
         "2 stages 3 ranks apart do not divide the world of 8 ranks into pipelines"
     records = {0: dict(_record(5 << 20), groups=tp_pp[0]), 2: dict(_record(7 << 20), groups=tp_pp[2])}
     full = report.build(4, 4, "train.py", [], records, "compute", all_stages=True)
-    assert "groups" not in full["ranks"]["0"] and full["ranks"]["2"]["stands_for"] == [2, 3]
+    assert "groups" not in full["ranks"]["0"] and full["ranks"]["2"]["stands_for"] == [[2, 3]]
     lines = report.text(full).splitlines()
     assert lines[5:7] == ["rank 0 (stage 0 of 2) stands for ranks 0-1", "rank 2 (stage 1 of 2) stands for ranks 2-3"]
     listed = report.build(4, 4, "train.py", [], {0: _record(5 << 20), 3: _record(7 << 20)}, "compute")

@@ -13,15 +13,17 @@ crossed waits fall back.
 import dataclasses
 import json
 import os
+import pathlib
 import sys
 import threading
+import time
 
 import pytest
 from harness import fresh_process
 from test_plan_time import BIG, H100, SCRIPTS, t
 
 from supa_emu.plan import collective_time, op_costs, p2p_time, time_model
-from supa_emu.plan.plan_directory import PlanDirectory
+from supa_emu.plan.plan_directory import PlanDirectory, Wait, message_name
 
 NBYTES = 64 << 20  # one activation, within one host
 SMALL = ([t("BFloat16", 1024, 1024), t("BFloat16", 1024, 1024)], [t("BFloat16", 1024, 1024)])
@@ -116,6 +118,30 @@ def test_crossed_waits_fall_back_on_the_lowest_rank(tmp_path):
         1: (*program, [_transfer("recv", 0, 1), time_model.Waited(0), _transfer("send", 1, 0)])})
     assert schedules[0].report()["point_to_point"] == {"timed_with_peer": 1, "timed_alone": {p2p_time.CYCLE: 1}}
     assert schedules[1].report()["point_to_point"] == {"timed_with_peer": 2, "timed_alone": {}}
+
+
+def test_a_wait_for_a_message_and_one_for_a_post_cross_in_the_one_registry(tmp_path):
+    # rank 0 waits for rank 1's message, rank 1 for rank 0's post: rank 1, the lowest waiting for a post, goes on
+    directory = PlanDirectory(str(tmp_path))
+    directory.write_played((0, 1), False)
+    name = message_name("pp", 1, 0, 0, 1)
+    receiver = threading.Thread(target=directory.wait, args=(
+        0, Wait(1, message=name), lambda: directory.delivered(name) or None, os.getppid()), daemon=True)
+    receiver.start()
+    for _ in range(1000):
+        if directory.waits(0) is not None:
+            break
+        time.sleep(0.01)
+    assert directory.waits(0) == Wait(1, message=name)
+    posts = p2p_time.PeerPosts(str(tmp_path), 1, {0, 1}, os.getppid())
+    unseen = threading.Timer(10, directory.mark_ended, args=(0,))  # a cycle not seen ends the wait otherwise
+    unseen.start()
+    assert posts.peer_post(p2p_time.Transfer("pp", 0, 1, 1, sends=False)) == (None, p2p_time.CYCLE)
+    unseen.cancel()
+    assert directory.waits(1) is None
+    directory.write_message(name, lambda path: pathlib.Path(path).write_text("sent"))
+    receiver.join(timeout=10)
+    assert not receiver.is_alive() and directory.waits(0) is None
 
 
 def test_a_peer_the_plan_does_not_play_keeps_the_collective_timing(tmp_path):

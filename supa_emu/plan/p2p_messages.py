@@ -26,16 +26,14 @@ The files are the plan's shared directory's (plan_directory.py); the planner's s
 """
 
 import os
-import time
 import traceback
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from supa_emu.plan import call_record, p2p_time, rank_record, world
-from supa_emu.plan.plan_directory import PlanDirectory, message_name
-
-_POLL_S = (0.0005, 0.01)  # the first and the longest pause between looks for a message
+from supa_emu.plan.plan_directory import PlanDirectory, Wait, message_name
+from supa_emu.plan.plan_error import PlanError
 
 _directory: Optional[PlanDirectory] = None
 _rank: Optional[int] = None
@@ -77,7 +75,7 @@ def send(group: str, source: int, destination: int, tag: int, host: torch.Tensor
     name = _numbered(group, source, destination, tag, "sent")
     _meet(destination)
     if _directory is not None and carried(host):
-        _directory.write_atomically(_directory.message(name), lambda path: torch.save(host.clone(), path))
+        _directory.write_message(name, lambda path: torch.save(host.clone(), path))
 
 
 def receive(group: str, source: Optional[int], destination: int, tag: int,
@@ -99,8 +97,8 @@ def receive(group: str, source: Optional[int], destination: int, tag: int,
     def message() -> torch.Tensor:
         sent = _wait(name, source)
         if sent.dtype != like.dtype or sent.numel() != like.numel():
-            raise world.PlanError(f"planner: rank {destination} receives {like.numel()} {_dtype(like)} from rank "
-                                  f"{source} at {_call_site()}, which sent {sent.numel()} {_dtype(sent)}")
+            raise PlanError(f"planner: rank {destination} receives {like.numel()} {_dtype(like)} from rank "
+                            f"{source} at {_call_site()}, which sent {sent.numel()} {_dtype(sent)}")
         return sent
 
     return message
@@ -125,7 +123,7 @@ def _unknown(like: torch.Tensor, sender: str) -> Callable[[], None]:
     if like.is_floating_point() or like.is_complex():
         call_record.flag("recv: the data another rank sends is not known; the buffer keeps its contents")
         return lambda: None
-    raise world.PlanError(
+    raise PlanError(
         f"planner: rank {_rank} receives {_dtype(like)} data (sizes or a pickled object) from {sender}, at "
         f"{_call_site()}: its content cannot be known; play the sender too (--rank with a list, or --rank all-stages)")
 
@@ -141,24 +139,20 @@ def _call_site() -> str:
 def _wait(name: str, source: int) -> torch.Tensor:
     """The message `name` from played rank `source`, once it is there (the planner starts `source`
     if it has not started); a PlanError if `source` ended without it or every played rank waits."""
-    pause, announced = _POLL_S[0], False
-    while not _directory.delivered(name):
-        if not announced:
-            world.save_root_values()  # the peer may start now: give it the broadcasts made so far
-            _directory.wait_for(_rank, name, source)
-            announced = True
-        if _directory.ended(source) and not _directory.delivered(name):
-            raise world.PlanError(f"planner: rank {_rank} waits at {_call_site()} for a message from rank {source} "
-                                  f"({name}), which ended without sending it")
-        if os.getppid() != _planner:
-            raise world.PlanError(f"planner: rank {_rank} waits for a message from rank {source}, and the planner "
-                                  f"that played it ended")
+
+    def look() -> Optional[bool]:
+        ended = _directory.ended(source)  # before the look: a rank that ended has sent all it sends
+        if _directory.delivered(name):
+            return True
+        if ended:
+            raise PlanError(f"planner: rank {_rank} waits at {_call_site()} for a message from rank {source} "
+                            f"({name}), which ended without sending it")
         if _directory.stalled():
-            raise world.PlanError(f"planner: rank {_rank} waits at {_call_site()} for a message from rank {source} "
-                                  f"({name}) while every played rank waits for another: the program's sends and "
-                                  f"receives do not match")
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_S[1])
-    if announced:
-        _directory.done_waiting(_rank)
+            raise PlanError(f"planner: rank {_rank} waits at {_call_site()} for a message from rank {source} "
+                            f"({name}) while every played rank waits for another: the program's sends and "
+                            f"receives do not match")
+        return None
+
+    # the peer may start once this rank waits: give it the broadcasts made so far
+    _directory.wait(_rank, Wait(source, message=name), look, _planner, world.save_root_values)
     return torch.load(_directory.message(name))

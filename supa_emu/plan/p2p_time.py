@@ -11,22 +11,19 @@ between played ranks), gives the rules; in short:
 - each rank appends its posts to its own log in the plan's directory (`time/posts-R`, a JSON line
   each: group, source, destination, number, side, seconds) as it plays its schedule at a step's
   end, and resolves a transfer's end only where it is needed (Transfers.end), waiting for the
-  peer's post there (`time/waiting-R` says for which rank);
+  peer's post there (PlanDirectory.wait: `waiting-R` says for which post);
 - the model blocks a rank's whole play where a card blocks one stream, so where the ranks waiting
-  for each other (for posts, or for messages: p2p_messages.py) form a cycle that stays, the
-  lowest rank of the cycle that waits for a post times its transfer from its own side alone (as
-  does a rank whose peer ended without posting), and the report counts it.
+  for each other (for posts, or for messages: p2p_messages.py) form a cycle that stays (the plan
+  directory's records of who waits for what), the lowest rank of the cycle that waits for a post
+  times its transfer from its own side alone (as does a rank whose peer ended without posting),
+  and the report counts it.
 """
 
 import json
 import os
-import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from supa_emu.plan.plan_directory import PlanDirectory, message_sender, write_atomically
-
-_POLL_S = (0.0005, 0.01)  # the first and the longest pause between looks at a peer's log
-_CYCLE_S = 0.5  # how long a cycle of waiting ranks must stay before one of them goes on alone
+from supa_emu.plan.plan_directory import PlanDirectory, Unchanged, Wait
 
 PEER_NOT_PLAYED, ANY_SOURCE, CYCLE, PEER_ENDED = ("peer not played", "receive from any source",
                                                   "waits crossed", "peer ended without posting")
@@ -58,18 +55,10 @@ class PeerPosts:
         save_root_values: the broadcasts made so far, for the peer)."""
         self.directory, self.rank, self.played, self.planner = PlanDirectory(path), rank, played, planner
         self._before_waiting = before_waiting
-        self._folder = os.path.join(path, "time")
-        os.makedirs(self._folder, exist_ok=True)
-        self._log = os.open(self._log_path(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._log = os.open(self.directory.posts(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._read: Dict[int, Tuple[int, bytes]] = {}  # peer -> (bytes read, an unfinished line)
         self._known: Dict[tuple, float] = {}
-        self._wanted = set()
-
-    def _log_path(self, rank: int) -> str:
-        return os.path.join(self._folder, f"posts-{rank}")
-
-    def _waiting_path(self, rank: int) -> str:
-        return os.path.join(self._folder, f"waiting-{rank}")
+        self._met = set()
 
     def plays(self, peer: int) -> bool:
         return self.played is None or peer in self.played
@@ -81,7 +70,7 @@ class PeerPosts:
         if key not in self._known:
             offset, rest = self._read.get(peer, (0, b""))
             try:
-                with open(self._log_path(peer), "rb") as log:
+                with open(self.directory.posts(peer), "rb") as log:
                     log.seek(offset)
                     new = log.read()
             except FileNotFoundError:
@@ -97,73 +86,40 @@ class PeerPosts:
         """(when the peer posted its side of `transfer`, None) once its log says so, waiting for it;
         (None, why) where this rank times it alone (the peer ended without it, or the waits cross)."""
         peer, key = transfer.peer, transfer.key(not transfer.sends)
-        found = self._look(peer, key)
-        if found is not None:
-            return found, None
-        if peer not in self._wanted:  # the planner starts the peer if it has not started (play_order.py)
-            self._before_waiting()
-            self.directory.want(peer)
-            self._wanted.add(peer)
-        write_atomically(self._waiting_path(self.rank),
-                         lambda path: _write(path, json.dumps([peer, list(key)])))
-        try:
-            return self._wait(peer, key)
-        finally:
-            os.remove(self._waiting_path(self.rank))
+        crossed = Unchanged()
 
-    def _wait(self, peer: int, key: tuple) -> Tuple[Optional[float], Optional[str]]:
-        pause, cycle_since = _POLL_S[0], None
-        while True:
+        def look() -> Optional[Tuple[Optional[float], Optional[str]]]:
             ended = self.directory.ended(peer)  # before the look: a peer that ended has written all it posts
             found = self._look(peer, key)
             if found is not None:
                 return found, None
             if ended:
                 return None, PEER_ENDED
-            if os.getppid() != self.planner:
-                from supa_emu.plan.world import PlanError
-
-                raise PlanError(f"planner: rank {self.rank} waits for rank {peer}'s side of a point-to-point "
-                                f"transfer, and the planner that played it ended")
             cycle = self._cycle()
-            if cycle is None or cycle_since is None or cycle_since[1] != cycle:
-                cycle_since = None if cycle is None else (time.monotonic(), cycle)
-            elif time.monotonic() - cycle_since[0] > _CYCLE_S and self.rank == min(
-                    who for (who, on_post), _ in cycle if on_post):
+            if crossed.stays(cycle) and self.rank == min(who for who, wait in cycle if wait.post is not None):
                 return None, CYCLE
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S[1])
-
-    def _waits_on(self, rank: int) -> Optional[Tuple[int, bool, str]]:
-        """(the rank `rank` waits for, whether for a post, what it waits for), or None."""
-        try:
-            with open(self._waiting_path(rank)) as waiting:
-                text = waiting.read()
-            return json.loads(text)[0], True, text
-        except (FileNotFoundError, ValueError):
-            pass
-        message = self.directory.waits(rank)
-        if message is None or self.directory.delivered(message):
             return None
-        return message_sender(message), False, message
+
+        return self.directory.wait(self.rank, Wait(peer, post=key), look, self.planner, lambda: self._meet(peer))
+
+    def _meet(self, peer: int) -> None:
+        """Gives `peer`, which may start now, what it needs from this rank (once)."""
+        if peer not in self._met:
+            self._before_waiting()
+            self._met.add(peer)
 
     def _cycle(self) -> Optional[tuple]:
-        """The waits from this rank around to itself ((rank, waits for a post), what each waits for),
-        or None where some rank on the way does not wait."""
+        """The waits from this rank around to itself ((rank, what it waits for), ...), or None where
+        some rank on the way does not wait."""
         rank, path, seen = self.rank, [], set()
         while rank not in seen:
             seen.add(rank)
-            waits = self._waits_on(rank)
-            if waits is None:
+            wait = self.directory.waits(rank)
+            if wait is None:
                 return None
-            path.append(((rank, waits[1]), waits[2]))
-            rank = waits[0]
+            path.append((rank, wait))
+            rank = wait.peer
         return tuple(path) if rank == self.rank else None
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as out:
-        out.write(text)
 
 
 class Pending:

@@ -24,10 +24,9 @@ rather than waiting for ever.
 import time
 from typing import Callable, Dict, List
 
-from supa_emu.plan.plan_directory import PlanDirectory
+from supa_emu.plan.plan_directory import PlanDirectory, Unchanged
 
 _POLL_S = 0.02
-_STALL_S = 0.5  # how long every running rank must wait for the same messages to be called stalled
 
 
 def play(ranks: List[int], all_stages: bool, shared: str, start: Callable, collect: Callable) -> Dict[int, dict]:
@@ -48,7 +47,7 @@ def play(ranks: List[int], all_stages: bool, shared: str, start: Callable, colle
 
 def _play(queue: List[int], running: dict, records: dict, all_stages: bool, directory: PlanDirectory, start,
           collect) -> None:
-    waits_since = None  # (when, what every running rank waits for) while all of them wait
+    stalled = Unchanged()  # what every running rank waits for, while all of them wait for messages
     while queue or running:
         if not running:
             rank = queue.pop(0)
@@ -65,14 +64,8 @@ def _play(queue: List[int], running: dict, records: dict, all_stages: bool, dire
                 if peer in queue:
                     queue.remove(peer)
                 running[peer] = start(peer)
-                waits_since = None
         waiting = {rank: directory.waits(rank) for rank in running}
-        stuck = running and all(name is not None and not directory.delivered(name)
-                                for name in waiting.values())
-        if not stuck:
-            waits_since = None
-        elif waits_since is None or waits_since[1] != waiting:
-            waits_since = (time.monotonic(), waiting)
-        elif time.monotonic() - waits_since[0] > _STALL_S:
+        stuck = running and all(wait is not None and wait.message is not None for wait in waiting.values())
+        if stalled.stays(waiting if stuck else None):
             directory.mark_stalled()
         time.sleep(_POLL_S)

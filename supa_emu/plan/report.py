@@ -10,8 +10,9 @@ mode's operators that ran their kernels for want of a shape rule, [{what, count,
 sections ([{name, peak_allocated, peak_reserved, collectives}], see rank_record.section), failure
 ({error, traceback} or null), failed (true when the rank did not run to the end: its figures are
 those up to its failure), with --rank all-stages: stage (its pipeline stage, null where not derived),
-stands_for (the ranks whose figures are its own under the uniform rule), stands_for_why (null, or
-why the stages were not derived: it stands for itself alone; stages.py), moe_routing ({assumed,
+stands_for (the ranks whose figures are its own under the uniform rule, as runs of consecutive ranks,
+[[first, last], ...]), stands_for_why (null, or why the stages were not derived: it stands for itself
+alone; stages.py), moe_routing ({assumed,
 routers: {class: forward calls that chose the assumed experts}}), time (the card's time, time_model.Schedule.report: card, steps
 [{step, seconds, flops, mfu, split, tokens}], step_seconds, tokens_per_s, mfu, top_ops, untimed_collectives,
 point_to_point ({timed_with_peer, timed_alone: {why: transfers}}, p2p_time.py); null where no step was

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 
 def stand_ins(world_size: int, groups: Dict[int, List[List[int]]]) -> Dict[int, dict]:
-    """{played rank: {stage, stands_for (ranks), why (None, or why the stages were not derived)}}
+    """{played rank: {stage, stands_for (its ranks as runs), why (None, or why the stages were not derived)}}
     of an all-stages plan; `groups[rank]` is the global ranks of each group the played rank was in."""
     played = sorted(groups)
     layout = _mesh_layout(world_size, played)
@@ -35,7 +35,7 @@ def stand_ins(world_size: int, groups: Dict[int, List[List[int]]]) -> Dict[int, 
             if not any(other in group for other in played if other != rank) and not stage >= set(group):
                 return _not_derived(played, f"rank {rank}'s group of ranks {_ranges(group)} holds ranks of other "
                                             f"stages (ranks {_ranges(sorted(set(group) - stage))})")
-    return {rank: {"stage": stage, "stands_for": members[rank], "why": None}
+    return {rank: {"stage": stage, "stands_for": runs(members[rank]), "why": None}
             for stage, rank in enumerate(played)}
 
 
@@ -53,23 +53,32 @@ def _mesh_layout(world_size: int, played: List[int]):
 
 
 def _not_derived(played: List[int], why: str) -> Dict[int, dict]:
-    return {rank: {"stage": None, "stands_for": [rank], "why": why} for rank in played}
+    return {rank: {"stage": None, "stands_for": [[rank, rank]], "why": why} for rank in played}
 
 
-def _ranges(ranks: List[int], limit: int = 8) -> str:
-    """Ranks as runs, `0-7, 16-23`, the first `limit` runs and a count beyond."""
-    runs: List[List[int]] = []
+def runs(ranks: List[int]) -> List[List[int]]:
+    """Ranks as runs of consecutive ranks, [[first, last], ...] (the report's `stands_for`)."""
+    found: List[List[int]] = []
     for rank in sorted(ranks):
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
+        if found and rank == found[-1][1] + 1:
+            found[-1][1] = rank
         else:
-            runs.append([rank, rank])
-    shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
-    return shown + (f", ... ({len(ranks)} ranks)" if len(runs) > limit else "")
+            found.append([rank, rank])
+    return found
 
 
-def describe(rank: int, stage: Optional[int], stages: int, stands_for: List[int], why: Optional[str]) -> str:
-    """The report's line for a played rank of an all-stages plan."""
+def _ranges(ranks: List[int]) -> str:
+    return _shown(runs(ranks))
+
+
+def _shown(of: List[List[int]], limit: int = 8) -> str:
+    """Runs as `0-7, 16-23`: the first `limit` runs, then how many ranks in all where there are more."""
+    shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in of[:limit])
+    return shown + (f", ... ({sum(b - a + 1 for a, b in of)} ranks)" if len(of) > limit else "")
+
+
+def describe(rank: int, stage: Optional[int], stages: int, stands_for: List[List[int]], why: Optional[str]) -> str:
+    """The report's line for a played rank of an all-stages plan (`stands_for` as runs)."""
     if why is not None:
         return f"rank {rank} stands for itself alone: the stages were not derived ({why})"
-    return f"rank {rank} (stage {stage} of {stages}) stands for ranks {_ranges(stands_for)}"
+    return f"rank {rank} (stage {stage} of {stages}) stands for ranks {_shown(stands_for)}"

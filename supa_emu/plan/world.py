@@ -13,6 +13,7 @@ import torch
 
 from supa_emu.plan import call_record
 from supa_emu.plan.plan_directory import write_atomically
+from supa_emu.plan.plan_error import PlanError
 
 # Set by the planner's rank process (`play`): (rank, world size, pid).
 _played: Optional[tuple] = None
@@ -29,10 +30,6 @@ _keeps_values = False  # whether this rank is the first played, which keeps the 
 _root_values: Dict[tuple, torch.Tensor] = {}
 _values_read: Optional[int] = None  # the modification time of the values file when last read
 _broadcasts: Dict[str, int] = {}
-
-
-class PlanError(RuntimeError):
-    """The script asks for something a planned world cannot give (one line, naming the problem)."""
 
 
 def play(rank: int, world_size: int, values_file: Optional[str] = None) -> None:
