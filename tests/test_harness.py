@@ -5,7 +5,10 @@ rendezvous port, and nothing outlives the test run."""
 import json
 import os
 import pathlib
+import signal
+import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -25,9 +28,9 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _gone_soon(pid: int) -> bool:
+def _gone_soon(pid: int, timeout: float = 10) -> bool:
     """Whether `pid` is gone within a few seconds (a SIGKILL lands at once; the exit may lag on a busy machine)."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + timeout
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not _running(pid)
@@ -333,6 +336,23 @@ def test_a_hung_forked_interpreter_is_killed_and_a_dead_server_is_replaced(_serv
     server.proc.wait()
     assert harness.fresh_process(_interpreter_facts, "after the server died").value["card"] == "supa:0"
     assert server not in _servers.servers.values()  # a dead server is replaced
+
+
+def test_a_server_whose_test_process_was_killed_ends_and_removes_its_socket():
+    # The test process starts a server and is killed (no atexit, as when pytest gets SIGTERM).
+    started = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os, signal, sys
+        sys.path.insert(0, "tests")
+        from processes import forking
+        server = forking.ForkServer(dict(os.environ))
+        print(server.proc.pid, server.address, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """)], cwd=harness.ROOT, capture_output=True, text=True, timeout=60)
+    assert started.returncode == -signal.SIGKILL, started.stderr
+    pid, address = started.stdout.split()
+    # It notices once torch is imported (seconds) and within a second of its next look.
+    assert _gone_soon(int(pid), timeout=60), "the fork server outlived the process that started it"
+    assert not os.path.exists(os.path.dirname(address))
 
 
 def test_a_client_that_finds_no_server_runs_the_command_itself(tmp_path):

@@ -27,6 +27,8 @@ A command reaches its server through a small client (`run`), started in the comm
 stays the process the harness waits for and kills, and reports the child's exit code as its own.
 When the client ends early (killed after a hang), the server kills the child's process group. A
 client that finds no server runs the command itself (exec), so a dead server costs time, not tests.
+A server ends, removing its socket, once the test process that started it has ended without closing
+it (killed: its atexit never ran), instead of staying under init with torch imported.
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ import sys
 
 _HEADER = struct.Struct("!I")
 _FORKED, _EXITED = "forked", "exited"
+_PARENT_CHECK_S = 1.0  # how often an idle server checks that the process that started it is alive
 
 
 # ---- the server ---------------------------------------------------------------------------------
-def serve(listening_fd: int) -> None:
+def serve(listening_fd: int, parent: int) -> None:
     """Serves on the listening socket `listening_fd` (the harness binds it before it starts the
-    server, so that clients may connect at once: they wait in its backlog until torch is imported)."""
+    server, so that clients may connect at once: they wait in its backlog until torch is imported)
+    for as long as process `parent`, which started it, lives."""
     listener = socket.socket(fileno=listening_fd)
     import_output = _import_torch()
     gc.collect()
@@ -62,7 +66,13 @@ def serve(listening_fd: int) -> None:
     selector.register(wakeup_read, selectors.EVENT_READ, None)
     children: dict[int, socket.socket] = {}
     while True:
-        for key, _ in selector.select():
+        events = selector.select(timeout=_PARENT_CHECK_S)
+        if os.getppid() != parent:
+            # The test process that started it ended without closing it (killed: no atexit); a
+            # server that stayed would keep torch's memory under init for good. Its children run on.
+            _remove_socket(listener)
+            return
+        for key, _ in events:
             if key.fileobj is listener:
                 client, _ = listener.accept()
                 # A client that died while asking, or a fork that failed: no child. A client still
@@ -99,6 +109,16 @@ def serve(listening_fd: int) -> None:
                 selector.unregister(key.fileobj)
                 if pid in children:
                     _kill_group(pid)
+
+
+def _remove_socket(listener: socket.socket) -> None:
+    """Removes the listening socket's file and its directory (ForkServer's, left by its process)."""
+    address = listener.getsockname()
+    try:
+        os.unlink(address)
+        os.rmdir(os.path.dirname(address))
+    except OSError:
+        pass
 
 
 def _import_torch() -> tuple[bytes, bytes]:
@@ -235,6 +255,6 @@ def run(address: str, argv_json: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        serve(int(sys.argv[2]))
+        serve(int(sys.argv[2]), int(sys.argv[3]))
     elif sys.argv[1] == "run":
         run(sys.argv[2], sys.argv[3])

@@ -32,7 +32,8 @@ class ForkServer:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
             listener.bind(self.address)
             listener.listen(64)
-            self.proc = subprocess.Popen([sys.executable, SCRIPT, "serve", str(listener.fileno())], cwd=ROOT,
+            serve = [sys.executable, SCRIPT, "serve", str(listener.fileno()), str(os.getpid())]
+            self.proc = subprocess.Popen(serve, cwd=ROOT,
                                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, pass_fds=[listener.fileno()],
                                          start_new_session=True)  # ended by close(), at exit at the latest
