@@ -167,14 +167,14 @@ CardBlock* CardAllocator::place_block(size_t nbytes, const PoolId& pool, c10::St
 }
 
 CardBlock* CardAllocator::allocate(size_t nbytes, const PoolId& pool, c10::StreamId stream, const Stack& stack) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   settle_capture_frees(stream);
   settle_pending_frees(/*wait=*/false);
   return place_block(nbytes, pool, stream, stack);
 }
 
 void CardAllocator::free(CardBlock* block, const Stack& stack) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   const bool small = block->small;
   count_block(stats_.allocation, small, false);
   update(stats_.allocated_bytes, small, block->size, false);
@@ -198,14 +198,14 @@ void CardAllocator::free(CardBlock* block, const Stack& stack) {
 }
 
 void CardAllocator::record_stream(CardBlock* block, c10::StreamId stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   if (stream != block->stream && std::find(block->used_on.begin(), block->used_on.end(), stream) == block->used_on.end()) {
     block->used_on.push_back(stream);
   }
 }
 
 void CardAllocator::empty_cache(const PoolId* pool, bool wait_for_streams) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   if (wait_for_streams) {
     // As a card's allocator: wait for every stream's use of freed blocks, then release.
     ++stats_.num_sync_all_streams;
@@ -215,7 +215,7 @@ void CardAllocator::empty_cache(const PoolId* pool, bool wait_for_streams) {
 }
 
 void CardAllocator::set_policy(const BlockPolicy& policy, bool capture_record_stream_reuse) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   // Blocks keep the oversize status they were created with, so the counters stay balanced.
   policy_ = policy;
   capture_record_stream_reuse_ = capture_record_stream_reuse;
@@ -223,12 +223,12 @@ void CardAllocator::set_policy(const BlockPolicy& policy, bool capture_record_st
 }
 
 c10::CachingDeviceAllocator::DeviceStats CardAllocator::stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   return stats_;
 }
 
 void CardAllocator::reset_accumulated_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   for_each_stat(stats_, [](Stat& stat) { stat.reset_accumulated(); });
   stats_.num_alloc_retries = 0;
   stats_.num_ooms = 0;
@@ -238,32 +238,32 @@ void CardAllocator::reset_accumulated_stats() {
 }
 
 void CardAllocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   for_each_stat(stats_, [](Stat& stat) { stat.reset_peak(); });
 }
 
 std::pair<size_t, size_t> CardAllocator::memory_info() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   return {static_cast<size_t>(card_.unreserved()), static_cast<size_t>(card_.capacity())};
 }
 
 void CardAllocator::set_fraction(double fraction) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   card_.set_fraction(fraction);
 }
 
 double CardAllocator::fraction() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   return card_.fraction();
 }
 
 bool CardAllocator::holds(const void* ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   return card_.segment_of(ptr) != nullptr;
 }
 
 std::vector<SegmentInfo> CardAllocator::snapshot() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   std::vector<SegmentInfo> out;
   for (const auto& entry : card_.segments()) {
     const CardSegment& segment = *entry.second;

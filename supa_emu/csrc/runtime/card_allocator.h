@@ -9,6 +9,7 @@
 #include "block_table.h"
 #include "caching_allocator.h"
 #include "card_memory.h"
+#include "light_mutex.h"
 #include "provisional_blocks.h"
 
 #include <c10/core/CachingDeviceAllocator.h>
@@ -121,7 +122,7 @@ class CardAllocator {
   };
   std::vector<ProvisionalBlock*> spare_records_;
 
-  std::mutex mutex_;
+  LightMutex mutex_;
   const c10::DeviceIndex device_;
   BlockTable& table_;
   CardMemory card_;
