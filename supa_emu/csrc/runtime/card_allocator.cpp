@@ -186,7 +186,10 @@ void CardAllocator::free(CardBlock* block, const Stack& stack) {
   void* const ptr = block->ptr;
   const size_t size = block->size, requested = block->requested;
   const int64_t stream = block->stream;
-  record_memory_event("free_requested", device_, ptr, requested, stack, size, stream);
+  const bool events = memory_events_wanted();
+  if (events) {
+    record_memory_event("free_requested", device_, ptr, requested, stack, size, stream);
+  }
   c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(size), stats_.allocated_bytes[0].current,
                                    stats_.reserved_bytes[0].current, c10::Device(kSupa, device_));
   if (!block->used_on.empty() && captures_underway_ > 0) {
@@ -194,7 +197,9 @@ void CardAllocator::free(CardBlock* block, const Stack& stack) {
   } else {
     release_after_uses(block);
   }
-  record_memory_event("free_completed", device_, ptr, requested, stack, size, stream);
+  if (events) {
+    record_memory_event("free_completed", device_, ptr, requested, stack, size, stream);
+  }
 }
 
 void CardAllocator::record_stream(CardBlock* block, c10::StreamId stream) {

@@ -3,10 +3,9 @@
 // through pthread's out-of-line checks, about sixty instructions a round trip, six round trips per
 // small operator. A thread that finds it held sleeps on the word (std::atomic wait, a futex on
 // Linux) until the holder, seeing a sleeper, wakes one: the three-state mutex of Drepper's
-// "Futexes Are Tricky". Meets Lockable, so std::lock_guard and std::unique_lock take it.
+// "Futexes Are Tricky". Meets Lockable, so std::lock_guard and std::unique_lock take it. Plain C++20
+// (tests/cpp/light_mutex_test.cpp builds it alone).
 #pragma once
-
-#include <c10/macros/Macros.h>
 
 #include <atomic>
 
@@ -41,7 +40,7 @@ class LightMutex {
 
   // `state`: what the failed attempt saw. From here on the lock is marked as having sleepers, so
   // that its holder wakes one when it lets go (at worst one wake-up too many).
-  C10_NOINLINE void lock_contended(int state) {
+  [[gnu::noinline]] void lock_contended(int state) {
     if (state != kHeldWithSleepers) {
       state = state_.exchange(kHeldWithSleepers, std::memory_order_acquire);
     }

@@ -165,7 +165,9 @@ void* commit_block(void* ptr, c10::DeviceIndex device) {
     keep_displaced(displaced);
     throw;
   }
-  keep_displaced(displaced);
+  if (!displaced.empty()) {  // rarely: no call otherwise
+    keep_displaced(displaced);
+  }
   if (committed == nullptr) {  // not a provisional block of `device`
     return nullptr;
   }
