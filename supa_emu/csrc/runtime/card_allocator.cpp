@@ -58,6 +58,7 @@ void for_each_stat(DeviceStats& s, Fn fn) {
 
 CardAllocator::CardAllocator(c10::DeviceIndex device, int64_t capacity, Backing backing, BlockTable& table)
     : device_(device),
+      device_as_c10_(kSupa, device),
       table_(table),
       card_(
           device, capacity, [this](const CardSegment& segment) { segment_released(segment); }, backing,
@@ -137,7 +138,7 @@ CardBlock* CardAllocator::count_placed(const Placement& placed, size_t nbytes, c
   record_memory_event("alloc", device_, block->ptr, nbytes, stack, block->size, block->stream);
   // As CUDA's allocator: the profiler's memory view (profile_memory=True) sees each block.
   c10::reportMemoryUsageToProfiler(block->ptr, static_cast<int64_t>(block->size), stats_.allocated_bytes[0].current,
-                                   stats_.reserved_bytes[0].current, c10::Device(kSupa, device_));
+                                   stats_.reserved_bytes[0].current, device_as_c10_);
   return block;
 }
 
@@ -191,7 +192,7 @@ void CardAllocator::free(CardBlock* block, const Stack& stack) {
     record_memory_event("free_requested", device_, ptr, requested, stack, size, stream);
   }
   c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(size), stats_.allocated_bytes[0].current,
-                                   stats_.reserved_bytes[0].current, c10::Device(kSupa, device_));
+                                   stats_.reserved_bytes[0].current, device_as_c10_);
   if (!block->used_on.empty() && captures_underway_ > 0) {
     capture_frees_.push_back({block, capture_free_points(*block)});
   } else {

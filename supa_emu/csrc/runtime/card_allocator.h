@@ -114,7 +114,7 @@ class CardAllocator {
   void take_again(const std::vector<SetAside>& set_aside, std::vector<DisplacedBlock>& displaced);
   void forget_taken(const ProvisionalBlock* block);
   // Provisional blocks' records, made and deleted by every operator call that allocates, are reused.
-  ProvisionalBlock* new_record(const ProvisionalBlock& like);
+  ProvisionalBlock* new_record(ProvisionalBlock&& like);
   void delete_record(ProvisionalBlock* record);
   struct RecordDeleter {
     CardAllocator* card;
@@ -124,6 +124,7 @@ class CardAllocator {
 
   LightMutex mutex_;
   const c10::DeviceIndex device_;
+  const c10::Device device_as_c10_;  // made once: the profiler's reports name it at every block
   BlockTable& table_;
   CardMemory card_;
   DeviceStats stats_;

@@ -220,13 +220,13 @@ void CardAllocator::drop_provisional(ProvisionalBlock* block, void* ptr) {
   }
 }
 
-ProvisionalBlock* CardAllocator::new_record(const ProvisionalBlock& like) {
+ProvisionalBlock* CardAllocator::new_record(ProvisionalBlock&& like) {
   if (spare_records_.empty()) {
-    return new ProvisionalBlock(like);
+    return new ProvisionalBlock(std::move(like));
   }
   ProvisionalBlock* record = spare_records_.back();
   spare_records_.pop_back();
-  *record = like;
+  *record = std::move(like);
   return record;
 }
 
