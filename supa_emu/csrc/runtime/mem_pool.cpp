@@ -23,9 +23,12 @@ namespace {
 std::atomic<c10::CaptureId_t> g_next_graph_pool{1};
 std::atomic<c10::CaptureId_t> g_next_user_pool{1};
 
-// The pools this thread's allocations go to, innermost last; null while there are none: a plain
-// pointer, so that every allocation's check costs no thread-local initialisation.
-thread_local std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>>* t_pool_stack = nullptr;
+// The pools this thread's allocations go to, innermost last (kept until the thread exits), read
+// through a plain pointer that is null while there are none, so that every allocation's check
+// costs no thread-local initialisation.
+using PoolStack = std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>>;
+thread_local PoolStack t_pool_stack_kept;
+thread_local PoolStack* t_pool_stack = nullptr;
 
 std::mutex g_use_mutex;
 std::map<c10::MempoolId_t, int64_t> g_use_counts;  // live pools -> holders
@@ -110,10 +113,9 @@ c10::MempoolId_t new_user_pool_id() {
 
 void begin_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
   check_device_index(device);
-  if (t_pool_stack == nullptr) {
-    t_pool_stack = new std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>>();
-  }
-  t_pool_stack->emplace_back(device, pool);
+  PoolStack& stack = t_pool_stack_kept;
+  stack.emplace_back(device, pool);
+  t_pool_stack = &stack;
 }
 
 void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
@@ -122,7 +124,7 @@ void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
       if (it->first == device && it->second == pool) {
         stack->erase(std::next(it).base());
         if (stack->empty()) {
-          delete std::exchange(t_pool_stack, nullptr);
+          t_pool_stack = nullptr;
         }
         return;
       }
