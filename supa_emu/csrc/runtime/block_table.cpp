@@ -58,7 +58,7 @@ void BlockTable::forget_if_unowned(Shard& s, OwnersMap::iterator it) {
 template <typename T>
 void BlockTable::add(const void* ptr, T* Owners::*slot, T* value) {
   Shard& s = shard(ptr);
-  std::lock_guard<std::mutex> lock(s.mutex);
+  std::lock_guard<LightMutex> lock(s.mutex);
   T*& held = entry(s, ptr).*slot;
   TORCH_INTERNAL_ASSERT(held == nullptr, "supa_emu: two blocks of one kind handed out at one address");
   held = value;
@@ -67,7 +67,7 @@ void BlockTable::add(const void* ptr, T* Owners::*slot, T* value) {
 template <typename T>
 T* BlockTable::remove(const void* ptr, T* Owners::*slot) {
   Shard& s = shard(ptr);
-  std::lock_guard<std::mutex> lock(s.mutex);
+  std::lock_guard<LightMutex> lock(s.mutex);
   auto it = s.owners.find(ptr);
   if (it == s.owners.end() || it->second.*slot == nullptr) {
     return nullptr;
@@ -80,7 +80,7 @@ T* BlockTable::remove(const void* ptr, T* Owners::*slot) {
 template <typename T>
 T* BlockTable::find(const void* ptr, T* Owners::*slot) const {
   Shard& s = shard(ptr);
-  std::lock_guard<std::mutex> lock(s.mutex);
+  std::lock_guard<LightMutex> lock(s.mutex);
   auto it = s.owners.find(ptr);
   return it == s.owners.end() ? nullptr : it->second.*slot;
 }

@@ -10,6 +10,8 @@
 // its deleter.
 #pragma once
 
+#include "light_mutex.h"
+
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -34,7 +36,7 @@ class BlockTable {
   template <typename Read>
   bool read_block(const void* ptr, Read&& read) const {
     Shard& s = shard(ptr);
-    std::lock_guard<std::mutex> lock(s.mutex);
+    std::lock_guard<LightMutex> lock(s.mutex);
     auto it = s.owners.find(ptr);
     if (it == s.owners.end() || it->second.block == nullptr) {
       return false;
@@ -51,7 +53,7 @@ class BlockTable {
   template <typename Claim>
   ProvisionalBlock* claim_provisional(const void* ptr, Claim&& claim) {
     Shard& s = shard(ptr);
-    std::lock_guard<std::mutex> lock(s.mutex);
+    std::lock_guard<LightMutex> lock(s.mutex);
     auto it = s.owners.find(ptr);
     ProvisionalBlock* const block = it == s.owners.end() ? nullptr : it->second.provisional;
     CardBlock* counted = nullptr;
@@ -76,7 +78,7 @@ class BlockTable {
   using OwnersMap = std::unordered_map<const void*, Owners>;
   static constexpr size_t kKeptUnowned = 8;  // per shard
   struct Shard {
-    mutable std::mutex mutex;
+    mutable LightMutex mutex;
     OwnersMap owners;
     // Nodes of addresses that left, reused by the next to come: an operator's result handed out
     // and freed on every call costs the heap nothing.

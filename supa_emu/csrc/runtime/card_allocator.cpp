@@ -58,6 +58,7 @@ void for_each_stat(DeviceStats& s, Fn fn) {
 
 CardAllocator::CardAllocator(c10::DeviceIndex device, int64_t capacity, Backing backing, BlockTable& table)
     : device_(device),
+      device_as_c10_(kSupa, device),
       table_(table),
       card_(
           device, capacity, [this](const CardSegment& segment) { segment_released(segment); }, backing,
@@ -137,7 +138,7 @@ CardBlock* CardAllocator::count_placed(const Placement& placed, size_t nbytes, c
   record_memory_event("alloc", device_, block->ptr, nbytes, stack, block->size, block->stream);
   // As CUDA's allocator: the profiler's memory view (profile_memory=True) sees each block.
   c10::reportMemoryUsageToProfiler(block->ptr, static_cast<int64_t>(block->size), stats_.allocated_bytes[0].current,
-                                   stats_.reserved_bytes[0].current, c10::Device(kSupa, device_));
+                                   stats_.reserved_bytes[0].current, device_as_c10_);
   return block;
 }
 
@@ -167,14 +168,14 @@ CardBlock* CardAllocator::place_block(size_t nbytes, const PoolId& pool, c10::St
 }
 
 CardBlock* CardAllocator::allocate(size_t nbytes, const PoolId& pool, c10::StreamId stream, const Stack& stack) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   settle_capture_frees(stream);
   settle_pending_frees(/*wait=*/false);
   return place_block(nbytes, pool, stream, stack);
 }
 
 void CardAllocator::free(CardBlock* block, const Stack& stack) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   const bool small = block->small;
   count_block(stats_.allocation, small, false);
   update(stats_.allocated_bytes, small, block->size, false);
@@ -186,26 +187,31 @@ void CardAllocator::free(CardBlock* block, const Stack& stack) {
   void* const ptr = block->ptr;
   const size_t size = block->size, requested = block->requested;
   const int64_t stream = block->stream;
-  record_memory_event("free_requested", device_, ptr, requested, stack, size, stream);
+  const bool events = memory_events_wanted();
+  if (events) {
+    record_memory_event("free_requested", device_, ptr, requested, stack, size, stream);
+  }
   c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(size), stats_.allocated_bytes[0].current,
-                                   stats_.reserved_bytes[0].current, c10::Device(kSupa, device_));
+                                   stats_.reserved_bytes[0].current, device_as_c10_);
   if (!block->used_on.empty() && captures_underway_ > 0) {
     capture_frees_.push_back({block, capture_free_points(*block)});
   } else {
     release_after_uses(block);
   }
-  record_memory_event("free_completed", device_, ptr, requested, stack, size, stream);
+  if (events) {
+    record_memory_event("free_completed", device_, ptr, requested, stack, size, stream);
+  }
 }
 
 void CardAllocator::record_stream(CardBlock* block, c10::StreamId stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   if (stream != block->stream && std::find(block->used_on.begin(), block->used_on.end(), stream) == block->used_on.end()) {
     block->used_on.push_back(stream);
   }
 }
 
 void CardAllocator::empty_cache(const PoolId* pool, bool wait_for_streams) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   if (wait_for_streams) {
     // As a card's allocator: wait for every stream's use of freed blocks, then release.
     ++stats_.num_sync_all_streams;
@@ -215,7 +221,7 @@ void CardAllocator::empty_cache(const PoolId* pool, bool wait_for_streams) {
 }
 
 void CardAllocator::set_policy(const BlockPolicy& policy, bool capture_record_stream_reuse) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   // Blocks keep the oversize status they were created with, so the counters stay balanced.
   policy_ = policy;
   capture_record_stream_reuse_ = capture_record_stream_reuse;
@@ -223,12 +229,12 @@ void CardAllocator::set_policy(const BlockPolicy& policy, bool capture_record_st
 }
 
 c10::CachingDeviceAllocator::DeviceStats CardAllocator::stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   return stats_;
 }
 
 void CardAllocator::reset_accumulated_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   for_each_stat(stats_, [](Stat& stat) { stat.reset_accumulated(); });
   stats_.num_alloc_retries = 0;
   stats_.num_ooms = 0;
@@ -238,32 +244,32 @@ void CardAllocator::reset_accumulated_stats() {
 }
 
 void CardAllocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   for_each_stat(stats_, [](Stat& stat) { stat.reset_peak(); });
 }
 
 std::pair<size_t, size_t> CardAllocator::memory_info() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   return {static_cast<size_t>(card_.unreserved()), static_cast<size_t>(card_.capacity())};
 }
 
 void CardAllocator::set_fraction(double fraction) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   card_.set_fraction(fraction);
 }
 
 double CardAllocator::fraction() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   return card_.fraction();
 }
 
 bool CardAllocator::holds(const void* ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   return card_.segment_of(ptr) != nullptr;
 }
 
 std::vector<SegmentInfo> CardAllocator::snapshot() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   std::vector<SegmentInfo> out;
   for (const auto& entry : card_.segments()) {
     const CardSegment& segment = *entry.second;

@@ -9,6 +9,7 @@
 #include "block_table.h"
 #include "caching_allocator.h"
 #include "card_memory.h"
+#include "light_mutex.h"
 #include "provisional_blocks.h"
 
 #include <c10/core/CachingDeviceAllocator.h>
@@ -113,7 +114,7 @@ class CardAllocator {
   void take_again(const std::vector<SetAside>& set_aside, std::vector<DisplacedBlock>& displaced);
   void forget_taken(const ProvisionalBlock* block);
   // Provisional blocks' records, made and deleted by every operator call that allocates, are reused.
-  ProvisionalBlock* new_record(const ProvisionalBlock& like);
+  ProvisionalBlock* new_record(ProvisionalBlock&& like);
   void delete_record(ProvisionalBlock* record);
   struct RecordDeleter {
     CardAllocator* card;
@@ -121,8 +122,9 @@ class CardAllocator {
   };
   std::vector<ProvisionalBlock*> spare_records_;
 
-  std::mutex mutex_;
+  LightMutex mutex_;
   const c10::DeviceIndex device_;
+  const c10::Device device_as_c10_;  // made once: the profiler's reports name it at every block
   BlockTable& table_;
   CardMemory card_;
   DeviceStats stats_;

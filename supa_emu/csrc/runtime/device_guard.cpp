@@ -20,8 +20,9 @@
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <atomic>
-#include <unordered_map>
+#include <cstddef>
 
 namespace supa {
 namespace {
@@ -50,8 +51,11 @@ std::atomic<c10::StreamId> g_next_stream_index{1};
 c10::StreamId new_stream_id(int priority) {
   return (g_next_stream_index++ << 1) | (priority < 0 ? 1 : 0);
 }
-// Current stream per device, per thread (as in CUDA).
-thread_local std::unordered_map<c10::DeviceIndex, c10::StreamId> t_current_streams;
+// Current stream per device, per thread (as in CUDA): a plain array indexed by the device (0 is
+// the default stream), which a thread reads without an initialisation guard or a hash at every
+// allocation.
+constexpr size_t kStreamSlots = size_t{1} << (8 * sizeof(c10::DeviceIndex) - 1);
+thread_local std::array<c10::StreamId, kStreamSlots> t_current_streams{};
 
 struct SupaGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override {
@@ -202,8 +206,7 @@ int stream_priority(c10::StreamId id) {
 }
 
 c10::StreamId current_stream_id(c10::DeviceIndex device) {
-  auto it = t_current_streams.find(device);
-  return it == t_current_streams.end() ? 0 : it->second;
+  return device >= 0 ? t_current_streams[static_cast<size_t>(device)] : 0;
 }
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SupaGuardImpl);

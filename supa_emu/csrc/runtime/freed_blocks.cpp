@@ -104,13 +104,13 @@ void CardAllocator::settle_capture_frees(c10::StreamId stream) {
 }
 
 void CardAllocator::capture_begin(c10::StreamId stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   captures_underway_++;
   capture_order_begin(device_, stream);
 }
 
 void CardAllocator::capture_ended() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   if (captures_underway_ > 0 && --captures_underway_ == 0) {
     capture_order_end(device_);
   }

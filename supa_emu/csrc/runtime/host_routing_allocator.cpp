@@ -26,8 +26,7 @@
 namespace supa {
 namespace {
 
-thread_local c10::DeviceIndex t_output_device = -1;
-thread_local bool t_take_from_card = false;
+thread_local DeviceOutputScope::Routing t_routing;
 c10::Allocator* g_base_cpu_allocator = nullptr;
 
 // The planner's bound on host tensors (limit_host_tensors): the live host allocations made
@@ -76,13 +75,14 @@ void routed_raw_delete(void* ptr) {
 class HostRoutingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
-    if (t_output_device < 0 || nbytes == 0) {
+    const DeviceOutputScope::Routing routing = t_routing;
+    if (routing.device < 0 || nbytes == 0) {
       if (nbytes != 0 && g_host_bound.limit.load(std::memory_order_relaxed) != 0) {
         return allocate_bounded_host(nbytes);
       }
       return g_base_cpu_allocator->allocate(nbytes);
     }
-    void* ptr = allocate_provisional(nbytes, t_output_device, t_take_from_card);
+    void* ptr = allocate_provisional(nbytes, routing.device, routing.take_from_card);
     return {ptr, ptr, &delete_provisional, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
@@ -98,17 +98,16 @@ HostRoutingAllocator g_routing_allocator;
 }  // namespace
 
 DeviceOutputScope::DeviceOutputScope(c10::DeviceIndex device, bool take_from_card)
-    : previous_(t_output_device), previous_take_(t_take_from_card) {
-  t_output_device = device;
-  t_take_from_card = take_from_card && device >= 0;
-  if (t_take_from_card) {
+    : previous_(t_routing) {
+  DeviceOutputScope::Routing& routing = t_routing;
+  routing = {device, take_from_card && device >= 0};
+  if (routing.take_from_card) {
     begin_operator_allocations();
   }
 }
 
 DeviceOutputScope::~DeviceOutputScope() {
-  t_output_device = previous_;
-  t_take_from_card = previous_take_;
+  t_routing = previous_;
 }
 
 c10::DataPtr take_device_block(c10::StorageImpl* host_storage, c10::DeviceIndex device) {

@@ -20,9 +20,14 @@ class DeviceOutputScope {
   DeviceOutputScope(const DeviceOutputScope&) = delete;
   DeviceOutputScope& operator=(const DeviceOutputScope&) = delete;
 
+  // Where this thread's host allocations go (one thread-local, read once per allocation).
+  struct Routing {
+    c10::DeviceIndex device = -1;
+    bool take_from_card = false;
+  };
+
  private:
-  c10::DeviceIndex previous_;
-  bool previous_take_;
+  Routing previous_;
 };
 void install_host_routing_allocator();
 // The planner's bound on host memory: from now on a host (CPU) allocation made outside an operator

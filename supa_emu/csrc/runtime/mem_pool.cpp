@@ -14,6 +14,8 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 namespace supa {
 namespace {
@@ -21,7 +23,12 @@ namespace {
 std::atomic<c10::CaptureId_t> g_next_graph_pool{1};
 std::atomic<c10::CaptureId_t> g_next_user_pool{1};
 
-thread_local std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>> t_pool_stack;
+// The pools this thread's allocations go to, innermost last (kept until the thread exits), read
+// through a plain pointer that is null while there are none, so that every allocation's check
+// costs no thread-local initialisation.
+using PoolStack = std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>>;
+thread_local PoolStack t_pool_stack_kept;
+thread_local PoolStack* t_pool_stack = nullptr;
 
 std::mutex g_use_mutex;
 std::map<c10::MempoolId_t, int64_t> g_use_counts;  // live pools -> holders
@@ -106,14 +113,21 @@ c10::MempoolId_t new_user_pool_id() {
 
 void begin_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
   check_device_index(device);
-  t_pool_stack.emplace_back(device, pool);
+  PoolStack& stack = t_pool_stack_kept;
+  stack.emplace_back(device, pool);
+  t_pool_stack = &stack;
 }
 
 void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
-  for (auto it = t_pool_stack.rbegin(); it != t_pool_stack.rend(); ++it) {
-    if (it->first == device && it->second == pool) {
-      t_pool_stack.erase(std::next(it).base());
-      return;
+  if (auto* stack = t_pool_stack) {
+    for (auto it = stack->rbegin(); it != stack->rend(); ++it) {
+      if (it->first == device && it->second == pool) {
+        stack->erase(std::next(it).base());
+        if (stack->empty()) {
+          t_pool_stack = nullptr;
+        }
+        return;
+      }
     }
   }
   TORCH_CHECK(false, "supa_emu: pool (", pool.first, ", ", pool.second,
@@ -121,9 +135,11 @@ void end_allocate_to_pool(c10::DeviceIndex device, c10::MempoolId_t pool) {
 }
 
 c10::MempoolId_t allocation_pool(c10::DeviceIndex device) {
-  for (auto it = t_pool_stack.rbegin(); it != t_pool_stack.rend(); ++it) {
-    if (it->first == device) {
-      return it->second;
+  if (const auto* stack = t_pool_stack) {
+    for (auto it = stack->rbegin(); it != stack->rend(); ++it) {
+      if (it->first == device) {
+        return it->second;
+      }
     }
   }
   return capture_pool();

@@ -217,9 +217,13 @@ Stack memory_event_stack() {
   return gather_stack();
 }
 
+bool memory_events_wanted() {
+  return g_recording.load(std::memory_order_relaxed) || g_live_stacks.load(std::memory_order_relaxed);
+}
+
 void record_memory_event(const char* action, c10::DeviceIndex device, const void* ptr, size_t size,
                          const Stack& stack, size_t block_size, int64_t stream) {
-  if (!g_recording.load(std::memory_order_relaxed) && !g_live_stacks.load(std::memory_order_relaxed)) {
+  if (!memory_events_wanted()) {
     return;
   }
   const std::string name(action);

@@ -68,6 +68,9 @@ std::shared_ptr<torch::CapturedTraceback> memory_event_stack();
 void record_memory_event(const char* action, c10::DeviceIndex device, const void* ptr, size_t size,
                          const std::shared_ptr<torch::CapturedTraceback>& stack, size_t block_size = 0,
                          int64_t stream = 0);
+// Whether record_memory_event records anything now: a check for a caller that makes several events
+// (a free makes two), so that without history each costs nothing.
+bool memory_events_wanted();
 std::vector<MemoryEvent> memory_events();
 std::vector<MemoryAnnotation> memory_annotations();
 // The stack recorded when the live block at `ptr` was allocated, or null. A block keeps it until it

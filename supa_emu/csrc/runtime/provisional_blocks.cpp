@@ -27,6 +27,7 @@
 #include "provisional_blocks.h"
 
 #include "card_allocator.h"
+#include "light_mutex.h"
 #include "device_guard.h"
 #include "mem_pool.h"
 #include "memory_history.h"
@@ -85,7 +86,7 @@ class HostScratch {
  public:
   void* take(size_t size, Backing backing) {
     if (std::vector<void*>* kept = of_size(size)) {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<LightMutex> lock(mutex_);
       if (!kept->empty()) {
         void* ptr = kept->back();
         kept->pop_back();
@@ -96,7 +97,7 @@ class HostScratch {
   }
   void give(void* ptr, size_t size, Backing backing) {
     if (std::vector<void*>* kept = of_size(size)) {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<LightMutex> lock(mutex_);
       if (kept->size() < kKept) {
         kept->push_back(ptr);
         return;
@@ -112,7 +113,7 @@ class HostScratch {
   std::vector<void*>* of_size(size_t size) {
     return size <= kLargest && size % kMinBlockSize == 0 ? &kept_[size / kMinBlockSize - 1] : nullptr;
   }
-  std::mutex mutex_;
+  LightMutex mutex_;
   std::array<std::vector<void*>, kLargest / kMinBlockSize> kept_;
 };
 HostScratch g_host_scratch;
@@ -164,7 +165,9 @@ void* commit_block(void* ptr, c10::DeviceIndex device) {
     keep_displaced(displaced);
     throw;
   }
-  keep_displaced(displaced);
+  if (!displaced.empty()) {  // rarely: no call otherwise
+    keep_displaced(displaced);
+  }
   if (committed == nullptr) {  // not a provisional block of `device`
     return nullptr;
   }
@@ -174,7 +177,7 @@ void* commit_block(void* ptr, c10::DeviceIndex device) {
 
 void* CardAllocator::take_provisional(size_t nbytes, bool from_card, const PoolId& pool, c10::StreamId stream,
                                       uint64_t call) {
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<LightMutex> lock(mutex_);
   const size_t size = policy_.round_size(nbytes);
   if (from_card) {
     const Placement taken = card_.take_free(size, pool, policy_, stream);
@@ -205,7 +208,7 @@ void* CardAllocator::take_provisional(size_t nbytes, bool from_card, const PoolI
 
 void CardAllocator::drop_provisional(ProvisionalBlock* block, void* ptr) {
   if (block->taken != nullptr) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<LightMutex> lock(mutex_);
     forget_taken(block);
     give_back_taken(*block);
     delete_record(block);
@@ -217,13 +220,13 @@ void CardAllocator::drop_provisional(ProvisionalBlock* block, void* ptr) {
   }
 }
 
-ProvisionalBlock* CardAllocator::new_record(const ProvisionalBlock& like) {
+ProvisionalBlock* CardAllocator::new_record(ProvisionalBlock&& like) {
   if (spare_records_.empty()) {
-    return new ProvisionalBlock(like);
+    return new ProvisionalBlock(std::move(like));
   }
   ProvisionalBlock* record = spare_records_.back();
   spare_records_.pop_back();
-  *record = like;
+  *record = std::move(like);
   return record;
 }
 
@@ -307,7 +310,7 @@ void CardAllocator::take_again(const std::vector<SetAside>& set_aside, std::vect
 
 CardBlock* CardAllocator::commit(ProvisionalBlock* held, void* ptr, uint64_t call, const Stack& stack,
                                  std::vector<DisplacedBlock>& displaced) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<LightMutex> lock(mutex_);
   ProvisionalBlock* block = held;
   bool in_place = false;
   if (block == nullptr) {  // out of the table, and the card's block in its place when committed there

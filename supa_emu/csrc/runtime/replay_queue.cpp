@@ -57,7 +57,7 @@ void queue_replay(c10::DeviceIndex device, c10::StreamId stream, std::unique_ptr
 }
 
 void run_queued_replays() {
-  if (t_running_replays || !replays_pending()) {
+  if (!replays_pending() || t_running_replays) {  // the shared counter first: no thread-local look-up per call
     return;
   }
   std::lock_guard<std::mutex> run_lock(g_replay_run_mutex);
