@@ -312,3 +312,19 @@ def test_dumped_snapshot_opens_in_pytorch_memory_viz(tmp_path, memory_history):
         data, format_flamegraph=lambda lines: lines)
     assert "<html>" in _memory_viz.trace_plot(data).lower() or "html" in _memory_viz.trace_plot(data).lower()
     del keep
+
+
+def test_a_memory_profiling_profiler_sees_each_card_allocation_and_free_with_its_size():
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(256, device="supa")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y = x + x  # a 1 KiB result from the operator fallback's path (a provisional take, committed)
+        z = torch.empty(MiB, device="supa")
+        del z
+    by_operator = {e.key: e for e in prof.key_averages()}
+    assert by_operator["aten::add"].self_device_memory_usage == y.numel() * 4
+    assert by_operator["aten::empty"].self_device_memory_usage == MiB * 4
+    assert by_operator["aten::add"].cpu_memory_usage == 0  # card memory, not the host's
+    freed = [e.device_memory_usage for e in prof.events() if e.name == "[memory]"]
+    assert freed == [-MiB * 4]
