@@ -120,15 +120,10 @@ class SharedMemoryBoard:
         """Returns the board word at `index` (which `rank` writes) once `ready(word)` holds, waiting
         at most `timeout` (the group's timeout when None)."""
         w = self._words
-        observed = w[index]
-        if ready(observed):
-            return observed
         for _ in range(64):  # a peer already at the collective arrives within microseconds
-            # `ready` only when the word changed: the spin itself makes no Python call.
-            if w[index] != observed:
-                observed = w[index]
-                if ready(observed):
-                    return observed
+            observed = w[index]
+            if ready(observed):
+                return observed
         # Otherwise it is still computing, often on the core this rank would spin on: sleep in
         # the kernel until its write wakes this rank (see _publish), checking now and then that
         # it is still alive and that the timeout has not passed.
