@@ -18,6 +18,13 @@ adds a third side: the emulated supa job run from another checkout of this proje
 accelerator and op builders, and the native core built from its sources), in the same rotation,
 with the columns base and supa/base: two commits side by side in one run. Each job reports which
 checkout it ran, and the driver refuses a mix-up.
+
+    python bench/deepspeed_step.py --count-calls [--against ../base]
+
+counts instead of timing: one job per side, in which rank 0 counts the Python function calls of
+each measured step on its calling thread (sys.setprofile): in all, in supa_emu, and in
+supa_emu/distributed (bccl). Unlike step times, the counts barely depend on the machine's load
+(a wait that spins longer adds a few).
 """
 
 from __future__ import annotations
@@ -80,24 +87,48 @@ def _worker(args) -> None:
         x = torch.randn(args.batch, args.width, generator=generator).to(device, torch.bfloat16)
         y = torch.randn(args.batch, args.width, generator=generator).to(device, torch.bfloat16)
         seconds = []
-        for _ in range(args.warmup + args.steps):
+        counter = _CallCounter() if args.count_calls else None
+        for step in range(args.warmup + args.steps):
             accelerator.synchronize()
+            if counter is not None and step == args.warmup:
+                sys.setprofile(counter)
             start = time.perf_counter()
             loss = torch.nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
             accelerator.synchronize()
             seconds.append(time.perf_counter() - start)
+        sys.setprofile(None)
         measured = seconds[args.warmup:]
         if rank == 0:
+            calls = None if counter is None else {where: count / args.steps for where, count in counter.counts.items()}
             print(MARK + json.dumps({"stage": stage, "median_s": statistics.median(measured),
                                      "accelerator": accelerator.device_name(),
                                      "checkout": _checkout_of(type(accelerator)),
                                      "backend": accelerator.communication_backend_name(),
-                                     "loss": float(loss)}), flush=True)
+                                     "loss": float(loss), "calls": calls}), flush=True)
         engine.destroy()
         del engine, model
     torch.distributed.destroy_process_group()
+
+
+class _CallCounter:
+    """sys.setprofile's function: counts Python function calls, in all and in supa_emu's files."""
+
+    def __init__(self):
+        checkout = running_checkout()
+        self._package = os.path.join(checkout, "supa_emu", "") if checkout else None
+        self._bccl = os.path.join(checkout, "supa_emu", "distributed", "") if checkout else None
+        self.counts = {"all": 0, "supa_emu": 0, "bccl": 0}
+
+    def __call__(self, frame, event, arg):
+        if event != "call":
+            return
+        self.counts["all"] += 1
+        if self._package is not None and frame.f_code.co_filename.startswith(self._package):
+            self.counts["supa_emu"] += 1
+            if frame.f_code.co_filename.startswith(self._bccl):
+                self.counts["bccl"] += 1
 
 
 def _checkout_of(accelerator_class) -> str | None:
@@ -130,6 +161,8 @@ def _side_env(side: str, against: pathlib.Path | None) -> dict:
         env["DS_ACCELERATOR"] = "supa"
     if side == "base":
         env = checkout_env(env, against)
+    elif side == "supa" and running_checkout() != str(ROOT):
+        env = checkout_env(env, ROOT)  # run from a checkout the editable install does not point at
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -144,6 +177,8 @@ def _run_job(side: str, args) -> dict[int, float]:
                str(pathlib.Path(__file__).resolve()), "--worker",
                "--stages", *map(str, args.stages), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch)]
+    if args.count_calls:
+        command.append("--count-calls")
     result = subprocess.run(command, cwd=ROOT, env=_side_env(side, args.against), capture_output=True, text=True,
                             timeout=JOB_TIMEOUT_S)
     rows = [json.loads(line[len(MARK):]) for line in result.stdout.splitlines() if line.startswith(MARK)]
@@ -164,7 +199,21 @@ def _run_job(side: str, args) -> dict[int, float]:
         if row["checkout"] != _expected_checkout(side, args.against):
             raise SystemExit(f"the {side} job ran the checkout {row['checkout']}, "
                              f"not {_expected_checkout(side, args.against)}")
+    if args.count_calls:
+        return {row["stage"]: row["calls"] for row in rows}
     return {row["stage"]: row["median_s"] for row in rows}
+
+
+def _print_calls(args, sides) -> None:
+    """--count-calls: one job per side, Python calls per step on rank 0's calling thread."""
+    calls = {side: _run_job(side, args) for side in sides}
+    print(f"Python function calls per step, rank 0's calling thread, mean of {args.steps} steps after "
+          f"{args.warmup} (bccl: supa_emu/distributed)")
+    print(f"{'ZeRO stage':<12}{'side':<6}{'all':>10}{'supa_emu':>10}{'bccl':>8}")
+    for stage in args.stages:
+        for side in sides:
+            counts = calls[side][stage]
+            print(f"{stage:<12}{side:<6}{counts['all']:>10.1f}{counts['supa_emu']:>10.1f}{counts['bccl']:>8.1f}")
 
 
 def main() -> None:
@@ -178,6 +227,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="micro batch per rank")
     parser.add_argument("--against", type=pathlib.Path, metavar="CHECKOUT",
                         help="another checkout of this project: its emulated job as a third side")
+    parser.add_argument("--count-calls", action="store_true",
+                        help="count Python calls per step (one job per side) instead of timing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -185,11 +236,15 @@ def main() -> None:
         return
     args.against = checkout_argument(parser, args.against)
     sides = ("cpu", "supa") + (("base",) if args.against else ())
-    print(f"{WORLD} ranks, {args.layers}x{args.width} MLP, bf16, Adam, micro batch {args.batch}; "
-          f"median of {args.steps} steps after {args.warmup}, {args.rounds} rounds per side")
+    print(f"{WORLD} ranks, {args.layers}x{args.width} MLP, bf16, Adam, micro batch {args.batch}" +
+          ("" if args.count_calls else
+           f"; median of {args.steps} steps after {args.warmup}, {args.rounds} rounds per side"))
     if args.against:
         print(f"supa: {ROOT} ({commit(ROOT)}); base: {args.against} ({commit(args.against)})")
     print(f"at start: {load()}")
+    if args.count_calls:
+        _print_calls(args, sides)
+        return
     times = {side: {s: [] for s in args.stages} for side in sides}
     for round_index in range(args.rounds):
         shift = round_index % len(sides)  # each side goes first in turn: a load drift hits all alike

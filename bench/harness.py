@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import tempfile
+import zlib
 
 
 def load() -> str:
@@ -43,7 +44,8 @@ def checkout_argument(parser: argparse.ArgumentParser, value: pathlib.Path | Non
 def checkout_env(env: dict, checkout: pathlib.Path) -> dict:
     """`env` with `checkout`'s supa_emu first on the path, and its accelerator/ and op_builder/
     under the names they install as (this checkout's editable install maps those names here)."""
-    shim = pathlib.Path(tempfile.gettempdir()) / f"supa_emu_bench_checkout_{os.getpid()}"
+    # One shim per checkout: a driver may run two checkouts that are not the installed one.
+    shim = pathlib.Path(tempfile.gettempdir()) / f"supa_emu_bench_checkout_{os.getpid()}_{zlib.crc32(bytes(checkout))}"
     package = shim / "supa_deepspeed"
     if not package.exists():
         package.mkdir(parents=True)

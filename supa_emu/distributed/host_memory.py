@@ -93,8 +93,11 @@ class HostCall:
         self._fixups.append(fixup)
 
     def epilogue(self) -> Optional[Callable[[], None]]:
-        if not self._fixups and not self._writebacks:
-            return None
+        if not self._writebacks:
+            if not self._fixups:
+                return None
+            if len(self._fixups) == 1:
+                return self._fixups[0]  # the common composed reduction: no wrapper to call
         fixups, writebacks = self._fixups, self._writebacks
 
         def run():

@@ -162,7 +162,7 @@ class ProcessGroupBCCL(FixedIdentity, C10dBackend, dist.ProcessGroup):
         return self._issue(call, self._transport.reduce_scatter(call))
 
     def reduce_scatter_single(self, output, input, opts=None):
-        call = collective.reduce_scatter_tensor(self.kind, [output], [input], opts, self.size())
+        call = collective.reduce_scatter_tensor(self.kind, [output], [input], opts, self._size)
         return self._issue(call, self._transport.reduce_scatter_tensor(call))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -184,7 +184,7 @@ class ProcessGroupBCCL(FixedIdentity, C10dBackend, dist.ProcessGroup):
         return self._issue(call, self._transport.all_gather(call))
 
     def all_gather_single(self, output, input, opts=None):
-        call = collective.all_gather_into_tensor(self.kind, [output], [input], opts, self.size())
+        call = collective.all_gather_into_tensor(self.kind, [output], [input], opts, self._size)
         return self._issue(call, self._transport.all_gather_into_tensor(call))
 
     _allgather_base = all_gather_single

@@ -138,7 +138,8 @@ class BCCLWork(dist.Work):
     # ---- c10d's Work -----------------------------------------------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self._waited = True  # an orphan stays adopted: a C++ holder may ask for the future next
-        self._tell_waiters()
+        if self._waiters:
+            self._tell_waiters()
         if self._done and self._error is not None:
             raise self._error
         # A positive timeout bounds this call's waits, as NCCL's wait(timeout) does; zero means the group's.

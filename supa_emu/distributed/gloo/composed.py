@@ -23,7 +23,7 @@ the last bit.
 """
 
 import datetime
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -82,14 +82,25 @@ def _fold_in_rank_order(out: torch.Tensor, contributions: List[torch.Tensor], ki
         out.div_(len(contributions), rounding_mode=None if floating else "trunc")
 
 
+# gloo reads an options object when an operation starts and keeps none: one per timeout serves
+# every call (a training job uses one or two timeouts).
+_ALL_TO_ALL_OPTIONS: Dict[datetime.timedelta, dist.AllToAllOptions] = {}
+
+
 def _all_to_all_options(timeout: datetime.timedelta) -> dist.AllToAllOptions:
-    options = dist.AllToAllOptions()
-    options.timeout = timeout
+    options = _ALL_TO_ALL_OPTIONS.get(timeout)
+    if options is None:
+        options = dist.AllToAllOptions()
+        options.timeout = timeout
+        if len(_ALL_TO_ALL_OPTIONS) < 64:
+            _ALL_TO_ALL_OPTIONS[timeout] = options
     return options
 
 
 def exchange_splits(rank: int, size: int, numel: int) -> List[int]:
-    return [0 if peer == rank else numel for peer in range(size)]
+    splits = [numel] * size
+    splits[rank] = 0
+    return splits
 
 
 def all_reduce(gloo, buffer: torch.Tensor, kind: _RedOp, call: HostCall, timeout: datetime.timedelta) -> dist.Work:

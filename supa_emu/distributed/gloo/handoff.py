@@ -44,7 +44,8 @@ def hold(works: Iterable[dist.Work]) -> None:
         if not _exit_hook_installed:
             atexit.register(_release_all_at_exit)
             _exit_hook_installed = True
-        _release_finished()
+        if _held:  # usually empty: waited works were released at their wait
+            _release_finished()
         _held.extend(works)
 
 
@@ -87,12 +88,13 @@ def release_now(works: Iterable[dist.Work]) -> None:
             if use_count(work) == 1:
                 _held.remove(work)
                 _companions.pop(id(work), None)
-        _release_finished()
+        if _held:
+            _release_finished(use_count)
 
 
-def _release_finished() -> None:
+def _release_finished(use_count=None) -> None:
     # gloo finishes works roughly in order: usually only the oldest need looking at.
-    use_count = process_state.core()._work_use_count
+    use_count = use_count or process_state.core()._work_use_count
     while _held and use_count(_held[0]) == 1:
         _companions.pop(id(_held.popleft()), None)
     if len(_held) >= _FULL_SCAN_AT:

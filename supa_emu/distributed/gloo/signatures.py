@@ -61,7 +61,8 @@ def make(
     shape_digest: int = 0,
     extra: Sequence[int] = (),
 ) -> List[int]:
-    return [_OPCODE[operation], dtype_code(dtype), reduce_op, root, numel_in, numel_out, shape_digest, 0, *extra]
+    code = _DTYPE_CODE.get(dtype)  # dtype_code(dtype) for the common dtypes, without the call
+    return [_OPCODE[operation], code if code is not None else dtype_code(dtype), reduce_op, root, numel_in, numel_out, shape_digest, 0, *extra]
 
 
 def decode(words: Sequence[int]):
@@ -182,7 +183,8 @@ class Agreement:
     def _post(self, signature: List[int], receive_counts: Sequence[int], early: bool, launcher=None, operands=()):
         board = self._exchange
         with self._lock:
-            self._settle_posted()
+            if self._unsettled:  # usually empty: the works were waited for
+                self._settle_posted()
             while self._unsettled and self._unsettled[0].sequence <= board.sequence + 1 - RING:
                 self._settle(self._unsettled[0])  # frees the ring slot this collective will use
             k, status, work = board.post(signature, _HEAD if early else 0, launcher, operands)
@@ -214,7 +216,9 @@ class Agreement:
             return self._closed
         with self._lock:
             while not ticket.settled:
-                self._settle(self._unsettled[0], timeout)
+                oldest = self._unsettled[0]
+                if not self._settle_if_posted(oldest):  # as _settle, one call less on every wait
+                    self._settle_waiting(oldest, timeout)
         return ticket.error
 
     def settled_error(self, ticket: Optional[Ticket]):

@@ -56,13 +56,14 @@ def _options(operation: str, call: Collective, gloo_kind: _RedOp) -> object:
 
 
 def _numel(tensors) -> List[int]:
-    return [t.numel() for t in tensors]
+    return list(map(torch.Tensor.numel, tensors))  # no comprehension: one Python call, not two
 
 
 def _gather_signature(call: Collective) -> List[int]:
     sizes_in = _numel(call.inputs)
     return signatures.make(call.op, call.inputs[0].dtype if call.inputs else None, numel_in=sum(sizes_in),
-                           numel_out=sum(_numel(call.outputs)), shape_digest=signatures.digest(sizes_in))
+                           numel_out=sum(map(torch.Tensor.numel, call.outputs)),
+                           shape_digest=signatures.digest(sizes_in))
 
 
 def _contribution(call: Collective, view: torch.Tensor, in_place: bool) -> torch.Tensor:
@@ -108,7 +109,9 @@ class GlooTransport(Transport):
         ticket = self._agreement.agree(
             signatures.make("all_reduce", tensor.dtype, int(kind), numel_in=tensor.numel()), early=True)
         host = HostCall()
-        view = _contribution(call, host.elementwise_view(tensor), in_place=True)
+        view = host.elementwise_view(tensor)
+        if kind == _RedOp.PREMUL_SUM:
+            view = _contribution(call, view, in_place=True)
         if composed.all_reduce_exchanges(kind, tensor.dtype, tensor.numel(), self._size):
             part = composed.all_reduce(self._gloo, host_memory.flat(view), kind, host, call.options.timeout)
         else:
@@ -160,14 +163,17 @@ class GlooTransport(Transport):
         outputs, inputs, kind = call.outputs, call.inputs, call.kind
         host = HostCall()
         views = [host.pair_views(output, input, self._size, gather=False) for output, input in zip(outputs, inputs)]
+        sizes_out = _numel(outputs)
         ticket = self._agreement.agree(
             signatures.make(
-                call.op, outputs[0].dtype if outputs else None, int(kind), numel_in=sum(_numel(inputs)),
-                numel_out=sum(_numel(outputs)), shape_digest=signatures.digest(_numel(outputs))),
+                call.op, outputs[0].dtype if outputs else None, int(kind),
+                numel_in=sum(map(torch.Tensor.numel, inputs)), numel_out=sum(sizes_out),
+                shape_digest=signatures.digest(sizes_out)),
             early=call.op == "reduce_scatter_tensor")
         parts = []
         for output, (out_view, in_view) in zip(outputs, views):
-            in_view = _contribution(call, in_view, in_place=False)
+            if kind == _RedOp.PREMUL_SUM:
+                in_view = _contribution(call, in_view, in_place=False)
             if composed.reduces_locally(kind, output.dtype):
                 parts.append(composed.reduce_scatter(self._gloo, out_view, in_view, kind, host, call.options.timeout))
                 continue
