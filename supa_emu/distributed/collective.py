@@ -264,7 +264,7 @@ PREMUL_FACTOR_DTYPES = {
 def check_reduction(group_kind, op, dtype: torch.dtype) -> _RedOp:
     """The kind of reduction `op` (a ReduceOp or RedOpType) names, checked for inputs of `dtype`;
     a PREMUL_SUM's factor is checked too (premul_factor)."""
-    kind = op if isinstance(op, _RedOp) else op.op  # reduce_kind(op), on every reduction
+    kind = reduce_kind(op)
     if kind == _RedOp.PREMUL_SUM:
         if dtype not in PREMUL_FACTOR_DTYPES:
             raise TypeError(

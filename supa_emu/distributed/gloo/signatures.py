@@ -61,8 +61,7 @@ def make(
     shape_digest: int = 0,
     extra: Sequence[int] = (),
 ) -> List[int]:
-    code = _DTYPE_CODE.get(dtype)  # dtype_code(dtype) for the common dtypes, without the call
-    return [_OPCODE[operation], code if code is not None else dtype_code(dtype), reduce_op, root, numel_in, numel_out, shape_digest, 0, *extra]
+    return [_OPCODE[operation], dtype_code(dtype), reduce_op, root, numel_in, numel_out, shape_digest, 0, *extra]
 
 
 def decode(words: Sequence[int]):
@@ -216,9 +215,7 @@ class Agreement:
             return self._closed
         with self._lock:
             while not ticket.settled:
-                oldest = self._unsettled[0]
-                if not self._settle_if_posted(oldest):  # as _settle, one call less on every wait
-                    self._settle_waiting(oldest, timeout)
+                self._settle(self._unsettled[0], timeout)
         return ticket.error
 
     def settled_error(self, ticket: Optional[Ticket]):
